@@ -1,0 +1,58 @@
+"""The offcore error hierarchy.
+
+Every error offcore raises on purpose derives from :class:`OffcoreError`, and every
+message says what was wrong and how to fix it::
+
+    >>> import offcore
+    >>> try:
+    ...     offcore.parse_size("-1")
+    ... except offcore.OffcoreError as exc:
+    ...     print(type(exc).__name__)
+    ConfigurationError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OffcoreError",
+    "ConfigurationError",
+    "BackendUnavailableError",
+    "CapacityExceededError",
+    "IllegalTransitionError",
+    "SavedTensorModifiedError",
+]
+
+
+class OffcoreError(Exception):
+    """Base class of every error offcore raises deliberately."""
+
+
+class ConfigurationError(OffcoreError, ValueError):
+    """An argument or setting is malformed or out of range (a size of ``-1``, an unknown policy)."""
+
+
+class BackendUnavailableError(OffcoreError, RuntimeError):
+    """The requested backend is not installed, or is installed but cannot run here.
+
+    The message carries the backend's own reason (no CUDA device, CANN missing, ...).
+    """
+
+
+class CapacityExceededError(OffcoreError, MemoryError):
+    """A tier (device, pinned host, pageable host, NVMe) has no room for a request within its budget."""
+
+
+class IllegalTransitionError(OffcoreError, RuntimeError):
+    """A managed object was asked to move to a state it cannot reach from where it is.
+
+    The most important case: freeing an object's device copy before its
+    device-to-host copy has completed.
+    """
+
+
+class SavedTensorModifiedError(OffcoreError, RuntimeError):
+    """A tensor saved for backward was modified in place between forward and backward.
+
+    Autograd's own check is disabled under saved-tensor hooks, so offcore checks the
+    version counter itself when backward unpacks the tensor.
+    """

@@ -1,0 +1,81 @@
+"""What offcore moves (object kinds) and where it can put it (tiers).
+
+    >>> from offcore.kinds import Kind, Tier, TierSpec
+    >>> TierSpec(Tier.PINNED, capacity="8GiB", bandwidth="25GB/s").capacity
+    8589934592
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from offcore.units import format_bandwidth, format_bytes, parse_bandwidth, parse_size
+
+__all__ = ["Kind", "Tier", "TierSpec", "Direction"]
+
+
+class Kind(str, enum.Enum):
+    """The four kinds of training state, each next used at a different moment."""
+
+    ACTIVATION = "activation"
+    """Saved for backward: needed between its forward op and the matching backward op."""
+    PARAMETER = "parameter"
+    """Needed by its module's forward and backward; backward must see the version forward used."""
+    GRADIENT = "gradient"
+    """Produced by backward, consumed by reduction, accumulation and the optimizer."""
+    OPTIMIZER_STATE = "optimizer_state"
+    """Needed when its parameter is updated; may stay on the host (CPU optimizer)."""
+
+
+class Tier(str, enum.Enum):
+    """Residency tiers, fastest first."""
+
+    DEVICE = "device"
+    PINNED = "pinned"
+    PAGEABLE = "pageable"
+    NVME = "nvme"
+
+    @property
+    def is_host(self) -> bool:
+        return self in (Tier.PINNED, Tier.PAGEABLE)
+
+
+class Direction(str, enum.Enum):
+    """Copy directions, as the ledger and the trace name them."""
+
+    D2H = "d2h"
+    H2D = "h2d"
+    H2H = "h2h"
+    D2D = "d2d"
+
+    @staticmethod
+    def between(src: Tier, dst: Tier) -> Direction:
+        if src is Tier.DEVICE and dst is Tier.DEVICE:
+            return Direction.D2D
+        if src is Tier.DEVICE:
+            return Direction.D2H
+        if dst is Tier.DEVICE:
+            return Direction.H2D
+        return Direction.H2H
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier with its byte budget and the bandwidth of copies to and from the device.
+
+    ``capacity`` and ``bandwidth`` take bytes (per second) or strings (``"8GiB"``, ``"25GB/s"``).
+    """
+
+    tier: Tier
+    capacity: int = field(default=0)
+    bandwidth: float = field(default=math.inf)
+
+    def __init__(self, tier: Tier, capacity: int | str, bandwidth: float | str = math.inf) -> None:
+        object.__setattr__(self, "tier", Tier(tier))
+        object.__setattr__(self, "capacity", parse_size(capacity, what=f"{Tier(tier).value} capacity"))
+        object.__setattr__(self, "bandwidth", parse_bandwidth(bandwidth, what=f"{Tier(tier).value} bandwidth"))
+
+    def __str__(self) -> str:
+        return f"{self.tier.value}: {format_bytes(self.capacity)} at {format_bandwidth(self.bandwidth)}"

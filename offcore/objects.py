@@ -1,0 +1,149 @@
+"""Managed objects and the state machine that guards their moves.
+
+# Note [When may a device copy be freed?]
+# A device copy may be dropped only once (1) the device-to-host copy that duplicates
+# it has *completed* (its event queried true on the copy stream, not merely been
+# enqueued), and (2) nobody else holds the storage: dropping offcore's reference to
+# a storage another tensor still references frees nothing, so the ledger must not
+# count it. (1) is enforced here: ``ManagedObject.release_device_copy`` raises
+# IllegalTransitionError while the D2H event is pending. (2) is the binding's job
+# (offcore_torch counts a storage as freed only when its weakref dies). The same rule
+# holds in reverse for host buffers: a host buffer returns to its pool only after the
+# host-to-device copy reading it has completed.
+
+    >>> obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=1024)
+    >>> obj.state
+    <State.RESIDENT: 'resident'>
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from offcore.errors import IllegalTransitionError
+from offcore.kinds import Kind, Tier
+
+__all__ = ["State", "ManagedObject", "TRANSITIONS"]
+
+_ids = itertools.count()
+
+
+class State(str, enum.Enum):
+    RESIDENT = "resident"
+    """Only a device copy exists."""
+    OFFLOADING = "offloading"
+    """A device-to-host copy is in flight: both copies are held."""
+    OFFLOADED = "offloaded"
+    """Only the host copy exists; the device copy has been released."""
+    PREFETCHING = "prefetching"
+    """A host-to-device copy is in flight: both copies are held."""
+    RESTORED = "restored"
+    """The device copy is back; the host copy may be returned to its pool."""
+    RELEASED = "released"
+    """Neither copy is held any more (consumed or abandoned)."""
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.RESIDENT: frozenset({State.OFFLOADING, State.RELEASED}),
+    State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
+    State.OFFLOADED: frozenset({State.PREFETCHING, State.RELEASED}),
+    State.PREFETCHING: frozenset({State.RESTORED, State.RELEASED}),
+    State.RESTORED: frozenset({State.RELEASED, State.OFFLOADING}),
+    State.RELEASED: frozenset(),
+}
+
+
+class _Pending:
+    """Anything with ``query() -> bool`` (an Event)."""
+
+    def query(self) -> bool:  # pragma: no cover - protocol only
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class ManagedObject:
+    """One unit of training state that offcore moves between tiers.
+
+    ``version`` is the framework's version counter when the object was captured;
+    ``next_use`` the estimated time (seconds from step start) it is needed on the
+    device again. Events are whatever the backend returns (``query()`` is all that is
+    used here).
+    """
+
+    kind: Kind
+    nbytes: int
+    tier: Tier = Tier.DEVICE
+    state: State = State.RESIDENT
+    version: int = 0
+    next_use: float | None = None
+    name: str = ""
+    id: int = field(default_factory=lambda: next(_ids))
+    d2h_event: Any = None
+    h2d_event: Any = None
+    host_tier: Tier | None = None
+
+    def _move(self, new: State) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransitionError(
+                f"object {self.describe()} cannot go from {self.state.value} to {new.value}; "
+                f"allowed next states: {sorted(s.value for s in TRANSITIONS[self.state]) or 'none'}"
+            )
+        self.state = new
+
+    def describe(self) -> str:
+        label = f" {self.name!r}" if self.name else ""
+        return f"#{self.id}{label} ({self.kind.value}, {self.nbytes} bytes)"
+
+    def start_offload(self, event: Any, host_tier: Tier = Tier.PINNED) -> None:
+        """A D2H copy was enqueued; ``event`` completes when it lands."""
+        self._move(State.OFFLOADING)
+        self.d2h_event = event
+        self.host_tier = host_tier
+
+    def release_device_copy(self) -> None:
+        """Drop the device copy. Refused while the D2H copy is still in flight (see the Note above)."""
+        if self.state is not State.OFFLOADING:
+            self._move(State.OFFLOADED)  # raises with the allowed states
+        if self.d2h_event is None or not self.d2h_event.query():
+            raise IllegalTransitionError(
+                f"refusing to free the device copy of {self.describe()}: its device-to-host copy has not "
+                "completed. Wait for (or synchronize) the copy's event before releasing the device copy."
+            )
+        self._move(State.OFFLOADED)
+        self.tier = self.host_tier or Tier.PINNED
+
+    def cancel_offload(self) -> None:
+        """Keep the device copy after all (e.g. the host pool refused); the host copy is dropped."""
+        self._move(State.RESIDENT)
+        self.d2h_event = None
+        self.host_tier = None
+
+    def start_prefetch(self, event: Any) -> None:
+        self._move(State.PREFETCHING)
+        self.h2d_event = event
+
+    def finish_prefetch(self, *, stream_waited: bool = False) -> None:
+        """The device copy is usable.
+
+        Refused while the H2D copy is in flight, unless the caller made the consuming
+        stream wait on the copy's event (``stream_waited=True``): then later work on
+        that stream is ordered after the copy even though the host has not seen it land.
+        """
+        if (
+            self.state is State.PREFETCHING
+            and not stream_waited
+            and (self.h2d_event is None or not self.h2d_event.query())
+        ):
+            raise IllegalTransitionError(
+                f"{self.describe()} is not on the device yet: wait for its host-to-device copy's event "
+                "on the consuming stream before using it."
+            )
+        self._move(State.RESTORED)
+        self.tier = Tier.DEVICE
+
+    def release(self) -> None:
+        """Drop every copy (consumed by backward, or the step was abandoned)."""
+        self._move(State.RELEASED)
