@@ -1,0 +1,47 @@
+"""Devices for the PyTorch tests: fake devices with emulated links, built from the ``backend`` fixture.
+
+The tests run on every backend the ``backend`` fixture (plugin ``pytest_offcore``)
+yields. On the CPU fake device they also vary the emulated link (bandwidth and
+latency) and turn the sanitizer on; on real accelerators the link is the hardware's,
+so the emulated variants skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import offcore  # noqa: E402
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # bit-identical cuBLAS runs on CUDA
+
+LINKS: dict[str, dict[str, Any]] = {
+    # copies take no emulated time: what is left is the plugin's own machinery
+    "unlimited": {"h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0},
+    # slow enough that copies are still in flight when the next op runs
+    "slow": {"h2d_bandwidth": "1GiB/s", "d2h_bandwidth": "1GiB/s", "latency": "100us"},
+}
+
+
+def is_fake_device(backend: Any) -> bool:
+    """True for the CPU fake device, whose capacity and link can be chosen per test."""
+    return getattr(backend, "name", None) == "cpu"
+
+
+def fake_device(*, capacity: int | str = "4GiB", link: str = "unlimited", sanitize: bool = True, **options: Any) -> Any:
+    """A CPU fake device with the sanitizer on and one of the :data:`LINKS`."""
+    return offcore.device("cpu", capacity=capacity, sanitize=sanitize, **LINKS[link], **options)
+
+
+def device_with_link(backend: Any, link: str) -> Any:
+    """``backend`` itself on real hardware (only the 'unlimited' slot runs there); on the fake
+    device a fresh sanitized fake device with the requested emulated link."""
+    if is_fake_device(backend):
+        return fake_device(link=link)
+    if link != "unlimited":
+        pytest.skip(f"emulated link {link!r} exists only on the fake device; {backend.name} uses its own hardware link")
+    return backend
