@@ -1,0 +1,574 @@
+"""One device adapter for every torch accelerator module (``torch.cuda``, ``torch.npu``).
+
+The CUDA and Ascend NPU backends (``offcore_cuda``, ``offcore_npu``) differ only in
+which torch device module they drive, how they say whether it can run here, and a
+few hardware details (how host memory is pinned, NPU private formats). Everything
+else -- streams, events, the budgeted pinned pool, copies with explicit events,
+memory statistics -- lives once, here, in :class:`TorchAcceleratorDevice`,
+parametrised by the device module. Backends subclass it; they never import each
+other (layering: ``backends/* -> offcore_torch.accelerator -> offcore``).
+
+This module imports torch only when a device is used, never at import time, so a
+backend whose torch is missing or broken still imports and reports why.
+
+    >>> import offcore
+    >>> dev = offcore.device("cuda:0", host_budget="8GiB")        # doctest: +SKIP
+    >>> copy_stream = dev.new_stream()                              # doctest: +SKIP
+    >>> host = dev.allocate(x.nbytes, offcore.Tier.PINNED)          # doctest: +SKIP
+    >>> done = dev.copy_(host, x, stream=copy_stream)               # doctest: +SKIP
+    >>> done.synchronize()                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from offcore.errors import BackendUnavailableError, CapacityExceededError, ConfigurationError
+from offcore.kinds import Tier
+from offcore.pool import HostBuffer, HostBufferPool
+from offcore.protocols import Availability, Capability, MemoryStats
+from offcore.units import format_bytes, parse_size
+
+__all__ = [
+    "AcceleratorOptions",
+    "TorchAcceleratorDevice",
+    "import_torch",
+    "tensor_over",
+    "default_host_budget",
+]
+
+_DEFAULT_HOST_BUDGET_CAP = 8 * 1024**3
+
+
+def import_torch() -> tuple[Any, str]:
+    """``(torch, "")`` or ``(None, reason)``; never raises.
+
+    ``import torch`` can fail with any exception, not only ImportError: torch's
+    device-backend autoload imports every installed extension (torch_npu among
+    them) and re-raises their failures as RuntimeError.
+    """
+    try:
+        import torch
+    except Exception as exc:
+        hint = ""
+        if "TORCH_DEVICE_BACKEND_AUTOLOAD" in str(exc) or "backend extension" in str(exc):
+            hint = (
+                " A torch device extension failed to load; on a machine without that device set "
+                "TORCH_DEVICE_BACKEND_AUTOLOAD=0 (see docs/backends.md)."
+            )
+        return None, f"torch cannot be imported ({type(exc).__name__}: {exc}).{hint}"
+    return torch, ""
+
+
+def default_host_budget() -> int:
+    """The default pinned-memory budget: a quarter of physical memory, at most 8 GiB."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _DEFAULT_HOST_BUDGET_CAP
+    return max(64 * 1024**2, min(_DEFAULT_HOST_BUDGET_CAP, physical // 4))
+
+
+# Note [Pinned buffers live as long as their storage]
+# A buffer handed out by ``allocate(nbytes, Tier.PINNED)`` is a slice of a big pinned
+# block. It must return to the pool when the *last* tensor using its memory dies --
+# a typed view made from it (``buf.view(torch.float32)``) may outlive the raw buffer.
+# A weakref on the returned tensor object would fire too early, so ``tensor_over``
+# wraps the slice in a tensor with its *own* storage (``torch.from_numpy`` over an
+# ``__array_interface__`` holder): the holder lives exactly as long as that storage,
+# and its finalizer releases the slice. The same mechanism unregisters CUDA
+# host-registered blocks (offcore_cuda) only after every view of them is gone.
+# Buffers used by an in-flight copy must still be kept alive by the caller until the
+# copy's event completed (see Note [When may a device copy be freed?] in offcore/objects.py).
+
+
+class _AddressSpan:
+    """An ``__array_interface__`` over raw memory; its lifetime is the wrapping storage's."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def _run_quietly(callback: Callable[[], None], _keepalive: Any) -> None:
+    try:
+        callback()
+    except Exception:  # a finalizer must never raise (it may run in an allocator thread)
+        pass
+
+
+def tensor_over(address: int, nbytes: int, *, on_free: Callable[[], None], keepalive: Any = None) -> Any:
+    """A 1-D ``uint8`` CPU tensor over ``nbytes`` at ``address`` with its own storage.
+
+    ``on_free`` runs once that storage (and so every view of the tensor) is gone;
+    ``keepalive`` stays referenced until then. See Note [Pinned buffers live as long
+    as their storage].
+
+        >>> import torch
+        >>> backing = torch.zeros(64, dtype=torch.uint8)
+        >>> freed = []
+        >>> t = tensor_over(backing.data_ptr() + 8, 16, on_free=lambda: freed.append(1), keepalive=backing)
+        >>> t[:] = 7
+        >>> int(backing[8]), freed
+        (7, [])
+        >>> del t; freed
+        [1]
+    """
+    import numpy as np
+    import torch
+
+    span = _AddressSpan(address, nbytes)
+    finalizer = weakref.finalize(span, _run_quietly, on_free, keepalive)
+    finalizer.atexit = False  # at interpreter exit the runtime may already be torn down
+    return torch.from_numpy(np.asarray(span))
+
+
+@dataclass(frozen=True)
+class AcceleratorOptions:
+    """The checked keyword options of a torch accelerator device.
+
+    ``host_budget``: bytes of pinned host memory the device's own pool may hold
+    (``allocate(..., Tier.PINNED)`` and staging of pageable copies).
+    ``block_size``: size of the pinned blocks that pool carves exact-size buffers from.
+    ``capacity``: cap device memory below the hardware total; enforced with the
+    device module's ``set_per_process_memory_fraction`` so exceeding it raises
+    ``torch.OutOfMemoryError``, as on the fake device. ``None``: the whole device.
+    ``stage_pageable``: copy a pageable host side through a pinned staging buffer.
+    """
+
+    host_budget: int
+    block_size: int
+    capacity: int | None
+    stage_pageable: bool
+
+    KNOWN: ClassVar[tuple[str, ...]] = ("host_budget", "block_size", "capacity", "stage_pageable")
+
+    @classmethod
+    def parse(
+        cls,
+        backend: str,
+        *,
+        host_budget: int | str | None = None,
+        block_size: int | str = "64MiB",
+        capacity: int | str | None = None,
+        stage_pageable: bool = True,
+        extra_known: tuple[str, ...] = (),
+        **unknown: Any,
+    ) -> AcceleratorOptions:
+        """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
+        if unknown:
+            known = ", ".join((*cls.KNOWN, *extra_known))
+            hint = ""
+            fake_only = {"h2d_bandwidth", "d2h_bandwidth", "latency", "duplex", "sanitize", "jitter", "buffers", "seed"}
+            if fake_only & set(unknown):
+                hint = " (bandwidth, latency and sanitizer settings belong to the cpu fake device; a real device is measured)"
+            raise ConfigurationError(
+                f"unknown option(s) {sorted(unknown)} for the {backend} backend{hint}; known: {known}"
+            )
+        if not isinstance(stage_pageable, bool):
+            raise ConfigurationError(f"stage_pageable must be True or False, got {stage_pageable!r}")
+        budget = default_host_budget() if host_budget is None else parse_size(host_budget, what="host_budget")
+        block = parse_size(block_size, what="block_size")
+        cap = None if capacity is None else parse_size(capacity, what="capacity")
+        return cls(host_budget=budget, block_size=block, capacity=cap, stage_pageable=stage_pageable)
+
+
+def check_index(backend: str, index: Any) -> int:
+    """A device index: a non-negative int (``cuda:1`` -> 1)."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ConfigurationError(
+            f"{backend} device index must be a non-negative integer (e.g. '{backend}:1'), got {index!r}"
+        )
+    return index
+
+
+class TorchAcceleratorDevice:
+    """A :class:`offcore.Backend` over one torch accelerator device module.
+
+    Subclasses set ``name``, ``device_type`` and ``capabilities`` and implement
+    :meth:`device_module` (``torch.cuda``, ``torch.npu``) and :meth:`availability`.
+
+    Copies (``copy_``) run ``dst.copy_(src, non_blocking=True)`` inside the device
+    module's stream context and return an event recorded right after, never
+    ``record_stream``. A pageable host side is staged through a pinned buffer when
+    ``stage_pageable`` (the default) and the pool has room: host-to-device stays
+    asynchronous; device-to-pageable-host blocks the calling thread until the copy
+    landed (the event returned has completed). Without room, the copy runs directly,
+    which the runtime makes synchronous -- correct, never silently racy.
+    """
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = ""
+    capabilities: frozenset[Capability] = frozenset(
+        {Capability.TORCH, Capability.PINNED_MEMORY, Capability.EVENT_TIMING}
+    )
+    extra_options: ClassVar[tuple[str, ...]] = ()
+
+    # ----------------------------------------------------------------- subclass API
+    @classmethod
+    def device_module(cls) -> Any:
+        """The torch device module driven by this backend (``torch.cuda``, ``torch.npu``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run here; never raises."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- construction
+    def __init__(self, index: int = 0, **options: Any) -> None:
+        extra = {k: options.pop(k) for k in self.extra_options if k in options}
+        self.options = AcceleratorOptions.parse(self.name, extra_known=self.extra_options, **options)
+        self.index = check_index(self.name, index)
+        self._configure(**extra)
+        status = type(self).availability()
+        if not status.available:
+            raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {status.reason}")
+        if index >= status.device_count:
+            raise ConfigurationError(
+                f"{self.name}:{index}: this machine has {status.device_count} {self.name} device(s), "
+                f"indices 0..{status.device_count - 1}"
+            )
+        self._setup()
+
+    def _configure(self, **extra: Any) -> None:
+        """Check backend-specific options (before any device call)."""
+
+    def _setup(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._mod = type(self).device_module()
+        total = int(self._mod.get_device_properties(self.index).total_memory)
+        self.total_memory = total
+        cap = self.options.capacity
+        self._fraction_set = False
+        if cap is not None:
+            if cap > total:
+                raise ConfigurationError(
+                    f"capacity {format_bytes(cap)} exceeds {self.name}:{self.index}'s memory ({format_bytes(total)}); "
+                    "pass a smaller capacity or none to use the whole device"
+                )
+            self._mod.set_per_process_memory_fraction(cap / total, self.index)
+            self._fraction_set = True
+        self.capacity = cap if cap is not None else total
+        self._lock = threading.Lock()
+        self._in_flight: collections.deque[tuple[Any, HostBuffer]] = collections.deque()
+        self._device_contexts: list[Any] = []
+        self.staged_copies = 0
+        self.direct_pageable_copies = 0
+        self.pinned_pool = self.host_pool(self.options.host_budget, pinned=True)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(index={self.index}, capacity={format_bytes(self.capacity)})"
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def torch_device(self) -> Any:
+        """Where the model goes: ``torch.device("<type>", index)``."""
+        return self._torch.device(self.device_type, self.index)
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size
+
+    # ------------------------------------------------------------ streams, events
+    def current_stream(self) -> Any:
+        """The stream compute is enqueued on now (read at each call, never cached)."""
+        return self._mod.current_stream(self.index)
+
+    def new_stream(self, *, priority: int = 0) -> Any:
+        """A new stream on this device (lower priority numbers run first)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigurationError(f"stream priority must be an integer, got {priority!r}")
+        return self._mod.Stream(device=self.index, priority=priority)
+
+    def new_event(self, *, enable_timing: bool = False) -> Any:
+        """A new, unrecorded event."""
+        return self._mod.Event(enable_timing=bool(enable_timing))
+
+    def synchronize(self) -> None:
+        """Block until all work on this device has completed; returns staging buffers."""
+        self._mod.synchronize(self.index)
+        self._reap(all_done=True)
+
+    def __enter__(self) -> TorchAcceleratorDevice:
+        context = self._mod.device(self.index)
+        context.__enter__()
+        self._device_contexts.append(context)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        context = self._device_contexts.pop()
+        context.__exit__(*exc)
+
+    # ---------------------------------------------------------------- host memory
+    def _allocate_pinned_block(self, nbytes: int) -> Any:
+        """One pinned ``uint8`` host block of at least ``nbytes`` (override to pin differently)."""
+        try:
+            block = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            raise CapacityExceededError(
+                f"pinning {format_bytes(nbytes)} of host memory failed ({exc}); lower host_budget or block_size"
+            ) from exc
+        if not block.is_pinned():
+            raise BackendUnavailableError(
+                f"torch.empty(..., pin_memory=True) returned pageable memory on this {self.name} build; "
+                "asynchronous copies need pinned host memory"
+            )
+        return block
+
+    def _allocate_pageable_block(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8)
+
+    def host_pool(self, budget: int | str, *, pinned: bool = True) -> HostBufferPool:
+        """A new budgeted, reusable, exact-size host pool whose blocks are (pinned) tensors.
+
+        >>> pool = dev.host_pool("2GiB")                  # doctest: +SKIP
+        >>> buf = pool.acquire(x.nbytes)                  # doctest: +SKIP
+        >>> done = dev.copy_(buf.view, x, stream=s)       # doctest: +SKIP
+        >>> done.synchronize(); pool.release(buf)         # doctest: +SKIP
+        """
+        allocate_block = self._allocate_pinned_block if pinned else self._allocate_pageable_block
+        return HostBufferPool(allocate_block, budget=budget, block_size=self.options.block_size)
+
+    def allocate(self, nbytes: int, tier: Tier) -> Any:
+        """A raw ``uint8`` buffer of exactly ``nbytes`` on ``tier``.
+
+        ``Tier.DEVICE``: a device tensor from the caching allocator. ``Tier.PINNED``: a
+        slice of the device's pinned pool (``host_budget``), returned to it when the
+        last tensor using it dies (Note [Pinned buffers live as long as their storage]).
+        ``Tier.PAGEABLE``: an ordinary CPU tensor.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigurationError(f"allocate needs a positive number of bytes, got {nbytes!r}")
+        tier = Tier(tier)
+        if tier is Tier.DEVICE:
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.torch_device)
+        if tier is Tier.PAGEABLE:
+            return self._torch.empty(nbytes, dtype=self._torch.uint8)
+        if tier is Tier.PINNED:
+            try:
+                slot = self.pinned_pool.acquire(nbytes)
+            except CapacityExceededError:
+                self._reap()
+                slot = self.pinned_pool.acquire(nbytes)
+            pool = self.pinned_pool
+            return tensor_over(slot.view.data_ptr(), nbytes, on_free=lambda: pool.release(slot), keepalive=slot)
+        raise ConfigurationError(
+            f"the {self.name} backend allocates device, pinned or pageable buffers, not {tier.value!r}; "
+            "NVMe files are handled by offcore's storage tier, not by a device backend"
+        )
+
+    def holds(self, buffer: Any) -> bool:
+        """True when ``buffer`` is a tensor in this device's memory."""
+        device = getattr(buffer, "device", None)
+        return device is not None and device.type == self.device_type and device.index == self.index
+
+    def _is_pinned(self, tensor: Any) -> bool:
+        return bool(tensor.is_pinned())
+
+    # ----------------------------------------------------------------------- copy
+    def _side(self, tensor: Any, role: str) -> str:
+        if not isinstance(tensor, self._torch.Tensor):
+            raise ConfigurationError(
+                f"the {self.name} backend copies torch tensors; {role} is a {type(tensor).__name__}"
+            )
+        if self.holds(tensor):
+            return "device"
+        if tensor.device.type == "cpu":
+            return "host"
+        raise ConfigurationError(
+            f"{role} is on {tensor.device}, but this is {self.name}:{self.index}; "
+            f"copy between host memory and {self.name}:{self.index} only (use that device's own backend object)"
+        )
+
+    def copy_(self, dst: Any, src: Any, *, stream: Any) -> Any:
+        """Enqueue ``dst[...] = src`` on ``stream``; return an event that completes when it landed.
+
+        The bytes of ``src`` land in ``dst`` unchanged: when dtypes or shapes differ
+        (a raw ``uint8`` host buffer and a typed tensor) the contiguous side is
+        reinterpreted, never converted. The caller orders ``stream`` after the
+        producer of ``src`` and keeps both tensors alive until the event completes.
+        """
+        if stream is None:
+            raise ConfigurationError("copy_ needs the stream to enqueue on (e.g. dev.new_stream())")
+        dst_side, src_side = self._side(dst, "dst"), self._side(src, "src")
+        dst, src = match_layout(dst, src)
+        self._reap()
+        if dst_side == "host" and src_side == "host":
+            stream.synchronize()  # the source may be the target of earlier work on this stream
+            dst.copy_(src)
+            return self._record(stream)
+        if dst_side == "device" and src_side == "host" and not self._is_pinned(src):
+            return self._copy_from_pageable(dst, src, stream)
+        if dst_side == "host" and src_side == "device" and not self._is_pinned(dst):
+            return self._copy_to_pageable(dst, src, stream)
+        return self._copy_async(dst, src, stream)
+
+    def _record(self, stream: Any) -> Any:
+        event = self._mod.Event()
+        event.record(stream)
+        return event
+
+    def _copy_async(self, dst: Any, src: Any, stream: Any) -> Any:
+        with self._mod.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return self._record(stream)
+
+    def _staging_buffer(self, nbytes: int) -> HostBuffer | None:
+        if not self.options.stage_pageable:
+            return None
+        try:
+            return self.pinned_pool.acquire(nbytes)
+        except CapacityExceededError:
+            self._reap(all_done=False)
+            try:
+                return self.pinned_pool.acquire(nbytes)
+            except CapacityExceededError:
+                return None
+
+    def _copy_from_pageable(self, dst: Any, src: Any, stream: Any) -> Any:
+        staging = self._staging_buffer(src.numel() * src.element_size())
+        if staging is None:
+            self.direct_pageable_copies += 1
+            return self._copy_async(dst, src, stream)
+        pinned = typed_view(staging.view, src.dtype, src.shape)
+        pinned.copy_(src)  # host memcpy; the slot is ours until the H2D below completes
+        event = self._copy_async(dst, pinned, stream)
+        with self._lock:
+            self._in_flight.append((event, staging))
+        self.staged_copies += 1
+        return event
+
+    def _copy_to_pageable(self, dst: Any, src: Any, stream: Any) -> Any:
+        staging = self._staging_buffer(src.numel() * src.element_size())
+        if staging is None:
+            self.direct_pageable_copies += 1
+            event = self._copy_async(dst, src, stream)
+            event.synchronize()
+            return event
+        pinned = typed_view(staging.view, src.dtype, src.shape)
+        event = self._copy_async(pinned, src, stream)
+        event.synchronize()  # the bytes must be in the staging buffer before the host copies them on
+        dst.copy_(pinned)
+        self.pinned_pool.release(staging)
+        self.staged_copies += 1
+        return event
+
+    def _reap(self, all_done: bool = False) -> None:
+        """Return staging buffers whose copies have completed to the pool."""
+        with self._lock:
+            pending = collections.deque()
+            while self._in_flight:
+                event, staging = self._in_flight.popleft()
+                if all_done or event.query():
+                    self.pinned_pool.release(staging)
+                else:
+                    pending.append((event, staging))
+            self._in_flight = pending
+
+    # ---------------------------------------------------------------------- stats
+    def memory_stats(self) -> MemoryStats:
+        """Device memory in bytes from the device module, plus the pinned pool's figures.
+
+        ``allocated_bytes`` / ``peak_allocated_bytes``: ``memory_allocated`` /
+        ``max_memory_allocated``; ``reserved_bytes``: the caching allocator's
+        reservation; ``free_bytes``: what may still be allocated within ``capacity``.
+        """
+        mod, index = self._mod, self.index
+        stats = MemoryStats(
+            allocated_bytes=int(mod.memory_allocated(index)),
+            peak_allocated_bytes=int(mod.max_memory_allocated(index)),
+            capacity_bytes=int(self.capacity),
+            total_bytes=int(self.total_memory),
+            reserved_bytes=int(mod.memory_reserved(index)),
+            peak_reserved_bytes=int(mod.max_memory_reserved(index)),
+            pinned_used_bytes=self.pinned_pool.used_bytes,
+            pinned_peak_used_bytes=self.pinned_pool.peak_used_bytes,
+            pinned_reserved_bytes=self.pinned_pool.reserved_bytes,
+            pinned_budget_bytes=self.pinned_pool.budget,
+        )
+        try:
+            device_free, _ = mod.mem_get_info(index)
+        except Exception:  # older runtimes without mem_get_info: derive from the reservation
+            device_free = self.total_memory - stats["reserved_bytes"]
+        stats["device_free_bytes"] = int(device_free)
+        stats["free_bytes"] = int(max(0, min(device_free, self.capacity - stats["reserved_bytes"])))
+        return stats
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restart peak tracking (device allocator and pinned pool) from the current level."""
+        self._mod.reset_peak_memory_stats(self.index)
+        self.pinned_pool.peak_used_bytes = self.pinned_pool.used_bytes
+
+    def close(self) -> None:
+        """Wait for outstanding copies, free idle pinned blocks, lift the capacity cap."""
+        self.synchronize()
+        self.pinned_pool.trim()
+        if self._fraction_set:
+            self._mod.set_per_process_memory_fraction(1.0, self.index)
+            self._fraction_set = False
+
+    # ------------------------------------------------------------- formats (NPU)
+    def format_of(self, tensor: Any) -> int | None:
+        """The device-private memory format of ``tensor``, or None (no private formats here)."""
+        return None
+
+    def restore_format(self, tensor: Any, fmt: int | None) -> Any:
+        """``tensor`` in private format ``fmt`` (a no-op on backends without private formats)."""
+        return tensor
+
+
+def typed_view(raw: Any, dtype: Any, shape: Any) -> Any:
+    """The first bytes of a contiguous raw ``uint8`` tensor viewed as ``dtype`` of ``shape``."""
+    import math
+
+    nbytes = dtype.itemsize * math.prod(shape)
+    flat = raw.reshape(-1)[:nbytes]
+    if dtype != flat.dtype:
+        flat = flat.view(dtype)
+    return flat.view(shape)
+
+
+def match_layout(dst: Any, src: Any) -> tuple[Any, Any]:
+    """``(dst, src)`` with equal dtype and shape, reinterpreting the bytes of a contiguous side.
+
+    >>> import torch
+    >>> raw = torch.zeros(8, dtype=torch.uint8)
+    >>> d, s = match_layout(raw, torch.tensor([1.5, -2.0], dtype=torch.float32))
+    >>> d.dtype, tuple(d.shape)
+    (torch.float32, (2,))
+    """
+    if dst.dtype == src.dtype and dst.shape == src.shape:
+        return dst, src
+    dst_bytes, src_bytes = dst.numel() * dst.element_size(), src.numel() * src.element_size()
+    if dst_bytes != src_bytes:
+        raise ConfigurationError(
+            f"copy_ needs equal byte counts: dst has {dst_bytes} bytes ({dst.dtype}, {tuple(dst.shape)}), "
+            f"src has {src_bytes} ({src.dtype}, {tuple(src.shape)})"
+        )
+    if dst.is_contiguous():
+        return _reinterpret(dst, src.dtype, src.shape), src
+    if src.is_contiguous():
+        return dst, _reinterpret(src, dst.dtype, dst.shape)
+    raise ConfigurationError(
+        "copy_ between different dtypes or shapes needs one contiguous side to reinterpret; "
+        f"dst is {dst.dtype} {tuple(dst.shape)} and src is {src.dtype} {tuple(src.shape)}, both non-contiguous"
+    )
+
+
+def _reinterpret(tensor: Any, dtype: Any, shape: Any) -> Any:
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.dtype != dtype:
+        flat = flat.view(torch.uint8).view(dtype)
+    return flat.view(shape)
