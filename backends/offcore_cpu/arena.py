@@ -1,0 +1,158 @@
+"""Byte accounting of the fake device's memory: device arena and host figures.
+
+The arena does not own memory; it counts *owners* (a ``torch.UntypedStorage`` or
+the root ``numpy.ndarray`` of a buffer) by weak reference, so an owner's bytes are
+counted from registration until the owner really dies, exactly the meaning of
+``torch.cuda.memory_allocated``: a view keeps its storage's bytes alive, and freeing
+a tensor frees nothing while another tensor still shares its storage.
+
+    >>> import numpy as np
+    >>> from offcore.kinds import Tier
+    >>> arena = MemoryArena("cpu:0", capacity=1 << 20)
+    >>> buf = np.empty(4096, np.uint8)
+    >>> arena.register(buf, buf.nbytes, Tier.DEVICE)
+    >>> arena.stats()["allocated_bytes"]
+    4096
+    >>> del buf
+    >>> arena.stats()["allocated_bytes"]
+    0
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from offcore.errors import ConfigurationError
+from offcore.kinds import Tier
+from offcore_cpu.errors import out_of_memory
+
+__all__ = ["MemoryArena"]
+
+
+@dataclass
+class _Allocation:
+    tier: Tier
+    nbytes: int
+    ref: weakref.ref  # type: ignore[type-arg]
+
+
+class MemoryArena:
+    """Live bytes per tier with peaks; the device tier is limited to ``capacity``.
+
+    Thread-safe. Owners must support weak references; their bytes are released by the
+    weakref callback when they die (from whatever thread drops the last reference).
+    """
+
+    def __init__(self, device_name: str, capacity: int) -> None:
+        self.device_name = device_name
+        self.capacity = capacity
+        # RLock: a weakref callback may run (garbage collection) while this thread holds the lock.
+        self._lock = threading.RLock()
+        self._allocations: dict[int, _Allocation] = {}
+        self._current: dict[Tier, int] = dict.fromkeys(Tier, 0)
+        self._peak: dict[Tier, int] = dict.fromkeys(Tier, 0)
+
+    # -- registration -------------------------------------------------------------------
+    def check_fits(self, nbytes: int) -> None:
+        """Raise the fake device's out-of-memory error unless ``nbytes`` more fit on the device."""
+        with self._lock:
+            allocated = self._current[Tier.DEVICE]
+            if allocated + nbytes > self.capacity:
+                raise out_of_memory(self.device_name, nbytes, allocated, self.capacity)
+
+    def register(self, owner: Any, nbytes: int, tier: Tier) -> None:
+        """Count ``owner``'s ``nbytes`` on ``tier`` until it dies (no-op when already counted there)."""
+        self.register_many([(owner, nbytes)], tier)
+
+    def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
+        """Register several owners at once: all fit on the device, or none is counted.
+
+        Returns the bytes newly counted. An owner already counted on another tier is a
+        :class:`~offcore.ConfigurationError` (a host buffer cannot become device memory).
+        """
+        with self._lock:
+            new: dict[int, tuple[Any, int]] = {}
+            for owner, nbytes in owners:
+                known = self._allocations.get(id(owner))
+                if known is not None:
+                    if known.tier is not tier:
+                        raise ConfigurationError(
+                            f"this buffer is already counted as {known.tier.value} memory of the fake device "
+                            f"{self.device_name}; it cannot also be {tier.value} memory. Copy it into a "
+                            f"{tier.value} buffer instead."
+                        )
+                    continue
+                new[id(owner)] = (owner, nbytes)
+            total = sum(nbytes for _, nbytes in new.values())
+            if tier is Tier.DEVICE:
+                self.check_fits(total)
+            for key, (owner, nbytes) in new.items():
+                ref = weakref.ref(owner, functools.partial(self._forget, key))
+                self._allocations[key] = _Allocation(tier, nbytes, ref)
+            self._add(tier, total)
+            return total
+
+    def resize(self, owner: Any, nbytes: int) -> None:
+        """A counted owner changed size (``resize_``); growth on the device is capacity-checked."""
+        with self._lock:
+            allocation = self._allocations.get(id(owner))
+            if allocation is None or allocation.nbytes == nbytes:
+                return
+            growth = nbytes - allocation.nbytes
+            if allocation.tier is Tier.DEVICE and growth > 0:
+                self.check_fits(growth)
+            allocation.nbytes = nbytes
+            self._add(allocation.tier, growth)
+
+    def _add(self, tier: Tier, nbytes: int) -> None:
+        self._current[tier] += nbytes
+        if self._current[tier] > self._peak[tier]:
+            self._peak[tier] = self._current[tier]
+
+    def _forget(self, key: int, _ref: Any) -> None:
+        with self._lock:
+            allocation = self._allocations.get(key)
+            # The key may have been reused only after this callback ran, so the entry is ours
+            # unless it was already removed; compare the weakref to be sure.
+            if allocation is not None and allocation.ref is _ref:
+                del self._allocations[key]
+                self._current[allocation.tier] -= allocation.nbytes
+
+    # -- queries --------------------------------------------------------------------------
+    def tier_of(self, owner: Any) -> Tier | None:
+        """The tier ``owner`` is counted on, or None when the arena does not know it."""
+        with self._lock:
+            allocation = self._allocations.get(id(owner))
+            if allocation is None or allocation.ref() is not owner:
+                return None
+            return allocation.tier
+
+    def allocated(self, tier: Tier = Tier.DEVICE) -> int:
+        with self._lock:
+            return self._current[tier]
+
+    def stats(self) -> dict[str, int]:
+        """Current and peak bytes; the keys of :class:`offcore.MemoryStats`."""
+        with self._lock:
+            device = self._current[Tier.DEVICE]
+            return {
+                "allocated_bytes": device,
+                "peak_allocated_bytes": self._peak[Tier.DEVICE],
+                "capacity_bytes": self.capacity,
+                "free_bytes": max(self.capacity - device, 0),
+                "device_allocations": sum(1 for a in self._allocations.values() if a.tier is Tier.DEVICE),
+                "pinned_bytes": self._current[Tier.PINNED],
+                "peak_pinned_bytes": self._peak[Tier.PINNED],
+                "pageable_bytes": self._current[Tier.PAGEABLE],
+                "peak_pageable_bytes": self._peak[Tier.PAGEABLE],
+            }
+
+    def reset_peaks(self) -> None:
+        """Peaks restart from the current figures (``torch.cuda.reset_peak_memory_stats``)."""
+        with self._lock:
+            self._peak = dict(self._current)

@@ -1,0 +1,118 @@
+"""What the fake device needs to know about a buffer family (numpy arrays, torch tensors).
+
+One small interface, :class:`BufferOps`, with one implementation per family: numpy
+here, torch in :mod:`offcore_cpu.torch_buffers` (imported only when a torch tensor is
+seen or a device is created with ``buffers="torch"``), so the fake device runs with
+numpy alone.
+
+    >>> import numpy as np
+    >>> ops = NUMPY_OPS
+    >>> raw = ops.empty(8)
+    >>> ops.copy(raw, np.arange(2, dtype=np.float32))   # typed source into a raw buffer
+    >>> raw.view(np.float32).tolist()
+    [0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+import numpy as np
+
+from offcore.errors import ConfigurationError
+
+__all__ = ["BufferOps", "NumpyBuffers", "NUMPY_OPS", "ops_for", "describe"]
+
+
+class BufferOps(Protocol):
+    """The operations the fake device performs on buffers of one family."""
+
+    family: str
+
+    def is_buffer(self, obj: Any) -> bool:
+        """True when ``obj`` belongs to this family."""
+
+    def owner(self, buffer: Any) -> Any:
+        """The object that owns ``buffer``'s memory (a storage, a root array); weak-referenceable."""
+
+    def owner_nbytes(self, owner: Any) -> int:
+        """Bytes held by ``owner``."""
+
+    def nbytes(self, buffer: Any) -> int:
+        """Bytes addressed by ``buffer`` (a view: only its elements)."""
+
+    def empty(self, nbytes: int) -> Any:
+        """A new raw, one-dimensional uint8 buffer (contents undefined)."""
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src`` for buffers of equal byte size (see :func:`describe` for the layouts)."""
+
+    def poison(self, buffer: Any) -> None:
+        """Overwrite every byte of ``buffer`` with 0xFF (NaN for floating point, -1 for integers)."""
+
+
+def describe(buffer: Any) -> str:
+    """A short description for error messages (``float32[4, 8] (non-contiguous)``)."""
+    shape = list(getattr(buffer, "shape", ()))
+    dtype = str(getattr(buffer, "dtype", type(buffer).__name__)).replace("torch.", "")
+    return f"{type(buffer).__module__.split('.')[0]} {dtype}{shape}"
+
+
+class NumpyBuffers:
+    """:class:`BufferOps` for ``numpy.ndarray``."""
+
+    family = "numpy"
+
+    def is_buffer(self, obj: Any) -> bool:
+        return isinstance(obj, np.ndarray)
+
+    def owner(self, buffer: np.ndarray) -> np.ndarray:
+        root = buffer
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return root
+
+    def owner_nbytes(self, owner: np.ndarray) -> int:
+        return int(owner.nbytes)
+
+    def nbytes(self, buffer: np.ndarray) -> int:
+        return int(buffer.nbytes)
+
+    def empty(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        if dst.shape == src.shape and dst.dtype == src.dtype:
+            np.copyto(dst, src, casting="no")
+        elif dst.flags.c_contiguous:
+            np.copyto(dst.reshape(-1).view(src.dtype).reshape(src.shape), src, casting="no")
+        elif src.flags.c_contiguous:
+            np.copyto(dst, src.reshape(-1).view(dst.dtype).reshape(dst.shape), casting="no")
+        else:
+            raise ConfigurationError(
+                f"cannot copy {describe(src)} into {describe(dst)}: layouts differ and neither side is "
+                "contiguous. Make one side contiguous (a raw uint8 buffer) or give both the same shape and dtype."
+            )
+
+    def poison(self, buffer: np.ndarray) -> None:
+        if buffer.size:
+            buffer[...] = np.frombuffer(b"\xff" * buffer.dtype.itemsize, dtype=buffer.dtype)[0]
+
+
+NUMPY_OPS = NumpyBuffers()
+
+
+def ops_for(buffer: Any) -> BufferOps | None:
+    """The family of ``buffer``, or None for anything that is not a numpy array or torch tensor.
+
+    torch is never imported here: a tensor can only exist once torch has been imported.
+    """
+    if isinstance(buffer, np.ndarray):
+        return NUMPY_OPS
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        from offcore_cpu.torch_buffers import TORCH_OPS
+
+        return TORCH_OPS
+    return None

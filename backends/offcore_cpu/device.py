@@ -1,0 +1,396 @@
+"""The CPU fake device: an emulated accelerator on the host, implementing offcore's Backend.
+
+    >>> import numpy as np, offcore
+    >>> dev = offcore.device("cpu", capacity="64MiB", h2d_bandwidth="8GiB/s", buffers="numpy")
+    >>> stream = dev.new_stream()
+    >>> on_device = dev.allocate(1024, offcore.Tier.DEVICE)
+    >>> on_device[:] = 3
+    >>> host = dev.allocate(1024, offcore.Tier.PINNED)
+    >>> done = dev.copy_(host, on_device, stream=stream)      # D2H on the copy stream
+    >>> done.synchronize(); int(host.sum())
+    3072
+    >>> dev.memory_stats().allocated_bytes
+    1024
+    >>> dev.close()
+
+The pieces, one module each: :mod:`~offcore_cpu.options` (settings),
+:mod:`~offcore_cpu.arena` (byte accounting), :mod:`~offcore_cpu.tracking` (torch
+tensors created while active), :mod:`~offcore_cpu.streams` (streams, events, worker
+threads), :mod:`~offcore_cpu.link` (bandwidth and latency), :mod:`~offcore_cpu.sanitizer`
+and :mod:`~offcore_cpu.host_pool`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+from offcore.errors import ConfigurationError
+from offcore.kinds import Direction, Tier
+from offcore.ledger import Ledger
+from offcore.protocols import Availability, Capability, MemoryStats
+from offcore.units import format_bandwidth, format_bytes, parse_size
+from offcore_cpu.arena import MemoryArena
+from offcore_cpu.buffers import NUMPY_OPS, BufferOps, describe, ops_for
+from offcore_cpu.host_pool import FakeHostBufferPool
+from offcore_cpu.link import Link
+from offcore_cpu.options import FakeDeviceOptions, numpy_importable
+from offcore_cpu.sanitizer import Sanitizer
+from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
+
+__all__ = ["FakeDevice"]
+
+_COPY_LOG_LIMIT = 100_000
+
+
+def _close_streams(streams: weakref.WeakSet[WorkerStream]) -> None:
+    for stream in list(streams):
+        stream.close()
+
+
+class FakeDevice:
+    """An emulated accelerator: capacity-limited memory, copy streams, a bandwidth-limited link.
+
+    Create it with ``offcore.device("cpu", **options)``:
+
+    - ``capacity`` (``"2GiB"``): device memory; exceeding it raises
+      :class:`~offcore_cpu.errors.FakeDeviceOutOfMemoryError` (a ``torch.OutOfMemoryError``).
+    - ``h2d_bandwidth`` / ``d2h_bandwidth`` (``"32GiB/s"``, ``"inf"`` for unlimited) and
+      ``latency`` (``"10us"``) per copy; ``duplex`` (True): each direction has its own link.
+    - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`.
+    - ``buffers``: ``"torch"`` (default when torch is installed) or ``"numpy"``.
+
+    ``with dev:`` makes it the active device; with torch buffers every tensor created
+    on the calling thread is then counted as device memory (Note [Counting device
+    memory with storages]).
+    """
+
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, index: int = 0, **options: Any) -> None:
+        if isinstance(index, bool) or not isinstance(index, int) or index != 0:
+            raise ConfigurationError(f"the cpu fake device has one device, index 0; got {index!r}")
+        self.options = FakeDeviceOptions.parse(**options)
+        self.index = index
+        self.ledger = Ledger()
+        self._label = f"{self.name}:{index}"
+        self._arena = MemoryArena(self._label, self.options.capacity)
+        self._link = Link(
+            h2d_bandwidth=self.options.h2d_bandwidth,
+            d2h_bandwidth=self.options.d2h_bandwidth,
+            latency=self.options.latency,
+            duplex=self.options.duplex,
+        )
+        self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
+        self._compute = ComputeStream()
+        self._streams: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
+        self._copy_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=_COPY_LOG_LIMIT)
+        self._local = threading.local()  # .depth of `with dev:` on this thread
+        self._ops: BufferOps = NUMPY_OPS
+        self._tracker: Any = None
+        if self.options.buffers == "torch":
+            from offcore_cpu.torch_buffers import TORCH_OPS
+            from offcore_cpu.tracking import StorageTracker
+
+            self._ops = TORCH_OPS
+            self._tracker = StorageTracker(self._arena, poison_uninitialised=self.options.sanitize)
+        capabilities = {Capability.NUMPY, Capability.EVENT_TIMING, Capability.PINNED_MEMORY}
+        if self.options.buffers == "torch":
+            capabilities.add(Capability.TORCH)
+        if self.options.duplex:
+            capabilities.add(Capability.DUPLEX_COPY)
+        if self.options.sanitize:
+            capabilities.add(Capability.SANITIZER)
+        self.capabilities: frozenset[Capability] = frozenset(capabilities)
+        self._finalizer = weakref.finalize(self, _close_streams, self._streams)
+
+    # -- registry ------------------------------------------------------------------------
+    @classmethod
+    def availability(cls) -> Availability:
+        """Available wherever numpy imports (torch is optional); one device."""
+        if not numpy_importable():
+            return Availability(False, "numpy is not installed: pip install numpy", 0)
+        return Availability(True, "", 1)
+
+    @property
+    def capacity(self) -> int:
+        """Device memory in bytes."""
+        return self.options.capacity
+
+    @property
+    def torch_device(self) -> Any:
+        """Where models and tensors go: ``torch.device("cpu")`` (the fake device's memory is host memory)."""
+        import torch
+
+        return torch.device("cpu")
+
+    # -- activation ----------------------------------------------------------------------
+    def __enter__(self) -> FakeDevice:
+        """Make this the active device on the calling thread (re-entrant)."""
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        if self._tracker is not None:
+            self._tracker.activate()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if getattr(self._local, "depth", 0) == 0:
+            return
+        self._local.depth -= 1
+        if self._tracker is not None:
+            self._tracker.deactivate()
+
+    @property
+    def active(self) -> bool:
+        """True inside ``with dev:`` on the calling thread."""
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def _untracked(self) -> Iterator[None]:
+        """Operators of the device's own bookkeeping are not counted as device memory."""
+        if self._tracker is None:
+            yield
+        else:
+            with self._tracker.suspended():
+                yield
+
+    # -- streams and events --------------------------------------------------------------
+    def current_stream(self) -> ComputeStream:
+        """The compute stream: the calling host thread (events on it complete at once)."""
+        return self._compute
+
+    def new_stream(self, priority: int = 0, *, name: str | None = None) -> WorkerStream:
+        """A new copy stream: an in-order queue served by its own worker thread (started lazily)."""
+        stream = WorkerStream(self._compute, name=name, priority=priority)
+        self._streams.add(stream)
+        return stream
+
+    def new_event(self, enable_timing: bool = False) -> FakeEvent:
+        """A new, unrecorded event (complete until recorded, as in torch)."""
+        return FakeEvent(self._compute, enable_timing=enable_timing)
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this device; raises the first failure of queued work."""
+        errors: list[BaseException] = []
+        for stream in list(self._streams):
+            try:
+                stream.synchronize()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Finish queued work and stop every stream's worker thread."""
+        self._finalizer()
+
+    # -- memory --------------------------------------------------------------------------
+    def allocate(self, nbytes: int, tier: Tier | str) -> Any:
+        """A raw one-dimensional uint8 buffer of ``nbytes`` on ``tier`` (device, pinned or pageable).
+
+        Device buffers count against ``capacity``; host buffers count as pinned or pageable
+        bytes in :meth:`memory_stats`. With the sanitizer, contents start poisoned.
+
+            >>> buf = dev.allocate(4096, "device")          # doctest: +SKIP
+        """
+        size = parse_size(nbytes, what="allocation size", allow_zero=True)
+        try:
+            tier = Tier(tier)
+        except ValueError:
+            raise ConfigurationError(f"unknown tier {tier!r}: use 'device', 'pinned' or 'pageable'") from None
+        if tier is Tier.NVME:
+            raise ConfigurationError("the fake device allocates device, pinned or pageable memory, not NVMe")
+        if tier is Tier.DEVICE:
+            self._arena.check_fits(size)  # fail before touching host memory
+        with self._untracked():
+            buffer = self._ops.empty(size)
+            owner = self._ops.owner(buffer)
+            self._arena.register(owner, self._ops.owner_nbytes(owner), tier)
+            if self._sanitizer.enabled:
+                self._ops.poison(buffer)
+        return buffer
+
+    def holds(self, buffer: Any) -> bool:
+        """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
+        ops = ops_for(buffer)
+        return ops is not None and self._arena.tier_of(ops.owner(buffer)) is Tier.DEVICE
+
+    def adopt(self, obj: Any) -> Any:
+        """Count tensors created before activation as device memory, as ``.to('cuda')`` would; returns ``obj``.
+
+        ``obj`` is an ``nn.Module`` (parameters, gradients and buffers), a tensor or
+        array, or an iterable of them. All fit or none is adopted (out-of-memory error).
+
+            >>> model = dev.adopt(torch.nn.Linear(1024, 1024))   # doctest: +SKIP
+        """
+        owners: list[tuple[Any, int]] = []
+        for buffer in self._buffers_of(obj):
+            ops = ops_for(buffer)
+            if ops is None:
+                raise ConfigurationError(f"cannot adopt {type(buffer).__name__}: expected tensors, arrays or a module")
+            owner = ops.owner(buffer)
+            owners.append((owner, ops.owner_nbytes(owner)))
+        self._arena.register_many(owners, Tier.DEVICE)
+        return obj
+
+    @staticmethod
+    def _buffers_of(obj: Any) -> Iterator[Any]:
+        if ops_for(obj) is not None:
+            yield obj
+            return
+        parameters = getattr(obj, "parameters", None)
+        if callable(parameters) and callable(getattr(obj, "buffers", None)):  # an nn.Module
+            for parameter in obj.parameters():
+                yield parameter
+                if parameter.grad is not None:
+                    yield parameter.grad
+            yield from obj.buffers()
+            return
+        if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+            for item in obj:
+                yield from FakeDevice._buffers_of(item)
+            return
+        raise ConfigurationError(f"cannot adopt {type(obj).__name__}: expected tensors, arrays or a module")
+
+    def memory_stats(self) -> MemoryStats:
+        """``allocated_bytes``, ``peak_allocated_bytes``, ``capacity_bytes``, ``free_bytes``,
+        ``device_allocations`` and host figures ``pinned_bytes``, ``peak_pinned_bytes``,
+        ``pageable_bytes``, ``peak_pageable_bytes``."""
+        return MemoryStats(self._arena.stats())
+
+    def reset_peak_memory_stats(self) -> None:
+        """Peaks restart from the current figures."""
+        self._arena.reset_peaks()
+
+    def host_pool(
+        self, budget: int | str, *, pinned: bool = True, block_size: int | str = "64MiB", alignment: int = 512
+    ) -> FakeHostBufferPool:
+        """An exact-size host buffer pool of at most ``budget`` bytes of pinned (or pageable) blocks.
+
+        With the sanitizer on, buffers are poisoned when they return to the pool.
+
+            >>> pool = dev.host_pool("1GiB")                   # doctest: +SKIP
+            >>> buf = pool.acquire(4096); pool.release(buf)    # doctest: +SKIP
+        """
+        tier = Tier.PINNED if pinned else Tier.PAGEABLE
+        return FakeHostBufferPool(
+            lambda nbytes: self.allocate(nbytes, tier),
+            poison=self.poison,
+            budget=budget,
+            block_size=block_size,
+            alignment=alignment,
+        )
+
+    def poison(self, buffer: Any) -> bool:
+        """With the sanitizer on, overwrite ``buffer`` with 0xFF bytes (NaN); returns whether it did.
+
+        Bindings call it on buffers they stop using, so a late reader sees garbage.
+        """
+        ops = ops_for(buffer)
+        if ops is None:
+            raise ConfigurationError(f"cannot poison {type(buffer).__name__}: expected a tensor or a numpy array")
+        if not self._sanitizer.enabled:
+            return False
+        with self._untracked():
+            ops.poison(buffer)
+        return True
+
+    # -- copies --------------------------------------------------------------------------
+    def direction(self, dst: Any, src: Any) -> Direction:
+        """The direction of a copy from ``src`` to ``dst`` (by :meth:`holds`)."""
+        return Direction.between(
+            Tier.DEVICE if self.holds(src) else Tier.PINNED, Tier.DEVICE if self.holds(dst) else Tier.PINNED
+        )
+
+    def copy_(self, dst: Any, src: Any, *, stream: Any) -> FakeEvent:
+        """Enqueue ``dst[...] = src`` on ``stream``; the returned event completes when the data landed.
+
+        Buffers are both numpy arrays or both torch tensors with the same number of bytes;
+        either may be a typed or non-contiguous view if the other is contiguous. On a copy
+        stream the copy occupies the link for ``latency + nbytes / bandwidth``; on the compute
+        stream it runs on the calling thread before returning.
+        """
+        ops = ops_for(dst)
+        if ops is None or ops is not ops_for(src):
+            raise ConfigurationError(
+                f"copy_ needs two numpy arrays or two torch tensors, got {describe(dst)} <- {describe(src)}; "
+                "convert one side (torch.from_numpy / tensor.numpy())"
+            )
+        nbytes = ops.nbytes(dst)
+        if nbytes != ops.nbytes(src):
+            raise ConfigurationError(
+                f"copy_ between buffers of different sizes: {describe(dst)} holds {nbytes} bytes, "
+                f"{describe(src)} holds {ops.nbytes(src)}"
+            )
+        if getattr(getattr(dst, "flags", None), "writeable", True) is False:
+            raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
+        direction = self.direction(dst, src)
+        jitter = self._sanitizer.draw_jitter() if self._link.crosses_link(direction) else 0.0
+        enqueued = time.perf_counter()
+
+        def run_copy() -> None:
+            self._run_copy(ops, dst, src, direction, nbytes, jitter, stream_name, enqueued)
+
+        if stream is self._compute:
+            stream_name = self._compute.name
+            with self._untracked():
+                run_copy()
+            return self._compute.record_event(FakeEvent(self._compute, enable_timing=True))
+        if not isinstance(stream, WorkerStream) or stream not in self._streams:
+            raise ConfigurationError(
+                f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
+            )
+        stream_name = stream.name
+        stream.launch_host_func(run_copy)
+        return stream.record_event(FakeEvent(self._compute, enable_timing=True))
+
+    def _run_copy(
+        self,
+        ops: BufferOps,
+        dst: Any,
+        src: Any,
+        direction: Direction,
+        nbytes: int,
+        jitter: float,
+        stream_name: str,
+        enqueued: float,
+    ) -> None:
+        if self._sanitizer.enabled:  # Note [What the sanitizer poisons, and when], point 1
+            ops.poison(dst)
+        start, end = self._link.transfer(direction, nbytes, lambda: ops.copy(dst, src), extra_delay=jitter)
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        self._copy_log.append(
+            {
+                "stream": stream_name,
+                "direction": direction.value,
+                "bytes": nbytes,
+                "enqueued": enqueued,
+                "start": start,
+                "end": end,
+                "emulated_seconds": self._link.duration(direction, nbytes) + jitter,
+            }
+        )
+
+    def copy_log(self) -> list[dict[str, Any]]:
+        """Every completed copy, oldest first (the last 100,000), for traces.
+
+        Each entry: ``stream``, ``direction`` (``"d2h"``...), ``bytes``, ``enqueued``,
+        ``start``, ``end`` (``time.perf_counter()`` seconds) and ``emulated_seconds``.
+        """
+        return list(self._copy_log)
+
+    def clear_copy_log(self) -> None:
+        self._copy_log.clear()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"<FakeDevice {self._label} capacity={format_bytes(o.capacity)} "
+            f"h2d={format_bandwidth(o.h2d_bandwidth)} d2h={format_bandwidth(o.d2h_bandwidth)} "
+            f"latency={o.latency * 1e6:g}us {'duplex' if o.duplex else 'shared link'}"
+            f"{' sanitize' if o.sanitize else ''} buffers={o.buffers}>"
+        )

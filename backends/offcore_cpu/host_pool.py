@@ -1,0 +1,38 @@
+"""The fake device's host buffer pool: offcore's exact-size pool on the device's host memory.
+
+Blocks come from ``FakeDevice.allocate(n, Tier.PINNED or Tier.PAGEABLE)``, so they
+show in ``memory_stats()`` as pinned or pageable bytes; with the sanitizer on, a
+buffer is poisoned when it returns to the pool, so a copy still reading it (a missing
+wait before release) moves garbage instead of the right numbers.
+
+    >>> import offcore
+    >>> dev = offcore.device("cpu", buffers="numpy", sanitize=True)
+    >>> pool = dev.host_pool("1MiB", block_size="1MiB")
+    >>> buf = pool.acquire(16)
+    >>> buf.view[:] = 7
+    >>> pool.release(buf)
+    >>> int(buf.view[0])                   # poisoned on release
+    255
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from offcore.pool import HostBuffer, HostBufferPool
+
+__all__ = ["FakeHostBufferPool"]
+
+
+class FakeHostBufferPool(HostBufferPool):
+    """A :class:`offcore.HostBufferPool` that poisons released buffers through ``poison``."""
+
+    def __init__(self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], bool], **kwargs: Any) -> None:
+        super().__init__(allocate_block, **kwargs)
+        self._poison = poison
+
+    def release(self, buffer: HostBuffer) -> None:
+        """Return ``buffer`` (poisoned first when the device sanitizes)."""
+        self._poison(buffer.view)
+        super().release(buffer)

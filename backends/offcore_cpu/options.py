@@ -1,0 +1,91 @@
+"""The fake device's settings, parsed and checked once.
+
+>>> from offcore_cpu.options import FakeDeviceOptions
+>>> opts = FakeDeviceOptions.parse(capacity="2GiB", h2d_bandwidth="32GiB/s", latency="10us", buffers="numpy")
+>>> opts.capacity, opts.h2d_bandwidth, opts.latency
+(2147483648, 34359738368.0, 1e-05)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from offcore.errors import ConfigurationError
+from offcore.units import parse_bandwidth, parse_duration, parse_size
+
+__all__ = ["FakeDeviceOptions", "BufferFamily", "torch_importable", "numpy_importable"]
+
+BufferFamily = Literal["torch", "numpy"]
+
+
+def torch_importable() -> bool:
+    """True when torch is installed (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def numpy_importable() -> bool:
+    return importlib.util.find_spec("numpy") is not None
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FakeDeviceOptions:
+    """Parsed options of ``offcore.device("cpu", ...)``; see ``docs/cpu-device.md``."""
+
+    capacity: int = 2 * 1024**3
+    h2d_bandwidth: float = 32 * 1024**3
+    d2h_bandwidth: float = 32 * 1024**3
+    latency: float = 10e-6
+    duplex: bool = True
+    sanitize: bool = False
+    seed: int = 0
+    jitter: float = 2e-3
+    buffers: BufferFamily = "numpy"
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        capacity: int | str = "2GiB",
+        h2d_bandwidth: float | str = "32GiB/s",
+        d2h_bandwidth: float | str = "32GiB/s",
+        latency: float | str = "10us",
+        duplex: bool = True,
+        sanitize: bool = False,
+        seed: int = 0,
+        jitter: float | str = "2ms",
+        buffers: str | None = None,
+        **unknown: Any,
+    ) -> FakeDeviceOptions:
+        """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
+        if unknown:
+            known = "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers"
+            raise ConfigurationError(f"unknown option(s) {sorted(unknown)} for the cpu fake device; known: {known}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigurationError(f"seed must be an integer, got {seed!r}")
+        if buffers is None:
+            buffers = "torch" if torch_importable() else "numpy"
+        if buffers not in ("torch", "numpy"):
+            raise ConfigurationError(f"buffers must be 'torch' or 'numpy', got {buffers!r}")
+        if buffers == "torch" and not torch_importable():
+            raise ConfigurationError(
+                "buffers='torch' needs torch installed (pip install 'offcore[torch]'); or use 'numpy'"
+            )
+        return cls(
+            capacity=parse_size(capacity, what="fake device capacity"),
+            h2d_bandwidth=parse_bandwidth(h2d_bandwidth, what="h2d_bandwidth"),
+            d2h_bandwidth=parse_bandwidth(d2h_bandwidth, what="d2h_bandwidth"),
+            latency=parse_duration(latency, what="copy latency"),
+            duplex=_flag(duplex, "duplex"),
+            sanitize=_flag(sanitize, "sanitize"),
+            seed=seed,
+            jitter=parse_duration(jitter, what="sanitizer jitter"),
+            buffers=buffers,  # type: ignore[arg-type]
+        )

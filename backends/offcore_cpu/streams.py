@@ -1,0 +1,328 @@
+"""Streams and events of the CPU fake device, with ``torch.Stream`` / ``torch.Event`` semantics.
+
+Two kinds of stream:
+
+- :class:`ComputeStream` is the calling host thread. CPU operators are synchronous, so
+  when an event is recorded on it all prior compute has already run: the event is
+  complete at once. Waiting on it *blocks the calling thread* until the event
+  completes; that is how compute waits for a host-to-device copy.
+- :class:`WorkerStream` is an in-order work queue served by one daemon thread (started
+  on first use). Work items (copies, host functions) run strictly in enqueue order;
+  an event recorded on it completes when the worker reaches it; ``wait_event``
+  enqueues a wait, so later work on the stream starts only after the event.
+
+    >>> compute = ComputeStream()
+    >>> copies = WorkerStream(compute, name="copy")
+    >>> out = []
+    >>> copies.launch_host_func(lambda: out.append(1))
+    >>> done = copies.record_event()
+    >>> done.synchronize(); out
+    [1]
+    >>> copies.close()
+
+# Note [Failures on a worker stream]
+# An exception inside queued work must not vanish with the worker thread. The worker
+# keeps the first failure as the stream's pending error and carries on (later markers
+# still complete, so no waiter hangs). Every event recorded after the failure carries
+# it: ``Event.synchronize()`` / ``Event.query()`` raise StreamWorkError, and a stream
+# that waits on such an event inherits the failure. ``Stream.synchronize()`` raises it
+# once and clears it. This is how an asynchronous CUDA error surfaces at the next
+# synchronisation instead of where it happened.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from offcore.errors import ConfigurationError
+from offcore_cpu.errors import EventNotReadyError, StreamWorkError
+
+__all__ = ["FakeEvent", "ComputeStream", "WorkerStream"]
+
+
+class _Marker:
+    """One recording of an event; completes when its stream reaches it."""
+
+    __slots__ = ("done", "timestamp", "error", "stream_name")
+
+    def __init__(self, stream_name: str) -> None:
+        self.done = threading.Event()
+        self.timestamp: float | None = None
+        self.error: BaseException | None = None
+        self.stream_name = stream_name
+
+    def complete(self, error: BaseException | None) -> None:
+        self.timestamp = time.perf_counter()
+        self.error = error
+        self.done.set()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise StreamWorkError(
+                f"work queued on stream {self.stream_name!r} before this point failed: "
+                f"{type(self.error).__name__}: {self.error}. The data that work should have produced is not valid."
+            ) from self.error
+
+
+class FakeEvent:
+    """A marker in a fake-device stream (``torch.Event`` semantics).
+
+    An event that was never recorded counts as complete. Re-recording replaces the
+    marker; a wait already enqueued keeps waiting for the marker it saw.
+
+        >>> compute = ComputeStream()
+        >>> start, end = FakeEvent(compute, enable_timing=True), FakeEvent(compute, enable_timing=True)
+        >>> start.record(); end.record()
+        >>> start.elapsed_time(end) >= 0.0
+        True
+    """
+
+    def __init__(self, compute: ComputeStream, *, enable_timing: bool = False) -> None:
+        self._compute = compute
+        self.enable_timing = enable_timing
+        self._marker: _Marker | None = None
+
+    def _new_marker(self, stream_name: str) -> _Marker:
+        marker = _Marker(stream_name)
+        self._marker = marker
+        return marker
+
+    def record(self, stream: Any = None) -> None:
+        """Capture the work enqueued so far on ``stream`` (default: the compute stream)."""
+        (stream if stream is not None else self._compute).record_event(self)
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream``'s later work wait for this event (the compute stream: block now)."""
+        (stream if stream is not None else self._compute).wait_event(self)
+
+    def query(self) -> bool:
+        """True once the recorded work has completed; raises StreamWorkError if it failed."""
+        marker = self._marker
+        if marker is None:
+            return True
+        if not marker.done.is_set():
+            return False
+        marker.raise_error()
+        return True
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the recorded work has completed."""
+        marker = self._marker
+        if marker is None:
+            return
+        marker.done.wait()
+        marker.raise_error()
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        """Milliseconds from this event to ``end_event`` (host clock when each was reached)."""
+        for name, event in (("start", self), ("end", end_event)):
+            if not isinstance(event, FakeEvent):
+                raise ConfigurationError(f"elapsed_time needs fake-device events, got {type(event).__name__}")
+            if not event.enable_timing:
+                raise ConfigurationError(
+                    f"the {name} event was created without timing; create both with dev.new_event(enable_timing=True)"
+                )
+            if event._marker is None:
+                raise ConfigurationError(f"the {name} event was never recorded; record it on a stream first")
+            if event._marker.timestamp is None:
+                raise EventNotReadyError(
+                    f"the {name} event has not completed yet; call synchronize() on it before elapsed_time()"
+                )
+        assert self._marker is not None and end_event._marker is not None
+        assert self._marker.timestamp is not None and end_event._marker.timestamp is not None
+        return (end_event._marker.timestamp - self._marker.timestamp) * 1000.0
+
+    def __repr__(self) -> str:
+        state = "unrecorded" if self._marker is None else ("complete" if self._marker.done.is_set() else "pending")
+        return f"<FakeEvent {state}{' timing' if self.enable_timing else ''}>"
+
+
+def _marker_of(event: Any) -> _Marker | None:
+    if not isinstance(event, FakeEvent):
+        raise ConfigurationError(
+            f"fake-device streams wait only on fake-device events, got {type(event).__name__}; "
+            "create events with dev.new_event()"
+        )
+    return event._marker
+
+
+class ComputeStream:
+    """The calling host thread as a stream: everything enqueued on it has already run.
+
+    >>> compute = ComputeStream()
+    >>> compute.record_event().query()
+    True
+    """
+
+    name = "compute"
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU compute is synchronous."""
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        """Record ``event`` (or a new one); it is complete at once."""
+        event = event if event is not None else FakeEvent(self)
+        _marker_of(event)
+        event._new_marker(self.name).complete(None)
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        """Block the calling thread until ``event`` completes (raises if its work failed)."""
+        marker = _marker_of(event)
+        if marker is not None:
+            marker.done.wait()
+            marker.raise_error()
+
+    def wait_stream(self, stream: Any) -> None:
+        """Block until all work enqueued so far on ``stream`` has completed."""
+        self.wait_event(stream.record_event())
+
+    def __repr__(self) -> str:
+        return "<ComputeStream (calling thread)>"
+
+
+_STOP = object()
+_stream_numbers = itertools.count(1)
+
+
+class _WorkerState:
+    """Everything the worker thread needs; holds no reference to the stream object,
+    so an unreferenced stream is collected and its finalizer stops the thread."""
+
+    def __init__(self, thread_name: str) -> None:
+        self.thread_name = thread_name
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.pending = 0
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def submit(self, item: Callable[[_WorkerState], None]) -> None:
+        with self.lock:
+            if self.closed:
+                raise ConfigurationError(
+                    f"stream {self.thread_name!r} is closed; create a new one with dev.new_stream()"
+                )
+            self.pending += 1
+            if self.thread is None:
+                self.thread = threading.Thread(target=_serve, args=(self,), name=self.thread_name, daemon=True)
+                self.thread.start()
+            self.queue.put(item)
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = error
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop the worker thread."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            thread = self.thread
+        if thread is not None:
+            self.queue.put(_STOP)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+
+def _serve(state: _WorkerState) -> None:
+    while True:
+        item = state.queue.get()
+        if item is _STOP:
+            return
+        try:
+            item(state)
+        except BaseException as exc:  # kept for the next synchronize(): Note [Failures on a worker stream]
+            state.fail(exc)
+        finally:
+            with state.lock:
+                state.pending -= 1
+
+
+class WorkerStream:
+    """An in-order work queue served by a daemon thread (a copy stream of the fake device).
+
+    ``close()`` finishes the queued work and stops the thread; an unreferenced stream
+    is closed by its finalizer.
+    """
+
+    def __init__(self, compute: ComputeStream, *, name: str | None = None, priority: int = 0) -> None:
+        self.name = name or f"stream-{next(_stream_numbers)}"
+        self.priority = priority  # accepted for torch compatibility; the fake device has one queue per stream
+        self._compute = compute
+        self._state = _WorkerState(f"offcore-cpu {self.name}")
+        self._finalizer = weakref.finalize(self, self._state.close, 5.0)
+
+    # -- enqueueing -----------------------------------------------------------------------
+    def launch_host_func(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the worker after everything enqueued before it (``cudaLaunchHostFunc``)."""
+        self._state.submit(lambda _state: fn())
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        """Record ``event`` (or a new one) at the current end of the queue and return it."""
+        event = event if event is not None else FakeEvent(self._compute)
+        _marker_of(event)
+        marker = event._new_marker(self.name)
+        self._state.submit(lambda state: marker.complete(state.error))
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        """Later work on this stream starts only after ``event`` completes (the host does not block)."""
+        marker = _marker_of(event)
+        if marker is None or (marker.done.is_set() and marker.error is None):
+            return
+
+        def wait(state: _WorkerState) -> None:
+            marker.done.wait()
+            if marker.error is not None:
+                state.fail(marker.error)
+
+        self._state.submit(wait)
+
+    def wait_stream(self, stream: Any) -> None:
+        """Later work on this stream waits for all work enqueued so far on ``stream``."""
+        self.wait_event(stream.record_event())
+
+    # -- completion -----------------------------------------------------------------------
+    def query(self) -> bool:
+        """True when all work enqueued so far has completed."""
+        with self._state.lock:
+            return self._state.pending == 0
+
+    def synchronize(self) -> None:
+        """Block until all enqueued work has completed; raise (once) if any of it failed."""
+        if self._state.thread is not None and not self._state.closed:
+            done = self.record_event(FakeEvent(self._compute))
+            assert done._marker is not None
+            done._marker.done.wait()
+        with self._state.lock:
+            error, self._state.error = self._state.error, None
+        if error is not None:
+            raise StreamWorkError(
+                f"work queued on stream {self.name!r} failed: {type(error).__name__}: {error}. "
+                "The data that work should have produced is not valid."
+            ) from error
+
+    def close(self) -> None:
+        """Finish the queued work and stop the worker thread; the stream takes no more work."""
+        self._finalizer.detach()
+        self._state.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def __repr__(self) -> str:
+        return f"<WorkerStream {self.name!r} pending={self._state.pending}{' closed' if self.closed else ''}>"

@@ -1,0 +1,64 @@
+""":class:`~offcore_cpu.buffers.BufferOps` for torch tensors (this module imports torch).
+
+>>> import torch
+>>> raw = TORCH_OPS.empty(8)
+>>> TORCH_OPS.copy(raw, torch.arange(2, dtype=torch.float32))
+>>> raw.view(torch.float32).tolist()
+[0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offcore.errors import ConfigurationError
+from offcore_cpu.buffers import describe
+
+__all__ = ["TorchBuffers", "TORCH_OPS"]
+
+
+class TorchBuffers:
+    """Tensors on the fake device are ordinary CPU tensors; their owner is the ``UntypedStorage``."""
+
+    family = "torch"
+
+    def is_buffer(self, obj: object) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def owner(self, buffer: torch.Tensor) -> torch.UntypedStorage:
+        # torch keeps one Python object per storage alive while any tensor uses the storage,
+        # so ``t.untyped_storage() is t[1:].untyped_storage()`` and a weakref to it dies
+        # exactly when the memory is freed (see Note [Counting device memory with storages]).
+        return buffer.untyped_storage()
+
+    def owner_nbytes(self, owner: torch.UntypedStorage) -> int:
+        return int(owner.nbytes())
+
+    def nbytes(self, buffer: torch.Tensor) -> int:
+        return buffer.numel() * buffer.element_size()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    @torch.no_grad()
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.shape == src.shape and dst.dtype == src.dtype:
+            dst.copy_(src)
+        elif dst.is_contiguous():
+            dst.view(-1).view(src.dtype).view(src.shape).copy_(src)
+        elif src.is_contiguous():
+            dst.copy_(src.reshape(-1).view(dst.dtype).view(dst.shape))
+        else:
+            raise ConfigurationError(
+                f"cannot copy {describe(src)} into {describe(dst)}: layouts differ and neither side is "
+                "contiguous. Make one side contiguous (a raw uint8 buffer) or give both the same shape and dtype."
+            )
+
+    @torch.no_grad()
+    def poison(self, buffer: torch.Tensor) -> None:
+        if buffer.numel():
+            pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
+            buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
+
+
+TORCH_OPS = TorchBuffers()

@@ -1,0 +1,159 @@
+"""Device memory accounting for torch: every tensor created while the fake device is active.
+
+# Note [Counting device memory with storages]
+# On CUDA, ``torch.cuda.memory_allocated`` counts the live bytes of every tensor on the
+# device, whoever created it. The fake device gets the same figure with the technique
+# of ``torch.distributed._tools.mem_tracker``: while the device is active (``with dev:``)
+# a TorchDispatchMode sees every operator's outputs; an output storage that is neither
+# already counted nor one of the operator's input storages (a view, an in-place result)
+# is new device memory, counted in the MemoryArena with ``storage.nbytes()`` bytes.
+# The arena holds a weakref to the ``UntypedStorage``: torch keeps one Python object
+# per storage for as long as any tensor uses it (``t.untyped_storage() is
+# t[1:].untyped_storage()``), so the weakref's callback fires exactly when the memory
+# is freed, and views never count twice. Storages that existed before activation are
+# host memory unless adopted (``dev.adopt``), as a CPU tensor is not on the GPU until
+# ``.to('cuda')``. Host buffers (``allocate(.., PINNED/PAGEABLE)``) are made with the
+# mode suspended and registered as host, so they never count as device memory.
+# The mode is thread-local (dispatch modes are per thread): work on the fake device's
+# worker threads (copies) is not observed, and creates no storages anyway. Only the
+# innermost active fake device of a thread counts new storages.
+# Not seen: tensors made without dispatch (``torch.from_numpy``, ``no_dispatch``) and
+# ``UntypedStorage.resize_`` called directly; adopt such tensors explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from offcore.kinds import Tier
+from offcore_cpu.arena import MemoryArena
+from offcore_cpu.torch_buffers import TORCH_OPS
+
+__all__ = ["StorageTracker"]
+
+_aten = torch.ops.aten
+# Operators whose outputs hold uninitialised memory; the sanitizer poisons them.
+_UNINITIALISED = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided}
+
+_ACTIVE = threading.local()  # .stack: the StorageTrackers active on this thread, innermost last
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The CPU storage of ``tensor``; None for meta/fake tensors and tensor subclasses without one."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage if storage.device.type == "cpu" else None
+
+
+class _DeviceMemoryMode(TorchDispatchMode):
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._tracker.observe(func, args, kwargs, out)
+        return out
+
+
+class StorageTracker:
+    """Feeds the storages of tensors created while active into ``arena`` as device memory.
+
+    >>> import torch
+    >>> from offcore_cpu.arena import MemoryArena
+    >>> arena = MemoryArena("cpu:0", capacity=1 << 20)
+    >>> tracker = StorageTracker(arena, poison_uninitialised=False)
+    >>> tracker.activate()
+    >>> x = torch.zeros(256)                 # 1 KiB of float32
+    >>> tracker.deactivate()
+    >>> arena.allocated()
+    1024
+    """
+
+    def __init__(self, arena: MemoryArena, *, poison_uninitialised: bool) -> None:
+        self.arena = arena
+        self.poison_uninitialised = poison_uninitialised
+        self._local = threading.local()  # .depth, .mode, .suspended
+
+    # -- activation (re-entrant, per thread) -----------------------------------------------
+    def activate(self) -> None:
+        """Start counting on the calling thread (nestable: the mode is entered once per thread)."""
+        if getattr(self._local, "depth", 0) == 0:
+            self._local.mode = _DeviceMemoryMode(self)
+            self._local.mode.__enter__()
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        _active_stack().append(self)
+
+    def deactivate(self) -> None:
+        """Undo the matching :meth:`activate` on the calling thread."""
+        if getattr(self._local, "depth", 0) == 0:
+            return
+        stack = _active_stack()
+        for i in range(len(stack) - 1, -1, -1):  # our innermost entry (normally the last one)
+            if stack[i] is self:
+                del stack[i]
+                break
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            mode, self._local.mode = self._local.mode, None
+            mode.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        """True when this tracker is the innermost active one on the calling thread."""
+        stack = _active_stack()
+        return bool(stack) and stack[-1] is self
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Operators run inside are not counted (the device's own host allocations, poisoning)."""
+        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.suspended -= 1
+
+    # -- observation ---------------------------------------------------------------------
+    def observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Count the new storages among ``out`` (called by the dispatch mode after each operator)."""
+        if getattr(self._local, "suspended", 0) or not self.active:
+            return
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return
+        input_storages = {
+            id(s) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for s in [_storage(t)] if s
+        }
+        new: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for tensor in outputs:
+            storage = _storage(tensor)
+            if storage is None or id(storage) in new:
+                continue
+            tier = self.arena.tier_of(storage)
+            if tier is Tier.DEVICE:
+                self.arena.resize(storage, storage.nbytes())  # resize_ and friends
+            elif tier is None and id(storage) not in input_storages:
+                new[id(storage)] = (storage, storage.nbytes())
+        if not new:
+            return
+        self.arena.register_many(new.values(), Tier.DEVICE)  # raises the fake device's OOM error
+        if self.poison_uninitialised and func.overloadpacket in _UNINITIALISED:
+            with self.suspended():
+                for tensor in outputs:
+                    TORCH_OPS.poison(tensor)
+
+
+def _active_stack() -> list[StorageTracker]:
+    if not hasattr(_ACTIVE, "stack"):
+        _ACTIVE.stack = []
+    return _ACTIVE.stack  # type: ignore[no-any-return]
