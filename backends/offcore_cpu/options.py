@@ -2,8 +2,8 @@
 
 >>> from offcore_cpu.options import FakeDeviceOptions
 >>> opts = FakeDeviceOptions.parse(capacity="2GiB", h2d_bandwidth="32GiB/s", latency="10us", buffers="numpy")
->>> opts.capacity, opts.h2d_bandwidth, opts.latency
-(2147483648, 34359738368.0, 1e-05)
+>>> opts.capacity, opts.h2d_bandwidth, round(opts.latency * 1e6, 6)
+(2147483648, 34359738368.0, 10.0)
 """
 
 from __future__ import annotations
