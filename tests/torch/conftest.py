@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
+from torch_test_devices import fake_device  # noqa: E402
+
 import offcore  # noqa: E402
+
+
+@pytest.fixture
+def make_fake_device() -> Iterator[Callable[..., Any]]:
+    """``make_fake_device(**kwargs)`` builds a :func:`torch_test_devices.fake_device`; all are closed after the test."""
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        device = fake_device(**kwargs)
+        made.append(device)
+        return device
+
+    yield make
+    for device in made:
+        device.synchronize()
+        device.close()
 
 
 def _plugin_provides_backend() -> bool:

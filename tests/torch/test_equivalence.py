@@ -63,8 +63,10 @@ def check_really_offloaded(record: RunRecord) -> None:
 @pytest.mark.parametrize("link", ["unlimited", "slow"])
 @pytest.mark.parametrize("prefetch", ["deadline", "on_demand"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_offloaded_training_is_bit_identical(backend: Any, name: str, prefetch: str, link: str) -> None:
-    device = device_with_link(backend, link)
+def test_offloaded_training_is_bit_identical(
+    backend: Any, make_fake_device: Callable[..., Any], name: str, prefetch: str, link: str
+) -> None:
+    device = device_with_link(backend, link, make_fake_device)
     reference = reference_run(backend, device, name)
     assert all(bool(torch.isfinite(loss)) for loss in reference.losses)
 
@@ -77,10 +79,12 @@ def test_offloaded_training_is_bit_identical(backend: Any, name: str, prefetch: 
 
 
 @pytest.mark.parametrize("link", ["unlimited", "slow"])
-def test_offload_inside_activation_checkpointing_is_bit_identical(backend: Any, link: str) -> None:
+def test_offload_inside_activation_checkpointing_is_bit_identical(
+    backend: Any, make_fake_device: Callable[..., Any], link: str
+) -> None:
     """Blocks recomputed by non-reentrant ``torch.utils.checkpoint``, everything else offloaded:
     the result equals plain keep-all training (checkpointing replays the dropout RNG)."""
-    device = device_with_link(backend, link)
+    device = device_with_link(backend, link, make_fake_device)
     reference = reference_run(backend, device, "gpt")
 
     offloaded = run_workload(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,6 @@ torch = pytest.importorskip("torch")
 
 from offcore_torch.models import mlp_workload, view_saver_workload  # noqa: E402
 from offcore_torch.testing import assert_bit_identical, bit_identical, run_workload  # noqa: E402
-from torch_test_devices import fake_device  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -35,26 +35,28 @@ def corrupt_one_saved_tensor() -> Iterator[None]:
         yield
 
 
-def test_identical_runs_compare_equal() -> None:
+def test_identical_runs_compare_equal(make_fake_device: Callable[..., Any]) -> None:
     work = view_saver_workload(batch_size=8)
-    first = run_workload(work, device=fake_device())
-    second = run_workload(work, device=fake_device())
+    first = run_workload(work, device=make_fake_device())
+    second = run_workload(work, device=make_fake_device())
     assert_bit_identical(first, second)
     assert len(first.losses) == 3 and len(first.grads) == 3 and first.params
 
 
-def test_a_one_ulp_corruption_of_a_saved_tensor_is_reported() -> None:
+def test_a_one_ulp_corruption_of_a_saved_tensor_is_reported(make_fake_device: Callable[..., Any]) -> None:
     work = mlp_workload(d_in=16, width=32, depth=2, d_out=4, batch_size=16)
-    reference = run_workload(work, device=fake_device())
-    corrupted = run_workload(work, device=fake_device(), offload=corrupt_one_saved_tensor)
+    reference = run_workload(work, device=make_fake_device())
+    corrupted = run_workload(work, device=make_fake_device(), offload=corrupt_one_saved_tensor)
     with pytest.raises(AssertionError, match=r"step 0 gradient '.*': \d+ of \d+ elements differ"):
         assert_bit_identical(reference, corrupted)
 
 
-def test_a_different_seed_is_reported_with_the_loss() -> None:
+def test_a_different_seed_is_reported_with_the_loss(make_fake_device: Callable[..., Any]) -> None:
     work = view_saver_workload(batch_size=8)
     with pytest.raises(AssertionError, match="step 0 loss: 1 of 1 elements differ"):
-        assert_bit_identical(run_workload(work, device=fake_device()), run_workload(work, device=fake_device(), seed=1))
+        assert_bit_identical(
+            run_workload(work, device=make_fake_device()), run_workload(work, device=make_fake_device(), seed=1)
+        )
 
 
 def test_bit_identical_is_stricter_than_equal() -> None:

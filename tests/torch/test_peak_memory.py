@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from offcore_torch.models import MLP  # noqa: E402
 from offcore_torch.testing import measure_peak  # noqa: E402
 from torch import nn  # noqa: E402
-from torch_test_devices import fake_device, is_fake_device  # noqa: E402
+from torch_test_devices import is_fake_device  # noqa: E402
 
 import offcore  # noqa: E402
 
@@ -167,13 +167,13 @@ def describe(figures: dict[str, Any]) -> str:
     )
 
 
-def keep_all_and_offloaded(backend: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    device = fake_device(capacity=BIG_CAPACITY) if is_fake_device(backend) else backend
+def keep_all_and_offloaded(backend: Any, make: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    device = make(capacity=BIG_CAPACITY) if is_fake_device(backend) else backend
     return measure_step(device, keep_all), measure_step(device, offloaded)
 
 
-def test_offloaded_peak_stays_within_the_stated_bound(backend: Any) -> None:
-    kept, off = keep_all_and_offloaded(backend)
+def test_offloaded_peak_stays_within_the_stated_bound(backend: Any, make_fake_device: Callable[..., Any]) -> None:
+    kept, off = keep_all_and_offloaded(backend, make_fake_device)
     bound = bound_of(off)
     assert kept["peak"] > bound + 8 * 1024**2, (
         "the workload does not separate keep-all from the bound, so the test would prove nothing: "
@@ -183,24 +183,26 @@ def test_offloaded_peak_stays_within_the_stated_bound(backend: Any) -> None:
     assert off["peak"] <= bound, f"offloaded step exceeded its bound: {describe(off)}"
 
 
-def test_offloading_completes_a_step_that_runs_out_of_memory_keeping_everything(backend: Any) -> None:
+def test_offloading_completes_a_step_that_runs_out_of_memory_keeping_everything(
+    backend: Any, make_fake_device: Callable[..., Any]
+) -> None:
     if not is_fake_device(backend):
         pytest.skip(f"needs a device whose capacity the test can choose (the fake device); {backend.name} has its own")
-    kept, off = keep_all_and_offloaded(backend)
+    kept, off = keep_all_and_offloaded(backend, make_fake_device)
     bound = bound_of(off)
     assert kept["peak"] > bound + 8 * 1024**2, f"keep-all {kept['peak']} vs {describe(off)}"
     capacity = (kept["peak"] + bound) // 2
     del kept, off
     gc.collect()
 
-    tight = fake_device(capacity=capacity)
+    tight = make_fake_device(capacity=capacity)
     with pytest.raises(torch.OutOfMemoryError) as raised:
         measure_step(tight, keep_all)
     assert isinstance(raised.value, offcore.CapacityExceededError)
     del raised
     gc.collect()
 
-    tight = fake_device(capacity=capacity)
+    tight = make_fake_device(capacity=capacity)
     figures = measure_step(tight, offloaded)
     assert figures["handle"].stats().offloaded_bytes > 0
     assert figures["peak"] <= min(bound_of(figures), capacity), describe(figures)

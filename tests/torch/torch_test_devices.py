@@ -9,6 +9,7 @@ so the emulated variants skip with that reason.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,11 +38,12 @@ def fake_device(*, capacity: int | str = "4GiB", link: str = "unlimited", saniti
     return offcore.device("cpu", capacity=capacity, sanitize=sanitize, **LINKS[link], **options)
 
 
-def device_with_link(backend: Any, link: str) -> Any:
+def device_with_link(backend: Any, link: str, make: Callable[..., Any] = fake_device) -> Any:
     """``backend`` itself on real hardware (only the 'unlimited' slot runs there); on the fake
-    device a fresh sanitized fake device with the requested emulated link."""
+    device a fresh sanitized fake device with the requested emulated link, made by ``make``
+    (the ``make_fake_device`` fixture, which closes it after the test)."""
     if is_fake_device(backend):
-        return fake_device(link=link)
+        return make(link=link)
     if link != "unlimited":
         pytest.skip(f"emulated link {link!r} exists only on the fake device; {backend.name} uses its own hardware link")
     return backend
