@@ -15,7 +15,10 @@ accept integers or floats (bytes per second) or the same strings followed by ``/
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
+from fractions import Fraction
 
 from offcore.errors import ConfigurationError
 
@@ -41,19 +44,27 @@ _UNITS: dict[str, int] = {
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def _split(text: str, what: str, example: str) -> tuple[float, int]:
+_MAX_SIZE = 2**63 - 1  # sizes are int64 in every framework offcore talks to
+
+
+def _split(text: str, what: str, example: str, original: str | None = None) -> tuple[Fraction, int]:
+    """Number and unit factor of ``text``; errors quote ``original`` (what the user wrote)."""
+    shown = text if original is None else original
     match = _NUMBER_UNIT.match(text)
     if match is None:
         raise ConfigurationError(
-            f"cannot read {what} {text!r}: write a positive number with an optional unit, e.g. {example!r}"
+            f"cannot read {what} {shown!r}: write a positive number with an optional unit, e.g. {example!r}"
         )
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigurationError(
-            f"unknown unit {unit!r} in {what} {text!r}: use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB"
+            f"unknown unit {unit!r} in {what} {shown!r}: use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB"
         )
-    return float(number), factor
+    exponent = number.lower().partition("e")[2]
+    if exponent and abs(int(exponent)) > 30:  # also keeps Fraction from building a 10**huge integer
+        raise ConfigurationError(f"{what} {shown!r} is out of range: write it with a unit, e.g. {example!r}")
+    return Fraction(number), factor  # exact: floats lose bytes above 2**53
 
 
 def parse_size(value: int | str, *, what: str = "size", allow_zero: bool = False) -> int:
@@ -64,8 +75,8 @@ def parse_size(value: int | str, *, what: str = "size", allow_zero: bool = False
     """
     if isinstance(value, bool):
         raise ConfigurationError(f"{what} must be a number of bytes or a string like '64MiB', not {value!r}")
-    if isinstance(value, int):
-        nbytes = value
+    if isinstance(value, numbers.Integral):  # int, numpy integers
+        nbytes = operator.index(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ConfigurationError(f"{what} must be a whole number of bytes, got {value!r}")
@@ -73,13 +84,15 @@ def parse_size(value: int | str, *, what: str = "size", allow_zero: bool = False
     elif isinstance(value, str):
         number, factor = _split(value, what, "64MiB")
         total = number * factor
-        if total != int(total):
+        if total.denominator != 1:
             raise ConfigurationError(f"{what} {value!r} is not a whole number of bytes")
         nbytes = int(total)
     else:
         raise ConfigurationError(f"{what} must be an int or a string like '64MiB', not {type(value).__name__}")
     if nbytes < 0 or (nbytes == 0 and not allow_zero):
         raise ConfigurationError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
+    if nbytes > _MAX_SIZE:
+        raise ConfigurationError(f"{what} {value!r} is too large: at most {_MAX_SIZE} bytes (8 EiB)")
     return nbytes
 
 
@@ -90,7 +103,7 @@ def parse_bandwidth(value: int | float | str, *, what: str = "bandwidth") -> flo
     """
     if isinstance(value, bool):
         raise ConfigurationError(f"{what} must be bytes per second or a string like '32GiB/s', not {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # int, float, numpy scalars
         rate = float(value)
     elif isinstance(value, str):
         text = value.strip()
@@ -100,8 +113,13 @@ def parse_bandwidth(value: int | float | str, *, what: str = "bandwidth") -> flo
             raise ConfigurationError(
                 f"cannot read {what} {value!r}: write bytes per second or a size per second, e.g. '32GiB/s'"
             )
-        number, factor = _split(text[:-2], what, "32GiB/s")
-        rate = number * factor
+        number, factor = _split(text[:-2], what, "32GiB/s", original=value)
+        try:
+            rate = float(number * factor)
+        except OverflowError:
+            rate = math.inf
+        if math.isinf(rate):
+            raise ConfigurationError(f"{what} {value!r} is too large; write 'inf' for an unlimited bandwidth")
     else:
         raise ConfigurationError(f"{what} must be a number or a string like '32GiB/s', not {type(value).__name__}")
     if math.isnan(rate) or rate <= 0:
@@ -133,7 +151,7 @@ def format_bytes(nbytes: float) -> str:
     sign = "-" if nbytes < 0 else ""
     value = float(abs(nbytes))
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+        if round(value, 2) < 1024 or unit == "TiB":  # never '1024.00 GiB'
             return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
