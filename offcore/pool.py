@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from offcore.errors import CapacityExceededError, ConfigurationError
+from offcore.errors import CapacityExceededError, ConfigurationError, IllegalTransitionError
 from offcore.units import format_bytes, parse_size
 
 __all__ = ["HostBufferPool", "HostBuffer"]
@@ -59,6 +59,14 @@ class _Block:
 
     def give(self, offset: int, size: int) -> None:
         i = bisect.bisect_left(self.free, (offset, 0))
+        overlaps_left = i > 0 and self.free[i - 1][0] + self.free[i - 1][1] > offset
+        overlaps_right = i < len(self.free) and self.free[i][0] < offset + size
+        if overlaps_left or overlaps_right:
+            # a double release: accepting it would hand the same bytes out twice later
+            raise IllegalTransitionError(
+                f"host buffer at offset {offset} ({size} bytes) is already free in its pool block; "
+                "release each buffer exactly once"
+            )
         self.free.insert(i, (offset, size))
         # merge with the right neighbour, then the left one
         if i + 1 < len(self.free) and offset + size == self.free[i + 1][0]:
@@ -121,9 +129,12 @@ class HostBufferPool:
                 if offset is not None:
                     return self._hand_out(index, offset, size, nbytes)
             new_size = max(size, self.block_size)
-            if self.reserved_bytes + new_size > self.budget:
-                new_size = size  # an exact block still fits where a full one does not
-            if self.reserved_bytes + new_size > self.budget:
+            room = self.budget - self.reserved_bytes
+            if new_size > room:
+                # the rest of the budget as one block (not one exact block per request, which
+                # would cost a pinned allocation per tensor); it may still be too small
+                new_size = max(size, room // self.alignment * self.alignment)
+            if new_size > room:
                 raise CapacityExceededError(
                     f"host pool budget exhausted: {format_bytes(nbytes)} requested, "
                     f"{format_bytes(self.used_bytes)} of {format_bytes(self.budget)} in use. "
