@@ -249,15 +249,14 @@ class TorchAcceleratorDevice:
         total = int(self._mod.get_device_properties(self.index).total_memory)
         self.total_memory = total
         cap = self.options.capacity
-        self._fraction_set = False
+        self._restore_fraction: Callable[[], Any] | None = None
         if cap is not None:
             if cap > total:
                 raise ConfigurationError(
                     f"capacity {format_bytes(cap)} exceeds {self.name}:{self.index}'s memory ({format_bytes(total)}); "
                     "pass a smaller capacity or none to use the whole device"
                 )
-            self._mod.set_per_process_memory_fraction(cap / total, self.index)
-            self._fraction_set = True
+            self._restore_fraction = self._cap_memory(cap / total)
         self.capacity = cap if cap is not None else total
         self._lock = threading.Lock()
         self._in_flight: collections.deque[tuple[Any, HostBuffer]] = collections.deque()
@@ -265,6 +264,20 @@ class TorchAcceleratorDevice:
         self.staged_copies = 0
         self.direct_pageable_copies = 0
         self.pinned_pool = self.host_pool(self.options.host_budget, pinned=True)
+
+    def _cap_memory(self, fraction: float) -> Callable[[], Any]:
+        """Limit the caching allocator to ``fraction`` of the device; returns the undo.
+
+        The limit is per process and device, so the previous fraction comes back when
+        this device object is closed or garbage-collected.
+        """
+        mod, index = self._mod, self.index
+        getter = getattr(mod, "get_per_process_memory_fraction", None)
+        previous = float(getter(index)) if getter is not None else 1.0
+        mod.set_per_process_memory_fraction(float(fraction), index)
+        undo = weakref.finalize(self, mod.set_per_process_memory_fraction, previous, index)
+        undo.atexit = False
+        return undo
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, capacity={format_bytes(self.capacity)})"
@@ -351,7 +364,7 @@ class TorchAcceleratorDevice:
             raise ConfigurationError(f"allocate needs a positive number of bytes, got {nbytes!r}")
         tier = Tier(tier)
         if tier is Tier.DEVICE:
-            return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.torch_device)
+            return self._allocate_device(nbytes)
         if tier is Tier.PAGEABLE:
             return self._torch.empty(nbytes, dtype=self._torch.uint8)
         if tier is Tier.PINNED:
@@ -366,6 +379,20 @@ class TorchAcceleratorDevice:
             f"the {self.name} backend allocates device, pinned or pageable buffers, not {tier.value!r}; "
             "NVMe files are handled by offcore's storage tier, not by a device backend"
         )
+
+    def _allocate_device(self, nbytes: int) -> Any:
+        torch = self._torch
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # some runtimes report a full device as a plain RuntimeError
+            if "out of memory" not in str(exc).lower():
+                raise
+            raise torch.OutOfMemoryError(
+                f"{self.name}:{self.index} out of memory allocating {format_bytes(nbytes)} "
+                f"(capacity {format_bytes(self.capacity)}): {exc}"
+            ) from exc
 
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` is a tensor in this device's memory."""
@@ -513,9 +540,9 @@ class TorchAcceleratorDevice:
         """Wait for outstanding copies, free idle pinned blocks, lift the capacity cap."""
         self.synchronize()
         self.pinned_pool.trim()
-        if self._fraction_set:
-            self._mod.set_per_process_memory_fraction(1.0, self.index)
-            self._fraction_set = False
+        if self._restore_fraction is not None:
+            self._restore_fraction()
+            self._restore_fraction = None
 
     # ------------------------------------------------------------- formats (NPU)
     def format_of(self, tensor: Any) -> int | None:

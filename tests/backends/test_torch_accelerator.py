@@ -1,0 +1,405 @@
+"""The shared torch-accelerator adapter (offcore_torch.accelerator) on a CPU stand-in module.
+
+What runs here without hardware: option checks, stream/event plumbing, the pinned
+pool and its lifetime rule, the copy paths (direct, staged pageable, host-to-host),
+byte-exact reinterpretation, memory statistics and the capacity cap. What needs a
+GPU/NPU (asynchronous DMA, real events) is the conformance suite's job on hardware.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fake_accelerator import FakeAcceleratorDevice, FakeAcceleratorModule, GiB  # noqa: E402
+from offcore_torch.accelerator import AcceleratorOptions, match_layout, tensor_over, typed_view  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore import Tier  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def module(monkeypatch: pytest.MonkeyPatch) -> FakeAcceleratorModule:
+    fake = FakeAcceleratorModule(count=2, total=16 * GiB)
+    monkeypatch.setattr(FakeAcceleratorDevice, "module", fake, raising=False)
+    return fake
+
+
+@pytest.fixture
+def dev(module: FakeAcceleratorModule) -> Any:
+    device = FakeAcceleratorDevice(1, host_budget="64MiB", block_size="4MiB")
+    yield device
+    device.close()
+
+
+def _bytes(tensor: Any) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"host_budget": "-1"}, "host_budget"),
+        ({"host_budget": 0}, "host_budget"),
+        ({"block_size": "64MB/s"}, "block_size"),
+        ({"capacity": "lots"}, "capacity"),
+        ({"stage_pageable": "yes"}, "stage_pageable"),
+        ({"colour": "red"}, "unknown option"),
+    ],
+)
+def test_bad_options_are_refused_before_any_device_call(
+    module: FakeAcceleratorModule, options: dict[str, Any], message: str
+) -> None:
+    module.available = False  # an option error must win over "unavailable": it is checked first
+    with pytest.raises(offcore.ConfigurationError, match=message):
+        FakeAcceleratorDevice(0, **options)
+
+
+def test_fake_device_options_get_a_hint() -> None:
+    with pytest.raises(offcore.ConfigurationError, match="cpu fake device") as caught:
+        AcceleratorOptions.parse("cuda", h2d_bandwidth="32GiB/s")
+    assert "host_budget" in str(caught.value)  # the message lists the known options
+
+
+@pytest.mark.parametrize("index", [-1, True, "1", 1.0])
+def test_bad_index(module: FakeAcceleratorModule, index: Any) -> None:
+    with pytest.raises(offcore.ConfigurationError, match="index"):
+        FakeAcceleratorDevice(index)
+
+
+def test_index_beyond_the_device_count(module: FakeAcceleratorModule) -> None:
+    with pytest.raises(offcore.ConfigurationError, match=r"2 fakeacc device\(s\), indices 0\.\.1"):
+        FakeAcceleratorDevice(2)
+
+
+def test_unavailable_backend_raises_with_its_reason(module: FakeAcceleratorModule) -> None:
+    module.available = False
+    with pytest.raises(offcore.BackendUnavailableError, match="switched off"):
+        FakeAcceleratorDevice(0)
+
+
+def test_default_host_budget_is_bounded() -> None:
+    budget = AcceleratorOptions.parse("cuda").host_budget
+    assert 64 * MiB <= budget <= 8 * GiB
+
+
+# --------------------------------------------------------------------------- capacity cap
+
+
+def test_capacity_caps_the_allocator_and_is_undone(module: FakeAcceleratorModule) -> None:
+    module.fractions[1] = 0.5  # a fraction the user had set before
+    device = FakeAcceleratorDevice(1, capacity="4GiB")
+    assert device.capacity == 4 * GiB
+    assert module.fractions[1] == pytest.approx(4 / 16)
+    assert device.memory_stats().capacity_bytes == 4 * GiB
+    device.close()
+    assert module.fractions[1] == 0.5
+
+
+def test_capacity_cap_is_undone_when_the_device_is_collected(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, capacity=GiB)
+    assert module.fractions[0] == pytest.approx(1 / 16)
+    del device
+    gc.collect()
+    assert module.fractions[0] == 1.0
+
+
+def test_capacity_above_the_hardware_is_refused(module: FakeAcceleratorModule) -> None:
+    with pytest.raises(offcore.ConfigurationError, match="exceeds"):
+        FakeAcceleratorDevice(0, capacity="17GiB")
+
+
+def test_without_capacity_the_whole_device_and_no_cap(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0)
+    assert device.capacity == 16 * GiB and module.fractions == [1.0, 1.0]
+
+
+# --------------------------------------------------------------------------- streams, events, context
+
+
+def test_current_stream_is_read_at_each_call(dev: Any, module: FakeAcceleratorModule) -> None:
+    first = dev.current_stream()
+    other = module.Stream()
+    module.set_current(other)
+    assert dev.current_stream() is other and first is not other
+
+
+def test_new_stream_and_event_pass_their_arguments(dev: Any) -> None:
+    stream = dev.new_stream(priority=-1)
+    assert (stream.device, stream.priority) == (1, -1)
+    assert dev.new_event(enable_timing=True).enable_timing is True
+    assert dev.new_event().enable_timing is False
+    with pytest.raises(offcore.ConfigurationError, match="priority"):
+        dev.new_stream(priority="high")
+
+
+def test_with_device_enters_the_module_device_context(dev: Any, module: FakeAcceleratorModule) -> None:
+    with dev as active:
+        assert active is dev and module.device_stack == [1]
+        with dev:
+            assert module.device_stack == [1, 1]
+        assert module.device_stack == [1]
+    assert module.device_stack == []
+
+
+def test_satisfies_the_backend_protocol(dev: Any) -> None:
+    assert isinstance(dev, offcore.Backend)
+    assert isinstance(dev.new_stream(), offcore.Stream)
+    assert isinstance(dev.new_event(), offcore.Event)
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+def test_allocate_tiers(dev: Any) -> None:
+    for tier in (Tier.DEVICE, Tier.PINNED, Tier.PAGEABLE):
+        raw = dev.allocate(1000, tier)
+        assert raw.dtype == torch.uint8 and tuple(raw.shape) == (1000,), tier
+        assert dev.holds(raw) is (tier is Tier.DEVICE), tier
+        assert dev._is_pinned(raw) is (tier is Tier.PINNED), tier
+
+
+@pytest.mark.parametrize("nbytes", [0, -5, True, 1.5])
+def test_allocate_refuses_bad_sizes(dev: Any, nbytes: Any) -> None:
+    with pytest.raises(offcore.ConfigurationError, match="positive number of bytes"):
+        dev.allocate(nbytes, Tier.PINNED)
+
+
+def test_allocate_refuses_nvme(dev: Any) -> None:
+    with pytest.raises(offcore.ConfigurationError, match="NVMe"):
+        dev.allocate(1024, Tier.NVME)
+
+
+def test_pinned_buffer_returns_to_the_pool_when_its_last_view_dies(dev: Any) -> None:
+    pool = dev.pinned_pool
+    raw = dev.allocate(4096, Tier.PINNED)
+    assert pool.used_bytes == 4096
+    typed = raw.view(torch.float32).view(32, 32)  # a view made from it outlives the raw buffer
+    del raw
+    gc.collect()
+    assert pool.used_bytes == 4096, "released while a view still used the memory"
+    typed.fill_(1.5)
+    again = dev.allocate(4096, Tier.PINNED)
+    assert again.data_ptr() != typed.data_ptr(), "the slot was handed out twice"
+    del typed
+    assert pool.used_bytes == 4096  # only `again` is left
+    del again
+    assert pool.used_bytes == 0
+
+
+def test_pinned_buffers_are_exact_size_slices_of_few_blocks(dev: Any) -> None:
+    buffers = [dev.allocate(size, Tier.PINNED) for size in (1000, 3000, 70_000, 512)]
+    assert [b.numel() for b in buffers] == [1000, 3000, 70_000, 512]
+    assert len(dev.pinned_blocks) == 1, "small buffers must share one block, not pin memory each"
+
+
+def test_pinned_budget_is_enforced(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, host_budget="1MiB", block_size="1MiB")
+    held = device.allocate(768 * 1024, Tier.PINNED)
+    with pytest.raises(offcore.CapacityExceededError, match="budget"):
+        device.allocate(512 * 1024, Tier.PINNED)
+    del held
+
+
+def test_host_pool_hands_out_pinned_or_pageable_blocks(dev: Any) -> None:
+    pinned = dev.host_pool("8MiB")
+    pageable = dev.host_pool("8MiB", pinned=False)
+    a, b = pinned.acquire(1000), pageable.acquire(1000)
+    assert dev._is_pinned(a.view) and not dev._is_pinned(b.view)
+    assert a.nbytes == b.nbytes == 1000
+    pinned.release(a)
+    pageable.release(b)
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def test_h2d_from_pinned_is_one_async_copy_on_the_stream(dev: Any, module: FakeAcceleratorModule) -> None:
+    src = typed_view(dev.allocate(4 * 6 * 5, Tier.PINNED), torch.float32, (6, 5))
+    src.copy_(torch.randn(6, 5))
+    dst = dev.to_device(torch.zeros(6, 5))
+    stream = dev.new_stream()
+    event = dev.copy_(dst, src, stream=stream)
+    assert module.stream_log == [stream], "the copy must be enqueued inside the stream context"
+    assert event.stream is stream and dev.staged_copies == 0
+    assert _bytes(dst) == _bytes(src)
+
+
+def test_h2d_from_pageable_stages_and_keeps_the_buffer_until_the_event_completes(
+    dev: Any, module: FakeAcceleratorModule
+) -> None:
+    src = torch.randn(64, 33)[:, ::2]  # pageable and non-contiguous
+    dst = dev.to_device(torch.zeros(64, 17))
+    stream = dev.new_stream()
+    stream.hold()  # the copy is still in flight
+    event = dev.copy_(dst, src, stream=stream)
+    assert dev.staged_copies == 1 and not event.query()
+    staged = dev.pinned_pool.used_bytes
+    assert staged >= 64 * 17 * 4
+    dev.copy_(dev.to_device(torch.zeros(4)), dev.to_device(torch.ones(4)), stream=stream)  # reaping runs here
+    assert dev.pinned_pool.used_bytes == staged, "a staging buffer was released while its copy was in flight"
+    stream.release()
+    dev.synchronize()
+    assert dev.pinned_pool.used_bytes == 0 and module.synchronized[-1] == 1
+    assert _bytes(dst) == _bytes(src)
+
+
+def test_completed_staging_buffers_are_reaped_by_the_next_copy(dev: Any) -> None:
+    stream = dev.new_stream()
+    dev.copy_(dev.to_device(torch.zeros(100)), torch.ones(100), stream=stream)
+    used_after_first = dev.pinned_pool.used_bytes
+    dev.copy_(dev.to_device(torch.zeros(100)), torch.ones(100), stream=stream)
+    assert used_after_first > 0 and dev.pinned_pool.used_bytes == used_after_first  # the first came back
+
+
+def test_d2h_to_pageable_stages_and_has_landed_on_return(dev: Any) -> None:
+    data = torch.randn(10, 12)
+    src = dev.to_device(data)
+    base = torch.full((12, 10), -1.0)
+    dst = base.t()  # pageable, non-contiguous
+    stream = dev.new_stream()
+    stream.hold()
+    event = dev.copy_(dst, src, stream=stream)
+    assert event.query(), "a device-to-pageable copy returns only once the bytes landed"
+    assert dev.staged_copies == 1 and dev.pinned_pool.used_bytes == 0
+    assert torch.equal(dst, data)
+
+
+def test_without_staging_pageable_copies_go_direct(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, stage_pageable=False)
+    data = torch.randn(50)
+    dst = device.to_device(torch.zeros(50))
+    device.copy_(dst, data, stream=device.new_stream())
+    assert (device.staged_copies, device.direct_pageable_copies) == (0, 1)
+    assert device.pinned_pool.reserved_bytes == 0
+    assert torch.equal(dst, data)
+
+
+def test_pageable_copy_falls_back_to_direct_when_the_pool_is_full(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, host_budget="1MiB", block_size="1MiB")
+    hog = device.allocate(MiB, Tier.PINNED)
+    data = torch.randn(1000)
+    dst = device.to_device(torch.zeros(1000))
+    device.copy_(dst, data, stream=device.new_stream())
+    assert device.direct_pageable_copies == 1 and torch.equal(dst, data)
+    back = torch.zeros(1000)
+    assert device.copy_(back, dst, stream=device.new_stream()).query()
+    assert device.direct_pageable_copies == 2 and torch.equal(back, data)
+    del hog
+
+
+def test_host_to_host_waits_for_the_stream_first(dev: Any) -> None:
+    stream = dev.new_stream()
+    stream.hold()
+    earlier = stream.record_event()
+    src, dst = torch.arange(10.0), torch.zeros(10)
+    dev.copy_(dst, src, stream=stream)
+    assert earlier.query(), "a host copy on a stream must come after the stream's earlier work"
+    assert torch.equal(dst, src)
+
+
+def test_device_to_device(dev: Any) -> None:
+    data = torch.randn(3, 4, 5)
+    src, dst = dev.to_device(data), dev.to_device(torch.zeros(3, 4, 5))
+    dev.copy_(dst, src, stream=dev.new_stream())
+    assert torch.equal(dst, data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+def test_raw_host_buffer_receives_the_exact_bytes(dev: Any, dtype: Any) -> None:
+    data = (torch.randn(7, 9) > 0) if dtype is torch.bool else torch.randn(7, 9).to(dtype)
+    if dtype is torch.float32:
+        data[0, 0], data[0, 1] = float("nan"), -0.0  # bit patterns, not values
+    src = dev.to_device(data)
+    raw = dev.allocate(data.numel() * data.element_size(), Tier.PINNED)
+    dev.copy_(raw, src, stream=dev.new_stream()).synchronize()
+    assert raw.numpy().tobytes() == _bytes(data)
+    back = dev.to_device(torch.zeros_like(data))
+    dev.copy_(back, raw, stream=dev.new_stream()).synchronize()
+    assert _bytes(back) == _bytes(data)
+
+
+def test_copy_argument_errors(dev: Any) -> None:
+    stream = dev.new_stream()
+    with pytest.raises(offcore.ConfigurationError, match="equal byte counts"):
+        dev.copy_(torch.zeros(3), dev.to_device(torch.zeros(4)), stream=stream)
+    with pytest.raises(offcore.ConfigurationError, match="contiguous"):
+        dev.copy_(torch.zeros(4, 4, dtype=torch.int32).t(), torch.zeros(4, 4).t(), stream=stream)
+    with pytest.raises(offcore.ConfigurationError, match="torch tensors"):
+        import numpy as np
+
+        dev.copy_(np.zeros(4), torch.zeros(4), stream=stream)
+    with pytest.raises(offcore.ConfigurationError, match="meta"):
+        dev.copy_(torch.zeros(4), torch.empty(4, device="meta"), stream=stream)
+    with pytest.raises(offcore.ConfigurationError, match="stream"):
+        dev.copy_(torch.zeros(4), torch.zeros(4), stream=None)
+
+
+def test_match_layout_reinterprets_only_a_contiguous_side() -> None:
+    raw = torch.zeros(24, dtype=torch.uint8)
+    typed = torch.arange(6, dtype=torch.float32).view(2, 3).t()  # non-contiguous
+    d, s = match_layout(raw, typed)
+    assert d.dtype == torch.float32 and d.shape == s.shape and d.data_ptr() == raw.data_ptr()
+    d.copy_(s)
+    assert raw.view(torch.float32).tolist() == typed.reshape(-1).tolist()
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_memory_stats_come_from_the_device_module(dev: Any, module: FakeAcceleratorModule) -> None:
+    module.allocated[1], module.peak[1] = 3 * MiB, 7 * MiB
+    module.reserved[1], module.peak_reserved[1], module.free[1] = 10 * MiB, 12 * MiB, 5 * GiB
+    module.allocated[0] = 999  # another device's figures must not leak in
+    held = dev.allocate(4096, Tier.PINNED)
+    stats = dev.memory_stats()
+    assert isinstance(stats, offcore.MemoryStats)
+    assert (stats.allocated_bytes, stats.peak_allocated_bytes, stats.capacity_bytes) == (3 * MiB, 7 * MiB, 16 * GiB)
+    assert (stats["reserved_bytes"], stats["peak_reserved_bytes"]) == (10 * MiB, 12 * MiB)
+    assert (stats["device_free_bytes"], stats["free_bytes"]) == (5 * GiB, 5 * GiB)
+    assert (stats["pinned_used_bytes"], stats["pinned_reserved_bytes"]) == (4096, 4 * MiB)
+    del held
+
+
+def test_free_bytes_respects_the_capacity_cap(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, capacity="1GiB")
+    module.reserved[0], module.free[0] = 900 * MiB, 15 * GiB
+    assert device.memory_stats()["free_bytes"] == 124 * MiB
+    module.mem_get_info_raises = True  # older runtimes: derived from the reservation
+    assert device.memory_stats()["device_free_bytes"] == 16 * GiB - 900 * MiB
+
+
+def test_reset_peak_memory_stats(dev: Any, module: FakeAcceleratorModule) -> None:
+    module.allocated[1], module.peak[1] = 2 * MiB, 9 * MiB
+    held = dev.allocate(8192, Tier.PINNED)
+    dropped = dev.allocate(8192, Tier.PINNED)
+    del dropped
+    assert dev.memory_stats()["pinned_peak_used_bytes"] == 16384
+    dev.reset_peak_memory_stats()
+    stats = dev.memory_stats()
+    assert stats.peak_allocated_bytes == 2 * MiB and stats["pinned_peak_used_bytes"] == 8192
+    del held
+
+
+def test_formats_are_a_no_op_without_private_formats(dev: Any) -> None:
+    tensor = dev.to_device(torch.ones(3))
+    assert dev.format_of(tensor) is None
+    assert dev.restore_format(tensor, None) is tensor
+
+
+def test_tensor_over_frees_once_when_the_storage_dies() -> None:
+    backing = torch.zeros(128, dtype=torch.uint8)
+    freed: list[int] = []
+    view = tensor_over(backing.data_ptr() + 64, 32, on_free=lambda: freed.append(1))[8:]
+    assert view.data_ptr() == backing.data_ptr() + 72 and freed == []
+    del view
+    assert freed == [1]
