@@ -131,20 +131,37 @@ class _Registry:
                 return
             self._loaded = True
             if os.environ.get("OFFCORE_BACKEND_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off"):
-                blocked = {
-                    n.strip() for n in os.environ.get("OFFCORE_BACKEND_BLOCK", "").split(",") if n.strip()
-                }
+                blocked = {n.strip() for n in os.environ.get("OFFCORE_BACKEND_BLOCK", "").split(",") if n.strip()}
                 for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
                     if ep.name in blocked or self.pm.has_plugin(ep.name) or self.pm.is_blocked(ep.name):
                         continue
                     try:
                         plugin = ep.load()
                     except Exception as exc:
-                        self.broken_plugins[ep.name] = f"importing entry point {ep.value!r} failed: {exc}"
+                        self.broken_plugins[ep.name] = (
+                            f"importing entry point {ep.value!r} failed: {type(exc).__name__}: {exc}"
+                        )
                         continue
-                    self.pm.register(plugin, name=ep.name)
-            self.pm.check_pending()
+                    try:
+                        self.pm.register(plugin, name=ep.name)
+                    except Exception as exc:  # e.g. a hookimpl whose arguments match no hookspec
+                        self.broken_plugins[ep.name] = f"registering entry point {ep.value!r} failed: {exc}"
+            self._drop_unknown_hooks()
             self._collect()
+
+    def _drop_unknown_hooks(self) -> None:
+        """``check_pending()``, unregistering (and listing as broken) each plugin it rejects.
+
+        One plugin with a misspelt ``offcore_*`` hook must not take the others down.
+        """
+        while True:
+            try:
+                self.pm.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.pm.get_name(exc.plugin) or repr(exc.plugin)
+                self.pm.unregister(exc.plugin)
+                self.broken_plugins[name] = f"{exc}; check the hook names against offcore.hookspecs"
 
     def register_plugin(self, plugin: object, name: str | None = None) -> None:
         with self._lock:
@@ -212,9 +229,11 @@ def parse_device_spec(spec: str) -> tuple[str, int]:
     if not isinstance(spec, str) or not spec:
         raise ConfigurationError(f"a device is named like 'cpu', 'cuda' or 'cuda:1', not {spec!r}")
     name, sep, index = spec.partition(":")
+    if not name:
+        raise ConfigurationError(f"device {spec!r} has no backend name: write e.g. 'cuda:1'")
     if not sep:
         return name, 0
-    if not index.isdigit():
+    if not (index.isascii() and index.isdigit()):  # '²'.isdigit() is True, int('²') raises
         raise ConfigurationError(f"device index in {spec!r} must be a non-negative integer, e.g. 'cuda:1'")
     return name, int(index)
 
