@@ -1,0 +1,304 @@
+"""Analytic lower bounds on the step time, for one plan and for a whole instance.
+
+# Note [The analytic lower bound]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# No schedule of a plan can beat any of these (``f, b, r`` forward, backward and
+# recompute times; ``d_j, h_j`` the D2H and H2D copy times of offloaded layer ``j``,
+# latency included; ``F(i)`` the end of layer ``i``'s forward; ``tail(i)`` the backward
+# work from layer ``i``'s backward to the end of the step, i.e. ``Σ_{l≤i} b_l`` plus the
+# recompute of every segment whose backward starts at or after ``i``):
+#
+#   1. compute:  T ≥ Σ f + Σ b + Σ_recomputed r     (the compute stream is serial)
+#   2. copies, with the prefix constraints of forward and backward: every copy queue is a
+#      single machine whose jobs have a release time ("head": a D2H cannot start before
+#      its layer's forward ends, an H2D not before its D2H ends) and a "tail" (after a
+#      D2H ends, that layer's H2D and all backward from that layer on must still run; after
+#      an H2D, all backward from that layer on). For any set S of jobs on one machine
+#          T ≥ min_S head + Σ_S duration + min_S tail,
+#      evaluated for every contiguous range of offloaded layers. On a duplex link the
+#      D2H and the H2D queues are two machines; on a shared link both directions' jobs
+#      are on one machine. With no compute at all this is bytes/bandwidth per
+#      direction (duplex: the larger; shared: the sum), e.g. 10 × 256 MiB there and
+#      back over a 32 GiB/s shared link: 156.25 ms.
+#
+# For an *instance* (any plan that fits a device budget) the planner needs a bound that
+# holds for every feasible plan. :func:`instance_lower_bound` minimises T over the
+# per-layer choices under (1), a relaxed (2) (``min head`` and ``min tail`` taken at the
+# range's first layer, ranges extended to the end of the stack), and two memory
+# conditions every plan must meet: during layer i's forward, and at the start of its
+# backward, the kept activations of the layers before it plus its own saved bytes and
+# working set are on the device. That is a small MILP (scipy.optimize.milp). In-flight
+# D2H bytes and prefetched bytes are not counted, so the bound is optimistic when the
+# budget is tight (the gap reported by the planner is an upper bound on its true gap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from offcore.errors import ConfigurationError
+from offcore.sim.plan import Action, Plan
+from offcore.sim.profile import StepProfile
+from offcore.units import parse_size
+
+__all__ = ["plan_lower_bound", "instance_lower_bound", "batch_lower_bounds", "batch_memory_floor"]
+
+
+def _tails(profile: StepProfile, plan: Plan) -> list[float]:
+    """tail(i): backward work from layer i's backward (inclusive) to the end of the step."""
+    n = profile.n_layers
+    extra = [0.0] * n  # recompute that runs right before layer z's backward
+    for first, last in plan.segments():
+        extra[last] = math.fsum(profile.layers[k].recompute_time for k in range(first, last + 1))
+    tails: list[float] = []
+    total = 0.0
+    for i in range(n):
+        total += profile.layers[i].backward_s + extra[i]
+        tails.append(total)
+    return tails
+
+
+def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
+    layers = profile.layers
+    recompute = math.fsum(layers[i].recompute_time for i, a in enumerate(plan.actions) if a is Action.RECOMPUTE)
+    compute = profile.forward_s + profile.backward_s + recompute
+    offloaded = [i for i, a in enumerate(plan.actions) if a is Action.OFFLOAD]
+    if not offloaded:
+        return compute
+    forward_end: list[float] = []
+    clock = 0.0
+    for layer in layers:
+        clock += layer.forward_s
+        forward_end.append(clock)
+    tail = _tails(profile, plan)
+    d = [profile.transfer_s(layers[j].saved_bytes, "d2h") for j in offloaded]
+    h = [profile.transfer_s(layers[j].saved_bytes, "h2d") for j in offloaded]
+    best = compute
+    count = len(offloaded)
+    for lo in range(count):
+        first = offloaded[lo]
+        if profile.duplex:
+            d2h_sum = h2d_sum = 0.0
+            d2h_tail = h2d_head = math.inf
+            for hi in range(lo, count):
+                j = offloaded[hi]
+                d2h_sum += d[hi]
+                h2d_sum += h[hi]
+                d2h_tail = min(d2h_tail, h[hi] + tail[j])
+                h2d_head = min(h2d_head, forward_end[j] + d[hi])
+                best = max(
+                    best,
+                    forward_end[first] + d2h_sum + d2h_tail,
+                    h2d_head + h2d_sum + tail[first],
+                )
+        else:
+            total = math.fsum(d[lo:]) + math.fsum(h[lo:])
+            best = max(best, forward_end[first] + total + tail[first])
+    return best
+
+
+def plan_lower_bound(profile: StepProfile, plan: Plan, *, microbatch_overhead_s: float = 0.0) -> float:
+    """A lower bound on the step time of ``plan`` (Note [The analytic lower bound]).
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> p = uniform_profile(10, forward_s=0.0, backward_s=0.0, saved_bytes=256 * 2**20,
+    ...                     d2h_bandwidth="32GiB/s", h2d_bandwidth="32GiB/s", duplex=False)
+    >>> plan_lower_bound(p, Plan.uniform(10, "offload"))           # 5 GiB over 32 GiB/s
+    0.15625
+    """
+    plan.check(profile)
+    m = plan.microbatches
+    single = _single_step_bound(profile.split_microbatches(m), plan)
+    return m * single + (m - 1) * microbatch_overhead_s
+
+
+# --- vectorised forms for exhaustive search ------------------------------------------------
+
+_CODES = {Action.KEEP: 0, Action.OFFLOAD: 1, Action.RECOMPUTE: 2}
+
+
+def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval: int = 1) -> np.ndarray:
+    """Relaxed lower bounds for many action vectors at once (rows of ``codes``; 0 keep, 1 offload, 2 recompute).
+
+    Valid for every checkpoint interval up to ``max_interval`` and every prefetch policy;
+    never larger than :func:`plan_lower_bound` of the same vector.
+    """
+    layers = profile.layers
+    f = np.array([layer.forward_s for layer in layers])
+    b = np.array([layer.backward_s for layer in layers])
+    r = np.array([layer.recompute_time for layer in layers])
+    d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
+    h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
+    recomputed = (codes == 2) * r
+    compute = f.sum() + b.sum() + recomputed.sum(axis=1)
+    forward_end = np.cumsum(f)
+    tail = np.cumsum(b) + _shifted_cumsum(recomputed, max_interval - 1)
+    offloaded = codes == 1
+
+    def suffix(values: np.ndarray) -> np.ndarray:
+        return np.cumsum((offloaded * values)[:, ::-1], axis=1)[:, ::-1]
+
+    if profile.duplex:
+        link = np.maximum(
+            (forward_end + suffix(d) + tail).max(axis=1),
+            (forward_end + suffix(h) + tail).max(axis=1),
+        )
+    else:
+        link = (forward_end + suffix(d + h) + tail).max(axis=1)
+    return np.maximum(compute, link)
+
+
+def _shifted_cumsum(values: np.ndarray, shift: int) -> np.ndarray:
+    """out[:, i] = sum(values[:, : i - shift + 1]) (0 where i < shift)."""
+    cumulative = np.cumsum(values, axis=1)
+    if shift <= 0:
+        return cumulative
+    out = np.zeros_like(cumulative)
+    out[:, shift:] = cumulative[:, :-shift]
+    return out
+
+
+def batch_memory_floor(profile: StepProfile, codes: np.ndarray) -> np.ndarray:
+    """A lower bound on the device peak of each action vector (rows of ``codes``).
+
+    The larger of, over layers i: during i's forward, the static bytes + kept activations
+    of earlier layers + i's own (unless recomputed) + its working set; at the start of
+    i's backward, static + kept earlier + i's saved + working.
+    """
+    layers = profile.layers
+    s = np.array([layer.saved_bytes for layer in layers], dtype=np.int64)
+    w = np.array([layer.working_bytes for layer in layers], dtype=np.int64)
+    kept = (codes == 0) * s
+    before = np.cumsum(kept, axis=1) - kept
+    during_forward = before + (codes != 2) * s + w
+    at_backward = before + s + w
+    return profile.static_bytes + np.maximum(during_forward, at_backward).max(axis=1)
+
+
+# --- instance bound (MILP) -------------------------------------------------------------------
+
+
+def instance_lower_bound(
+    profile: StepProfile,
+    budget_bytes: int | str,
+    *,
+    checkpoint_intervals: Sequence[int] = (1,),
+    microbatches: Sequence[int] = (1,),
+    microbatch_overhead_s: float = 0.0,
+    allowed_actions: Sequence[Action | str] = (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE),
+) -> float:
+    """A lower bound on the step time of *every* plan that fits ``budget_bytes``.
+
+    Solves the MILP of Note [The analytic lower bound] with ``scipy.optimize.milp`` for
+    each micro-batch count and returns the smallest; ``math.inf`` when no plan can fit.
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> p = uniform_profile(4, forward_s=1.0, backward_s=2.0, saved_bytes=100)
+    >>> round(instance_lower_bound(p, 400), 9)                      # everything fits: the compute
+    12.0
+    >>> round(instance_lower_bound(p, 250, allowed_actions=("keep", "recompute")), 9)   # two recomputes
+    14.0
+    """
+    budget = parse_size(budget_bytes, what="budget_bytes")
+    allowed = {Action.parse(a) for a in allowed_actions}
+    if not allowed:
+        raise ConfigurationError("allowed_actions is empty: allow at least one of keep, offload, recompute")
+    kmax = max(checkpoint_intervals) if checkpoint_intervals else 1
+    best = math.inf
+    for m in microbatches:
+        if profile.batch_size % m:
+            continue
+        micro = profile.split_microbatches(m)
+        single = _milp_bound(micro, budget, kmax, allowed)
+        if math.isfinite(single):
+            best = min(best, m * single + (m - 1) * microbatch_overhead_s)
+    return best
+
+
+def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Action]) -> float:
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+    except ImportError:  # pragma: no cover - scipy is in the 'plan' extra
+        raise ConfigurationError(
+            "instance_lower_bound needs scipy: install it with pip install 'offcore[plan]'"
+        ) from None
+    layers = profile.layers
+    n = len(layers)
+    f = np.array([layer.forward_s for layer in layers])
+    b = np.array([layer.backward_s for layer in layers])
+    r = np.array([layer.recompute_time for layer in layers])
+    s = np.array([layer.saved_bytes for layer in layers], dtype=float)
+    w = np.array([layer.working_bytes for layer in layers], dtype=float)
+    d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
+    h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
+    static = float(profile.static_bytes)
+    # any layer alone must fit with its saved bytes and working set
+    if np.any(static + s + w > budget):
+        return math.inf
+    time_scale = max(float(f.sum() + b.sum()), 1e-30)
+    # variables: keep[0:n], off[n:2n], rec[2n:3n], T (scaled by time_scale)
+    nv = 3 * n + 1
+    keep, off, rec, T = 0, n, 2 * n, 3 * n
+    rows: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+
+    def add(row: np.ndarray, lo: float, hi: float) -> None:
+        rows.append(row)
+        lower.append(lo)
+        upper.append(hi)
+
+    for i in range(n):  # one action per layer
+        row = np.zeros(nv)
+        row[[keep + i, off + i, rec + i]] = 1.0
+        add(row, 1.0, 1.0)
+    row = np.zeros(nv)  # compute
+    row[T] = 1.0
+    row[rec : rec + n] = -r / time_scale
+    add(row, float(f.sum() + b.sum()) / time_scale, math.inf)
+    forward_end = np.cumsum(f)
+    backward_prefix = np.cumsum(b)
+    directions = [d, h] if profile.duplex else [d + h]
+    for i in range(n):  # copies with prefix constraints
+        for duration in directions:
+            row = np.zeros(nv)
+            row[T] = 1.0
+            row[off + i : off + n] = -duration[i:] / time_scale
+            last_rec = i - kmax + 1
+            if last_rec >= 0:
+                row[rec : rec + last_rec + 1] = -r[: last_rec + 1] / time_scale
+            add(row, float(forward_end[i] + backward_prefix[i]) / time_scale, math.inf)
+    for i in range(n):  # memory during forward of i and at the start of its backward
+        row = np.zeros(nv)
+        row[keep : keep + i] = s[:i] / budget
+        add(row, -math.inf, (budget - static - s[i] - w[i]) / budget)
+        row = np.zeros(nv)
+        row[keep : keep + i] = s[:i] / budget
+        row[keep + i] += s[i] / budget
+        row[off + i] += s[i] / budget
+        add(row, -math.inf, (budget - static - w[i]) / budget)
+    upper_bounds = np.ones(nv)
+    upper_bounds[T] = np.inf
+    for action, start in ((Action.KEEP, keep), (Action.OFFLOAD, off), (Action.RECOMPUTE, rec)):
+        if action not in allowed:
+            upper_bounds[start : start + n] = 0.0
+    integrality = np.ones(nv)
+    integrality[T] = 0
+    cost = np.zeros(nv)
+    cost[T] = 1.0
+    result = milp(
+        cost,
+        constraints=LinearConstraint(np.array(rows), np.array(lower), np.array(upper)),
+        integrality=integrality,
+        bounds=Bounds(np.zeros(nv), upper_bounds),
+    )
+    if result.status == 2 or result.x is None:  # infeasible
+        return math.inf
+    value = float(result.fun)
+    dual = getattr(result, "mip_dual_bound", None)
+    if dual is not None and math.isfinite(dual):
+        value = min(value, float(dual))
+    return value * time_scale

@@ -1,0 +1,304 @@
+"""Plans: what to do with each layer's saved activations, and how to prefetch them.
+
+A :class:`Plan` holds, per layer, one :class:`Action` (keep on device, offload to the
+host, or drop and recompute), the checkpoint interval ``K`` that groups consecutive
+recomputed layers into segments, the number of micro-batches for gradient
+accumulation, and a :class:`PrefetchPolicy`. Plans are plain data: the simulator
+predicts them, the planner searches them, the executor applies them, and they travel
+as JSON::
+
+    >>> from offcore.sim.plan import Plan, Action
+    >>> p = Plan(["keep", "offload", "recompute"])
+    >>> p.actions[1] is Action.OFFLOAD
+    True
+    >>> Plan.from_json(p.to_json()) == p
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from offcore.errors import ConfigurationError
+from offcore.units import parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from offcore.sim.profile import StepProfile
+
+__all__ = ["Action", "PrefetchPolicy", "Plan"]
+
+_PLAN_FORMAT = "offcore.plan/1"
+
+PrefetchMode = Literal["deadline", "lead", "on_demand"]
+
+
+class Action(str, enum.Enum):
+    """What happens to one layer's saved activations.
+
+    >>> Action.parse("Offload") is Action.OFFLOAD
+    True
+    """
+
+    KEEP = "keep"
+    """Stay on the device from the layer's forward until its backward."""
+    OFFLOAD = "offload"
+    """Copied to the host after forward, freed on device, copied back before backward."""
+    RECOMPUTE = "recompute"
+    """Dropped after forward (only the segment's input is kept) and recomputed before backward."""
+
+    @classmethod
+    def parse(cls, value: str | Action) -> Action:
+        """Return the action named by ``value`` (case-insensitive)."""
+        if isinstance(value, Action):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        raise ConfigurationError(
+            f"unknown action {value!r}: each layer must be one of 'keep', 'offload' or 'recompute'"
+        )
+
+
+ACTIONS: tuple[Action, ...] = (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """When the host-to-device copy of an offloaded layer starts.
+
+    Modes:
+        ``"deadline"`` (default): at ``t_need − bytes/BW − margin_s``, where ``t_need`` is
+        when backward would reach the layer with no waits (the deadline formula
+        ``t_prefetch = t_need − V/BW − t_margin``).
+        ``"lead"``: at ``t_need − lead_s``, a fixed lead (the seeds' interactive example).
+        ``"on_demand"``: no prefetch; the copy starts when backward reaches the layer.
+
+    In every mode a copy also waits for the layer's device-to-host copy to finish, for
+    its link, and for ``budget_bytes``: the bytes reloaded but not yet consumed by
+    backward never exceed it (a single layer larger than the budget is reloaded alone).
+    ``None`` means no budget.
+
+    >>> PrefetchPolicy(margin_s="1ms").margin_s
+    0.001
+    """
+
+    mode: PrefetchMode = "deadline"
+    margin_s: float = 0.0
+    lead_s: float | None = None
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("deadline", "lead", "on_demand"):
+            raise ConfigurationError(f"unknown prefetch mode {self.mode!r}: use 'deadline', 'lead' or 'on_demand'")
+        object.__setattr__(self, "margin_s", parse_duration(self.margin_s, what="prefetch margin_s"))
+        if self.mode == "lead":
+            if self.lead_s is None:
+                raise ConfigurationError("prefetch mode 'lead' needs lead_s (how long before use the copy starts)")
+            object.__setattr__(self, "lead_s", parse_duration(self.lead_s, what="prefetch lead_s"))
+        elif self.lead_s is not None:
+            raise ConfigurationError(f"lead_s only applies to prefetch mode 'lead', not {self.mode!r}")
+        if self.budget_bytes is not None:
+            object.__setattr__(self, "budget_bytes", parse_size(self.budget_bytes, what="prefetch budget_bytes"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"mode": self.mode, "margin_s": self.margin_s, "lead_s": self.lead_s, "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrefetchPolicy:
+        """Inverse of :meth:`to_dict`."""
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"prefetch must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - {"mode", "margin_s", "lead_s", "budget_bytes"}
+        if unknown:
+            raise ConfigurationError(f"unknown prefetch fields {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer actions plus checkpoint interval, micro-batches and prefetch policy.
+
+    Attributes:
+        actions: one :class:`Action` (or its name) per layer, in forward order.
+        checkpoint_interval: ``K``, the most consecutive recomputed layers that share one
+            checkpoint (segment). ``1`` recomputes layer by layer.
+        microbatches: split the step into this many micro-batches (gradient
+            accumulation); the profile's ``batch_size`` must divide evenly.
+        prefetch: the :class:`PrefetchPolicy` for offloaded layers.
+        layer_names: optional names, checked against the profile when given.
+
+    >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
+    [(0, 1), (2, 3)]
+    """
+
+    actions: Sequence[Action | str]
+    checkpoint_interval: int = 1
+    microbatches: int = 1
+    prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
+    layer_names: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.actions, str) or not isinstance(self.actions, Iterable):
+            raise ConfigurationError("actions must be a list of 'keep' / 'offload' / 'recompute', one per layer")
+        actions = tuple(Action.parse(a) for a in self.actions)
+        if not actions:
+            raise ConfigurationError("a plan needs at least one layer action")
+        object.__setattr__(self, "actions", actions)
+        for name in ("checkpoint_interval", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prefetch, PrefetchPolicy):
+            raise ConfigurationError(f"prefetch must be a PrefetchPolicy, got {type(self.prefetch).__name__}")
+        if self.layer_names is not None:
+            names = tuple(self.layer_names)
+            if len(names) != len(actions):
+                raise ConfigurationError(f"plan has {len(actions)} actions but {len(names)} layer names")
+            object.__setattr__(self, "layer_names", names)
+
+    # --- constructors -----------------------------------------------------------------
+
+    @classmethod
+    def uniform(cls, n_layers: int, action: Action | str, **kwargs: Any) -> Plan:
+        """The same action for every layer (``Plan.uniform(32, "recompute")``)."""
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+            raise ConfigurationError(f"n_layers must be a positive integer, got {n_layers!r}")
+        return cls([Action.parse(action)] * n_layers, **kwargs)
+
+    @classmethod
+    def keep_all(cls, n_layers: int, **kwargs: Any) -> Plan:
+        """Keep every activation on the device (the baseline)."""
+        return cls.uniform(n_layers, Action.KEEP, **kwargs)
+
+    # --- queries ----------------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers the plan covers."""
+        return len(self.actions)
+
+    def count(self, action: Action | str) -> int:
+        """How many layers get ``action``."""
+        wanted = Action.parse(action)
+        return sum(1 for a in self.actions if a is wanted)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Recompute segments as inclusive ``(first, last)`` layer indices.
+
+        Runs of consecutive recomputed layers are cut into pieces of at most
+        ``checkpoint_interval`` layers, from the front of each run.
+        """
+        segments: list[tuple[int, int]] = []
+        index, n = 0, len(self.actions)
+        while index < n:
+            if self.actions[index] is not Action.RECOMPUTE:
+                index += 1
+                continue
+            end = index
+            while (
+                end + 1 < n and self.actions[end + 1] is Action.RECOMPUTE and end + 1 - index < self.checkpoint_interval
+            ):
+                end += 1
+            segments.append((index, end))
+            index = end + 1
+        return segments
+
+    @property
+    def strategy(self) -> str:
+        """A one-word summary: ``keep``, ``offload``, ``checkpoint``, ``hybrid``, with ``+accumulate``."""
+        kinds = {a for a in self.actions if a is not Action.KEEP}
+        if not kinds:
+            word = "keep"
+        elif kinds == {Action.OFFLOAD}:
+            word = "offload"
+        elif kinds == {Action.RECOMPUTE}:
+            word = "checkpoint"
+        else:
+            word = "hybrid"
+        return word + ("+accumulate" if self.microbatches > 1 else "")
+
+    def check(self, profile: StepProfile) -> None:
+        """Raise ConfigurationError unless this plan fits ``profile``."""
+        if len(self.actions) != profile.n_layers:
+            raise ConfigurationError(
+                f"plan has {len(self.actions)} layer actions but the profile has {profile.n_layers} layers: "
+                "make one action per layer, in forward order"
+            )
+        if self.layer_names is not None and tuple(self.layer_names) != profile.layer_names:
+            mismatched = [(p, q) for p, q in zip(self.layer_names, profile.layer_names, strict=True) if p != q][:3]
+            raise ConfigurationError(f"plan layer names do not match the profile's (first differences: {mismatched})")
+        if profile.batch_size % self.microbatches:
+            raise ConfigurationError(
+                f"plan splits the step into {self.microbatches} micro-batches, but batch_size "
+                f"{profile.batch_size} is not divisible by it"
+            )
+
+    def with_actions(self, actions: Sequence[Action | str]) -> Plan:
+        """A copy with other actions (same interval, micro-batches, prefetch)."""
+        return replace(self, actions=tuple(actions))
+
+    def describe(self) -> str:
+        """Compact text such as ``'KKOR'`` plus the other knobs."""
+        letters = "".join({"keep": "K", "offload": "O", "recompute": "R"}[a.value] for a in self.actions)
+        prefetch = self.prefetch
+        budget = "∞" if prefetch.budget_bytes is None else str(prefetch.budget_bytes)
+        return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}"
+
+    # --- JSON -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "format": _PLAN_FORMAT,
+            "actions": [a.value for a in self.actions],
+            "checkpoint_interval": self.checkpoint_interval,
+            "microbatches": self.microbatches,
+            "prefetch": self.prefetch.to_dict(),
+            "layer_names": None if self.layer_names is None else list(self.layer_names),
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """Serialise to JSON text; :meth:`from_json` reads it back."""
+        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, profile: StepProfile | None = None) -> Plan:
+        """Build from :meth:`to_dict` output; with ``profile``, also check it fits."""
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"a plan must be a JSON object, got {type(data).__name__}")
+        fmt = data.get("format", _PLAN_FORMAT)
+        if fmt != _PLAN_FORMAT:
+            raise ConfigurationError(f"unknown plan format {fmt!r}; expected {_PLAN_FORMAT!r}")
+        known = {"format", "actions", "checkpoint_interval", "microbatches", "prefetch", "layer_names"}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigurationError(f"unknown plan fields {sorted(unknown)}; known: {sorted(known)}")
+        if "actions" not in data:
+            raise ConfigurationError("a plan needs an 'actions' list")
+        prefetch = PrefetchPolicy.from_dict(data["prefetch"]) if data.get("prefetch") is not None else PrefetchPolicy()
+        plan = cls(
+            data["actions"],
+            checkpoint_interval=data.get("checkpoint_interval", 1),
+            microbatches=data.get("microbatches", 1),
+            prefetch=prefetch,
+            layer_names=data.get("layer_names"),
+        )
+        if profile is not None:
+            plan.check(profile)
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str, *, profile: StepProfile | None = None) -> Plan:
+        """Read a plan written by :meth:`to_json` (optionally checked against ``profile``)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data, profile=profile)

@@ -1,0 +1,627 @@
+"""Step profiles: what one training step costs, layer by layer, on a given machine.
+
+A :class:`StepProfile` is the simulator's and the planner's input: for every layer the
+forward, backward and recompute time, the bytes it saves for backward, its transient
+working set and the bytes of its input (kept when the layer is recomputed), plus the
+resident bytes (parameters, gradients, anything else) and the link between device and
+host (bandwidth per direction, fixed latency per copy, duplex or one shared link) and
+the device capacity.
+
+A profile can be measured (the profiler fills one from a warm-up step) or estimated
+from a model's shapes::
+
+    >>> from offcore.sim.profile import LayerProfile, StepProfile
+    >>> layer = LayerProfile("block0", forward_s=0.002, backward_s=0.004, saved_bytes=256 * 2**20)
+    >>> layer.recompute_s            # defaults to the forward time
+    0.002
+    >>> step = StepProfile([layer], param_bytes="1GiB", d2h_bandwidth="32GiB/s", h2d_bandwidth="32GiB/s")
+    >>> StepProfile.from_json(step.to_json()) == step
+    True
+
+:func:`transformer_layer_profile` and :func:`transformer_step_profile` build GPT- or
+LLaMA-shaped profiles from shapes and an achieved FLOP rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from offcore.errors import ConfigurationError
+from offcore.units import parse_bandwidth, parse_duration, parse_size
+
+__all__ = [
+    "LayerProfile",
+    "StepProfile",
+    "transformer_layer_profile",
+    "transformer_step_profile",
+    "transformer_saved_bytes",
+    "transformer_layer_flops",
+]
+
+_PROFILE_FORMAT = "offcore.step_profile/1"
+
+
+def _seconds(value: float | int | str, what: str) -> float:
+    return parse_duration(value, what=what)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer (or one saved-tensor group) in one training step.
+
+    Attributes:
+        name: label used in results and traces.
+        forward_s: forward compute time in seconds.
+        backward_s: backward compute time in seconds.
+        saved_bytes: bytes the layer saves for backward (its activations).
+        recompute_s: time to rerun the forward for recomputation; ``None`` means
+            ``forward_s``.
+        working_bytes: transient bytes alive while the layer computes (forward,
+            backward or recompute), freed when it finishes.
+        input_bytes: bytes of the layer's input. When the layer is recomputed the
+            input is what stays on device (the checkpoint), from the forward until the
+            layer's backward; with a checkpoint interval ``K`` only the first layer of
+            each segment keeps it.
+
+    >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
+    0.001
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    saved_bytes: int
+    recompute_s: float | None = None
+    working_bytes: int = 0
+    input_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigurationError(f"a layer needs a non-empty string name, got {self.name!r}")
+        set_ = object.__setattr__
+        set_(self, "forward_s", _seconds(self.forward_s, f"forward_s of layer {self.name!r}"))
+        set_(self, "backward_s", _seconds(self.backward_s, f"backward_s of layer {self.name!r}"))
+        recompute = self.forward_s if self.recompute_s is None else self.recompute_s
+        set_(self, "recompute_s", _seconds(recompute, f"recompute_s of layer {self.name!r}"))
+        for attribute in ("saved_bytes", "working_bytes", "input_bytes"):
+            value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
+            set_(self, attribute, value)
+
+    @property
+    def recompute_time(self) -> float:
+        """``recompute_s`` as a plain float (never ``None`` after construction)."""
+        assert self.recompute_s is not None
+        return self.recompute_s
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One training step on one machine: layers, resident bytes, link and capacity.
+
+    Attributes:
+        layers: the layers in forward order (backward visits them in reverse).
+        param_bytes: parameter bytes resident on the device for the whole step.
+        grad_bytes: gradient bytes counted as resident for the whole step (0 by default;
+            set it to ``param_bytes`` when gradients persist across steps).
+        other_bytes: anything else resident (optimizer states kept on device, buffers).
+        d2h_bandwidth, h2d_bandwidth: bytes per second per direction (numbers or strings
+            such as ``"53GB/s"``; ``"inf"`` for a free copy).
+        latency_s: fixed cost added to every copy.
+        duplex: ``True`` when both directions copy at once (independent D2H and H2D
+            queues); ``False`` for one shared link that serialises them.
+        capacity_bytes: device capacity; ``None`` for unlimited.
+        batch_size: samples per step; gradient accumulation splits it into micro-batches.
+
+    >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
+    >>> p.static_bytes, p.compute_s
+    (10, 3.0)
+    """
+
+    layers: Sequence[LayerProfile]
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    other_bytes: int = 0
+    d2h_bandwidth: float = math.inf
+    h2d_bandwidth: float = math.inf
+    latency_s: float = 0.0
+    duplex: bool = True
+    capacity_bytes: int | None = None
+    batch_size: int = 1
+    _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        layers = tuple(self.layers)
+        if not layers:
+            raise ConfigurationError("a step profile needs at least one layer")
+        for layer in layers:
+            if not isinstance(layer, LayerProfile):
+                raise ConfigurationError(f"layers must be LayerProfile objects, got {type(layer).__name__}")
+        names = tuple(layer.name for layer in layers)
+        if len(set(names)) != len(names):
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigurationError(f"layer names must be unique; repeated: {duplicates}")
+        set_(self, "layers", layers)
+        set_(self, "_names", names)
+        for attribute in ("param_bytes", "grad_bytes", "other_bytes"):
+            set_(self, attribute, parse_size(getattr(self, attribute), what=attribute, allow_zero=True))
+        set_(self, "d2h_bandwidth", parse_bandwidth(self.d2h_bandwidth, what="d2h_bandwidth"))
+        set_(self, "h2d_bandwidth", parse_bandwidth(self.h2d_bandwidth, what="h2d_bandwidth"))
+        set_(self, "latency_s", parse_duration(self.latency_s, what="latency_s"))
+        if not isinstance(self.duplex, bool):
+            raise ConfigurationError(f"duplex must be True or False, got {self.duplex!r}")
+        if self.capacity_bytes is not None:
+            set_(self, "capacity_bytes", parse_size(self.capacity_bytes, what="capacity_bytes"))
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigurationError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+
+    # --- derived figures -------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Layer names in forward order."""
+        return self._names
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes resident for the whole step: parameters + gradients + other."""
+        return self.param_bytes + self.grad_bytes + self.other_bytes
+
+    @property
+    def forward_s(self) -> float:
+        """Sum of forward times."""
+        return math.fsum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        """Sum of backward times."""
+        return math.fsum(layer.backward_s for layer in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward time without any recompute (the keep-all step's compute)."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def saved_bytes(self) -> int:
+        """Sum of the layers' saved bytes: the keep-all activation footprint."""
+        return sum(layer.saved_bytes for layer in self.layers)
+
+    def transfer_s(self, nbytes: int, direction: Literal["d2h", "h2d"]) -> float:
+        """Time of one copy of ``nbytes`` in ``direction``, latency included."""
+        bandwidth = self.d2h_bandwidth if direction == "d2h" else self.h2d_bandwidth
+        return self.latency_s + (0.0 if math.isinf(bandwidth) else nbytes / bandwidth)
+
+    def with_link(self, **changes: Any) -> StepProfile:
+        """A copy with other link or capacity settings, e.g. ``with_link(h2d_bandwidth="64GB/s")``."""
+        allowed = {"d2h_bandwidth", "h2d_bandwidth", "latency_s", "duplex", "capacity_bytes"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise ConfigurationError(f"with_link() accepts {sorted(allowed)}, not {sorted(unknown)}")
+        return replace(self, **changes)
+
+    def split_microbatches(self, microbatches: int) -> StepProfile:
+        """The profile of one micro-batch when the step is split for gradient accumulation.
+
+        Linear model: every layer's times and per-sample bytes (saved, working, input)
+        scale by ``1 / microbatches``; resident bytes do not change. Small micro-batches
+        are often less efficient than this on real hardware: the planner's
+        ``microbatch_overhead_s`` charges a fixed cost per extra micro-step.
+
+        >>> p = StepProfile([LayerProfile("l", 4.0, 8.0, 400)], batch_size=4)
+        >>> q = p.split_microbatches(2)
+        >>> (q.layers[0].forward_s, q.layers[0].saved_bytes, q.batch_size)
+        (2.0, 200, 2)
+        """
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigurationError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if self.batch_size % microbatches:
+            raise ConfigurationError(
+                f"cannot split a batch of {self.batch_size} into {microbatches} equal micro-batches: "
+                "choose a divisor of batch_size"
+            )
+        if microbatches == 1:
+            return self
+        scale = 1.0 / microbatches
+        layers = [
+            LayerProfile(
+                layer.name,
+                layer.forward_s * scale,
+                layer.backward_s * scale,
+                -(-layer.saved_bytes // microbatches),
+                recompute_s=layer.recompute_time * scale,
+                working_bytes=-(-layer.working_bytes // microbatches),
+                input_bytes=-(-layer.input_bytes // microbatches),
+            )
+            for layer in self.layers
+        ]
+        return replace(self, layers=layers, batch_size=self.batch_size // microbatches)
+
+    # --- JSON -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (infinite bandwidths are written as ``"inf"``)."""
+
+        def bandwidth(value: float) -> float | str:
+            return "inf" if math.isinf(value) else value
+
+        return {
+            "format": _PROFILE_FORMAT,
+            "layers": [asdict(layer) for layer in self.layers],
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "other_bytes": self.other_bytes,
+            "d2h_bandwidth": bandwidth(self.d2h_bandwidth),
+            "h2d_bandwidth": bandwidth(self.h2d_bandwidth),
+            "latency_s": self.latency_s,
+            "duplex": self.duplex,
+            "capacity_bytes": self.capacity_bytes,
+            "batch_size": self.batch_size,
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """Serialise to JSON text; :meth:`from_json` reads it back."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepProfile:
+        """Build from :meth:`to_dict` output; raises ConfigurationError on bad input."""
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"a step profile must be a JSON object, got {type(data).__name__}")
+        fmt = data.get("format", _PROFILE_FORMAT)
+        if fmt != _PROFILE_FORMAT:
+            raise ConfigurationError(f"unknown step profile format {fmt!r}; expected {_PROFILE_FORMAT!r}")
+        known = {
+            "layers",
+            "param_bytes",
+            "grad_bytes",
+            "other_bytes",
+            "d2h_bandwidth",
+            "h2d_bandwidth",
+            "latency_s",
+            "duplex",
+            "capacity_bytes",
+            "batch_size",
+        }
+        unknown = set(data) - known - {"format"}
+        if unknown:
+            raise ConfigurationError(f"unknown step profile fields {sorted(unknown)}; known: {sorted(known)}")
+        raw_layers = data.get("layers")
+        if not isinstance(raw_layers, list):
+            raise ConfigurationError("a step profile needs a 'layers' list")
+        layers = []
+        for index, raw in enumerate(raw_layers):
+            if not isinstance(raw, dict):
+                raise ConfigurationError(f"layer {index} must be a JSON object, got {type(raw).__name__}")
+            try:
+                layers.append(LayerProfile(**raw))
+            except TypeError as exc:
+                raise ConfigurationError(f"layer {index} has bad fields: {exc}") from None
+        kwargs = {key: value for key, value in data.items() if key in known - {"layers"}}
+        return cls(layers, **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepProfile:
+        """Read a profile written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"step profile is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+# --- transformer-shaped profiles -----------------------------------------------------------
+
+AttentionKind = Literal["flash", "eager"]
+MlpKind = Literal["swiglu", "gelu"]
+BlockPart = Literal["block", "attention", "mlp"]
+
+
+def _check_positive_ints(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+
+
+def transformer_saved_bytes(
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    dtype_bytes: int = 2,
+    attention: AttentionKind = "flash",
+    mlp: MlpKind = "swiglu",
+    dropout: bool = False,
+) -> int:
+    """Bytes one pre-norm transformer block saves for backward (no tensor/sequence parallelism).
+
+    Term by term, per token (``t = batch·seq`` tokens, ``d = dtype_bytes``, ``h = hidden``,
+    ``f = ffn``, ``a = heads``), following Korthikanti et al., *Reducing Activation
+    Recomputation in Large Transformer Models* (2022), §4.1:
+
+    - norm inputs (two norms): ``2·h·d``; attention input (norm output): ``h·d``;
+      Q, K, V: ``3·h·d``; attention output = output-projection input: ``h·d``;
+      MLP input (norm output): ``h·d``.
+    - ``attention="eager"``: softmax output ``a·s·d`` per token; with dropout also its
+      mask (``a·s`` bytes) and output (``a·s·d``). ``"flash"`` (fused SDPA) saves only the
+      log-sum-exp, ``a·4`` bytes per token.
+    - ``mlp="gelu"``: the two ``f``-wide tensors (GeLU input, second linear's input):
+      ``2·f·d``; ``mlp="swiglu"``: gate, up and their product: ``3·f·d``.
+    - ``dropout``: one-byte masks after attention and after the MLP: ``2·h`` bytes.
+
+    With ``attention="eager"``, ``mlp="gelu"``, ``dropout=True``, ``f = 4h`` and ``d = 2``
+    this is exactly the paper's ``s·b·h·(34 + 5·a·s/h)``:
+
+    >>> b, s, h, a = 1, 2048, 1024, 16
+    >>> transformer_saved_bytes(batch=b, seq=s, hidden=h, heads=a, ffn=4 * h,
+    ...     attention="eager", mlp="gelu", dropout=True) == s * b * h * 34 + 5 * a * s * s * b
+    True
+    """
+    attention_part, mlp_part = _saved_bytes_by_half(
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        ffn=ffn,
+        dtype_bytes=dtype_bytes,
+        attention=attention,
+        mlp=mlp,
+        dropout=dropout,
+    )
+    return attention_part + mlp_part
+
+
+def _saved_bytes_by_half(
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    dtype_bytes: int,
+    attention: AttentionKind,
+    mlp: MlpKind,
+    dropout: bool,
+) -> tuple[int, int]:
+    """(attention half, MLP half) of :func:`transformer_saved_bytes`."""
+    _check_positive_ints(batch=batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, dtype_bytes=dtype_bytes)
+    tokens = batch * seq
+    d = dtype_bytes
+    # attention half: norm input, attention input, Q, K, V, attention output
+    attention_token = (1 + 1 + 3 + 1) * hidden * d
+    if attention == "eager":
+        attention_token += heads * seq * d
+        if dropout:
+            attention_token += heads * seq * (1 + d)
+    elif attention == "flash":
+        attention_token += heads * 4
+    else:
+        raise ConfigurationError(f"attention must be 'flash' or 'eager', got {attention!r}")
+    # MLP half: norm input, MLP input, the f-wide tensors
+    mlp_token = (1 + 1) * hidden * d
+    if mlp == "gelu":
+        mlp_token += 2 * ffn * d
+    elif mlp == "swiglu":
+        mlp_token += 3 * ffn * d
+    else:
+        raise ConfigurationError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
+    if dropout:
+        attention_token += hidden
+        mlp_token += hidden
+    return tokens * attention_token, tokens * mlp_token
+
+
+def transformer_layer_flops(
+    *, batch: int, seq: int, hidden: int, ffn: int, mlp: MlpKind = "swiglu", causal: bool = True
+) -> float:
+    """Forward FLOPs of one transformer block (multi-head attention, no GQA).
+
+    ``2·t·(4h² + m·h·f)`` for the projections (``m = 3`` for SwiGLU, 2 for GeLU) plus
+    ``4·b·s²·h`` for the two attention products, halved when ``causal`` (fused kernels
+    skip the masked half). Backward is taken as twice the forward.
+
+    >>> transformer_layer_flops(batch=1, seq=1, hidden=1, ffn=4, mlp="gelu", causal=False)
+    28.0
+    """
+    attention_part, mlp_part = _flops_by_half(batch=batch, seq=seq, hidden=hidden, ffn=ffn, mlp=mlp, causal=causal)
+    return attention_part + mlp_part
+
+
+def _flops_by_half(*, batch: int, seq: int, hidden: int, ffn: int, mlp: MlpKind, causal: bool) -> tuple[float, float]:
+    """(attention half, MLP half) of :func:`transformer_layer_flops`."""
+    _check_positive_ints(batch=batch, seq=seq, hidden=hidden, ffn=ffn)
+    mlp_mats = {"swiglu": 3, "gelu": 2}.get(mlp)
+    if mlp_mats is None:
+        raise ConfigurationError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
+    tokens = batch * seq
+    attention = 2.0 * tokens * 4 * hidden * hidden + 4.0 * batch * seq * seq * hidden * (0.5 if causal else 1.0)
+    return attention, 2.0 * tokens * mlp_mats * hidden * ffn
+
+
+def transformer_layer_profile(
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    flops_per_s: float,
+    dtype_bytes: int = 2,
+    attention: AttentionKind = "flash",
+    mlp: MlpKind = "swiglu",
+    dropout: bool = False,
+    causal: bool = True,
+    name: str = "layer",
+    part: BlockPart = "block",
+) -> LayerProfile:
+    """A :class:`LayerProfile` for one transformer block (or half of one), estimated from shapes.
+
+    ``flops_per_s`` is the *achieved* rate (peak × a realistic utilisation), not the
+    datasheet peak. Times: forward = :func:`transformer_layer_flops` / rate, backward =
+    2 × forward, recompute = forward. Saved bytes: :func:`transformer_saved_bytes`.
+    Working bytes: ``t·(2f + 2h)·d`` (the largest transient, the MLP's ``f``-wide
+    gradients plus the input gradient). Input bytes (the checkpoint): ``t·h·d``.
+
+    ``part="attention"`` or ``"mlp"`` gives one half of the block (norm + attention with
+    its projections, or norm + MLP) with that half's saved bytes and FLOPs; the
+    attention half's working set is ``t·2h·d``. Planning halves lets a plan recompute the
+    half that is cheaper per byte and offload the other.
+
+    >>> lp = transformer_layer_profile(batch=1, seq=4096, hidden=4096, heads=32, ffn=11008,
+    ...                                flops_per_s=400e12)
+    >>> round(lp.forward_s * 1e3, 2), round(lp.saved_bytes / 1e6)
+    (4.49, 539)
+    """
+    if isinstance(flops_per_s, bool) or not isinstance(flops_per_s, (int, float)) or not flops_per_s > 0:
+        raise ConfigurationError(f"flops_per_s must be a positive number (achieved FLOP/s), got {flops_per_s!r}")
+    saved_halves = _saved_bytes_by_half(
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        ffn=ffn,
+        dtype_bytes=dtype_bytes,
+        attention=attention,
+        mlp=mlp,
+        dropout=dropout,
+    )
+    flop_halves = _flops_by_half(batch=batch, seq=seq, hidden=hidden, ffn=ffn, mlp=mlp, causal=causal)
+    tokens = batch * seq
+    mlp_working = tokens * (2 * ffn + 2 * hidden) * dtype_bytes
+    if part == "block":
+        saved, flops, working = sum(saved_halves), sum(flop_halves), mlp_working
+    elif part == "attention":
+        saved, flops, working = saved_halves[0], flop_halves[0], tokens * 2 * hidden * dtype_bytes
+    elif part == "mlp":
+        saved, flops, working = saved_halves[1], flop_halves[1], mlp_working
+    else:
+        raise ConfigurationError(f"part must be 'block', 'attention' or 'mlp', got {part!r}")
+    forward_s = flops / float(flops_per_s)
+    return LayerProfile(
+        name,
+        forward_s=forward_s,
+        backward_s=2.0 * forward_s,
+        saved_bytes=saved,
+        recompute_s=forward_s,
+        working_bytes=working,
+        input_bytes=tokens * hidden * dtype_bytes,
+    )
+
+
+def transformer_step_profile(
+    *,
+    layers: int,
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    flops_per_s: float,
+    dtype_bytes: int = 2,
+    vocab: int = 0,
+    attention: AttentionKind = "flash",
+    mlp: MlpKind = "swiglu",
+    dropout: bool = False,
+    causal: bool = True,
+    grad_bytes: int | None = None,
+    other_bytes: int = 0,
+    d2h_bandwidth: float | str = math.inf,
+    h2d_bandwidth: float | str = math.inf,
+    latency_s: float | str = 0.0,
+    duplex: bool = True,
+    capacity_bytes: int | str | None = None,
+    granularity: Literal["block", "half"] = "block",
+) -> StepProfile:
+    """A :class:`StepProfile` for a stack of identical transformer blocks.
+
+    ``granularity="block"`` makes one profile layer per block (``layer{i}``);
+    ``"half"`` makes two, ``layer{i}.attn`` and ``layer{i}.mlp``, so a plan can treat the
+    halves differently (full per-block checkpointing is then ``checkpoint_interval=2``).
+
+    Parameter bytes: ``layers·(4h² + m·h·f)·d`` plus ``2·vocab·h·d`` for untied
+    embedding and output head. ``grad_bytes`` defaults to the parameter bytes (gradients
+    in the parameters' dtype, resident all step). The embedding, the head and the loss
+    are not modelled as layers (their activations are not planned).
+
+    >>> p = transformer_step_profile(layers=2, batch=1, seq=128, hidden=64, heads=4, ffn=256,
+    ...                              flops_per_s=1e12)
+    >>> p.n_layers, p.param_bytes == p.grad_bytes
+    (2, True)
+    """
+    _check_positive_ints(layers=layers)
+    mlp_mats = {"swiglu": 3, "gelu": 2}.get(mlp, 3)
+    params = layers * (4 * hidden * hidden + mlp_mats * hidden * ffn) + 2 * vocab * hidden
+    param_bytes = params * dtype_bytes
+    if granularity == "block":
+        parts: list[tuple[str, BlockPart]] = [("", "block")]
+    elif granularity == "half":
+        parts = [(".attn", "attention"), (".mlp", "mlp")]
+    else:
+        raise ConfigurationError(f"granularity must be 'block' or 'half', got {granularity!r}")
+    stack = [
+        transformer_layer_profile(
+            batch=batch,
+            seq=seq,
+            hidden=hidden,
+            heads=heads,
+            ffn=ffn,
+            flops_per_s=flops_per_s,
+            dtype_bytes=dtype_bytes,
+            attention=attention,
+            mlp=mlp,
+            dropout=dropout,
+            causal=causal,
+            name=f"layer{index}{suffix}",
+            part=part,
+        )
+        for index in range(layers)
+        for suffix, part in parts
+    ]
+    return StepProfile(
+        stack,
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes if grad_bytes is None else grad_bytes,
+        other_bytes=other_bytes,
+        d2h_bandwidth=d2h_bandwidth,
+        h2d_bandwidth=h2d_bandwidth,
+        latency_s=latency_s,
+        duplex=duplex,
+        capacity_bytes=capacity_bytes,
+        batch_size=batch,
+    )
+
+
+def uniform_profile(
+    n_layers: int,
+    *,
+    forward_s: float,
+    backward_s: float,
+    saved_bytes: int,
+    names: Iterable[str] | None = None,
+    **step: Any,
+) -> StepProfile:
+    """``n_layers`` identical layers; ``step`` passes through to :class:`StepProfile`.
+
+    >>> uniform_profile(3, forward_s=1.0, backward_s=2.0, saved_bytes=10).saved_bytes
+    30
+    """
+    _check_positive_ints(n_layers=n_layers)
+    labels = list(names) if names is not None else [f"layer{i}" for i in range(n_layers)]
+    if len(labels) != n_layers:
+        raise ConfigurationError(f"got {len(labels)} names for {n_layers} layers")
+    layers = [LayerProfile(label, forward_s, backward_s, saved_bytes) for label in labels]
+    return StepProfile(layers, **step)
+
+
+__all__ += ["uniform_profile"]

@@ -1,0 +1,556 @@
+"""An event-driven timeline simulator of one training step under a plan.
+
+Three in-order streams: **compute** (forward layers in order, then backward in
+reverse, with recompute inserted where the plan says), **D2H** and **H2D** (over a
+duplex link, or one shared link that serialises both directions in order of
+readiness). Copies cost ``latency + bytes / bandwidth`` in their direction.
+
+Semantics (see ``# Note [Simulated lifetimes]`` below): an offloaded layer's D2H is
+queued when its forward ends and its device bytes are freed when the D2H completes;
+its H2D is issued by the plan's :class:`~offcore.sim.plan.PrefetchPolicy` and must
+complete before that layer's backward starts, otherwise the compute stream waits
+(exposed wait, charged to that layer). A recomputed layer keeps only its segment's
+input; the segment is rerun just before the backward of its last layer and its saved
+bytes are back on device from then until each layer's backward. Kept activations stay
+until their backward. The compute stream never stalls for memory: a plan that needs
+more than the capacity is reported with ``oom=True``.
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> from offcore.sim.plan import Plan
+    >>> p = uniform_profile(2, forward_s=0.0, backward_s=0.003, saved_bytes=256 * 2**20,
+    ...                     d2h_bandwidth="inf", h2d_bandwidth="32GiB/s")
+    >>> r = simulate(p, Plan(["offload", "keep"]))
+    >>> round(r.exposed_wait_s * 1e3, 4)           # 7.8125 ms copy, 3 ms to hide it
+    4.8125
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from offcore.errors import ConfigurationError
+from offcore.sim.formulas import (
+    activation_bytes,
+    adam_state_bytes,
+    checkpoint_peak,
+    copy_lower_bound,
+    copy_window,
+    exposed_wait,
+    prefetch_start,
+    transfer_time,
+    utilization,
+)
+from offcore.sim.plan import Action, Plan, PrefetchPolicy
+from offcore.sim.profile import StepProfile
+
+__all__ = [
+    "simulate",
+    "SimResult",
+    "TimelineEvent",
+    "Plan",
+    "PrefetchPolicy",
+    "Action",
+    "transfer_time",
+    "prefetch_start",
+    "copy_window",
+    "exposed_wait",
+    "utilization",
+    "activation_bytes",
+    "checkpoint_peak",
+    "adam_state_bytes",
+    "copy_lower_bound",
+]
+
+# Note [Simulated lifetimes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Device bytes in the simulator follow the rules the runtime obeys (offcore/objects.py,
+# Note [When may a device copy be freed?]):
+#   - keep:      +saved at forward start, -saved at the end of the layer's backward.
+#   - offload:   +saved at forward start, -saved when its D2H completes (never earlier);
+#                +saved when its H2D starts (the destination buffer), -saved at the end
+#                of its backward. The H2D never starts before the D2H has completed.
+#   - recompute: +input at forward start of the first layer of a segment (the checkpoint),
+#                freed at the end of that layer's backward; +saved of every layer of the
+#                segment while the segment is rerun, each freed at the end of its backward.
+#   - working bytes live while a layer runs (forward, recompute or backward).
+# At equal times frees are applied before allocations. The executor and the activation
+# plugin must keep these lifetimes for the prediction to hold.
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One interval on one stream, e.g. ``TimelineEvent("h2d", "h2d:layer3", 0.1, 0.2, "h2d", "layer3")``."""
+
+    stream: str
+    """``"compute"``, ``"d2h"`` or ``"h2d"``."""
+    name: str
+    start: float
+    end: float
+    kind: str
+    """``forward``, ``backward``, ``recompute``, ``wait``, ``d2h`` or ``h2d``."""
+    layer: str
+
+    @property
+    def duration(self) -> float:
+        """``end − start`` in seconds."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated step predicts.
+
+    Times in seconds, sizes in bytes. ``utilization`` is
+    ``T_compute / (T_compute + T_exposed_wait)`` with recompute counted as compute.
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> r = simulate(uniform_profile(3, forward_s=1.0, backward_s=2.0, saved_bytes=10), Plan.keep_all(3))
+    >>> r.step_time_s, r.peak_bytes, r.utilization, r.oom
+    (9.0, 30, 1.0, False)
+    """
+
+    plan: Plan
+    step_time_s: float
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    overhead_s: float
+    exposed_wait_s: float
+    wait_by_layer: Mapping[str, float]
+    static_bytes: int
+    peak_bytes: int
+    peak_time_s: float
+    memory_times: tuple[float, ...]
+    memory_bytes: tuple[int, ...]
+    d2h_busy_s: float
+    h2d_busy_s: float
+    d2h_bytes: int
+    h2d_bytes: int
+    capacity_bytes: int | None
+    events: tuple[TimelineEvent, ...] = field(default=(), repr=False)
+
+    @property
+    def compute_s(self) -> float:
+        """Time the compute stream is busy: forward + backward + recompute (+ micro-step overhead)."""
+        return self.forward_s + self.backward_s + self.recompute_s + self.overhead_s
+
+    @property
+    def utilization(self) -> float:
+        """``U = T_compute / (T_compute + T_exposed_transfer)``."""
+        return utilization(self.compute_s, self.exposed_wait_s)
+
+    @property
+    def oom(self) -> bool:
+        """True when the peak exceeds the profile's device capacity."""
+        return self.capacity_bytes is not None and self.peak_bytes > self.capacity_bytes
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """Peak minus the resident bytes (parameters, gradients, other)."""
+        return self.peak_bytes - self.static_bytes
+
+    def bytes_time_above(self, threshold: float) -> float:
+        """Integral over the step of ``max(0, device bytes − threshold)`` (byte-seconds)."""
+        total = 0.0
+        times, values = self.memory_times, self.memory_bytes
+        for index in range(len(times) - 1):
+            excess = values[index] - threshold
+            if excess > 0:
+                total += excess * (times[index + 1] - times[index])
+        return total
+
+    def memory_at(self, t: float) -> int:
+        """Device bytes at time ``t`` (after the events at ``t``)."""
+        value = self.static_bytes
+        for time, level in zip(self.memory_times, self.memory_bytes, strict=True):
+            if time > t:
+                break
+            value = level
+        return value
+
+    def summary(self) -> dict[str, Any]:
+        """Scalar figures as a JSON-ready dict (no events, no series)."""
+        return {
+            "plan": self.plan.describe(),
+            "strategy": self.plan.strategy,
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "recompute_s": self.recompute_s,
+            "exposed_wait_s": self.exposed_wait_s,
+            "utilization": self.utilization,
+            "peak_bytes": self.peak_bytes,
+            "activation_peak_bytes": self.activation_peak_bytes,
+            "d2h_bytes": self.d2h_bytes,
+            "h2d_bytes": self.h2d_bytes,
+            "d2h_busy_s": self.d2h_busy_s,
+            "h2d_busy_s": self.h2d_busy_s,
+            "oom": self.oom,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready: summary, plan, waits, memory series and events."""
+        data = self.summary()
+        data.update(
+            plan=self.plan.to_dict(),
+            wait_by_layer=dict(self.wait_by_layer),
+            memory=[[t, b] for t, b in zip(self.memory_times, self.memory_bytes, strict=True)],
+            events=[[e.stream, e.name, e.start, e.end, e.kind, e.layer] for e in self.events],
+        )
+        return data
+
+    def to_chrome_trace(self, *, pid: int = 1, process_name: str = "offcore simulation") -> dict[str, Any]:
+        """A Chrome-trace / Perfetto JSON object: one thread per stream and a memory counter.
+
+        >>> from offcore.sim.profile import uniform_profile
+        >>> r = simulate(uniform_profile(1, forward_s=1.0, backward_s=1.0, saved_bytes=1), Plan.keep_all(1))
+        >>> sorted({e["ph"] for e in r.to_chrome_trace()["traceEvents"]})
+        ['C', 'M', 'X']
+        """
+        tids = {"compute": 1, "d2h": 2, "h2d": 3}
+        trace: list[dict[str, Any]] = [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": process_name}},
+        ]
+        for stream, tid in tids.items():
+            trace.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": stream}})
+        for event in self.events:
+            trace.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tids.get(event.stream, 9),
+                    "name": event.name,
+                    "cat": event.kind,
+                    "ts": event.start * 1e6,
+                    "dur": max(0.0, event.duration) * 1e6,
+                    "args": {"layer": event.layer},
+                }
+            )
+        for time, level in zip(self.memory_times, self.memory_bytes, strict=True):
+            trace.append({"ph": "C", "pid": pid, "name": "device bytes", "ts": time * 1e6, "args": {"bytes": level}})
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def simulate(
+    profile: StepProfile,
+    plan: Plan,
+    *,
+    microbatch_overhead_s: float = 0.0,
+    record_events: bool = True,
+) -> SimResult:
+    """Simulate one training step of ``profile`` under ``plan``.
+
+    With ``plan.microbatches = m > 1`` the step runs ``m`` identical micro-steps of
+    ``profile.split_microbatches(m)`` back to back, and ``microbatch_overhead_s`` is
+    charged to the compute stream for each micro-step after the first.
+    ``record_events=False`` skips the event list (faster; the planner uses it).
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> p = uniform_profile(4, forward_s=1.0, backward_s=2.0, saved_bytes=100)
+    >>> simulate(p, Plan.uniform(4, "recompute")).step_time_s      # 4 + 8 + 4 recompute
+    16.0
+    """
+    if not isinstance(profile, StepProfile):
+        raise ConfigurationError(f"simulate() needs a StepProfile, got {type(profile).__name__}")
+    if not isinstance(plan, Plan):
+        raise ConfigurationError(f"simulate() needs a Plan, got {type(plan).__name__}")
+    plan.check(profile)
+    if not (isinstance(microbatch_overhead_s, (int, float)) and microbatch_overhead_s >= 0):
+        raise ConfigurationError(f"microbatch_overhead_s must be >= 0, got {microbatch_overhead_s!r}")
+    if plan.microbatches == 1:
+        return _simulate_once(profile, plan, record_events)
+    micro = _simulate_once(profile.split_microbatches(plan.microbatches), plan, record_events)
+    return _repeat(micro, plan.microbatches, float(microbatch_overhead_s), profile.capacity_bytes)
+
+
+def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | None) -> SimResult:
+    """Chain ``count`` copies of a micro-step with ``overhead_s`` between them."""
+    period = micro.step_time_s + overhead_s
+    times: list[float] = []
+    levels: list[int] = []
+    events: list[TimelineEvent] = []
+    for k in range(count):
+        shift = k * period
+        times.extend(t + shift for t in micro.memory_times)
+        levels.extend(micro.memory_bytes)
+        events.extend(
+            TimelineEvent(e.stream, f"{e.name}#{k}", e.start + shift, e.end + shift, e.kind, e.layer)
+            for e in micro.events
+        )
+        if k + 1 < count and overhead_s > 0:
+            events.append(
+                TimelineEvent(
+                    "compute", f"microstep-overhead#{k}", shift + micro.step_time_s, shift + period, "overhead", ""
+                )
+            )
+    return SimResult(
+        plan=micro.plan,
+        step_time_s=count * micro.step_time_s + (count - 1) * overhead_s,
+        forward_s=count * micro.forward_s,
+        backward_s=count * micro.backward_s,
+        recompute_s=count * micro.recompute_s,
+        overhead_s=(count - 1) * overhead_s,
+        exposed_wait_s=count * micro.exposed_wait_s,
+        wait_by_layer={name: count * wait for name, wait in micro.wait_by_layer.items()},
+        static_bytes=micro.static_bytes,
+        peak_bytes=micro.peak_bytes,
+        peak_time_s=micro.peak_time_s,
+        memory_times=tuple(times),
+        memory_bytes=tuple(levels),
+        d2h_busy_s=count * micro.d2h_busy_s,
+        h2d_busy_s=count * micro.h2d_busy_s,
+        d2h_bytes=count * micro.d2h_bytes,
+        h2d_bytes=count * micro.h2d_bytes,
+        capacity_bytes=capacity,
+        events=tuple(events),
+    )
+
+
+def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> SimResult:
+    layers = profile.layers
+    n = len(layers)
+    names = profile.layer_names
+    actions = plan.actions
+    fwd = [layer.forward_s for layer in layers]
+    bwd = [layer.backward_s for layer in layers]
+    rec = [layer.recompute_time for layer in layers]
+    saved = [layer.saved_bytes for layer in layers]
+    work = [layer.working_bytes for layer in layers]
+    inputs = [layer.input_bytes for layer in layers]
+    prefetch = plan.prefetch
+
+    # memory events: (time, order, delta); order 0 = free, 1 = allocate (frees first at equal times)
+    memory: list[tuple[float, int, int]] = []
+    events: list[TimelineEvent] = []
+    segment_of: dict[int, tuple[int, int]] = {}
+    for first, last in plan.segments():
+        for index in range(first, last + 1):
+            segment_of[index] = (first, last)
+
+    # ---- forward: the compute stream never waits -------------------------------------
+    forward_end = [0.0] * n
+    now = 0.0
+    for i in range(n):
+        start, end = now, now + fwd[i]
+        if actions[i] is Action.RECOMPUTE:
+            held = inputs[i] if segment_of[i][0] == i else 0
+        else:
+            held = saved[i]
+        memory.append((start, 1, held + work[i]))
+        if work[i]:
+            memory.append((end, 0, -work[i]))
+        if record_events:
+            events.append(TimelineEvent("compute", f"forward:{names[i]}", start, end, "forward", names[i]))
+        forward_end[i] = end
+        now = end
+    forward_done = now
+
+    # ---- backward task list and its no-wait (ideal) timing ---------------------------
+    # task: (kind, layer index, duration); recompute tasks carry the segment's last index
+    tasks: list[tuple[str, int, float]] = []
+    backward_task: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        if actions[i] is Action.RECOMPUTE and segment_of[i][1] == i:
+            first, last = segment_of[i]
+            tasks.append(("recompute", i, math.fsum(rec[first : last + 1])))
+        backward_task[i] = len(tasks)
+        tasks.append(("backward", i, bwd[i]))
+    ideal_start = [0.0] * len(tasks)
+    clock = forward_done
+    for index, (_, _, duration) in enumerate(tasks):
+        ideal_start[index] = clock
+        clock += duration
+
+    offloaded = [i for i in range(n) if actions[i] is Action.OFFLOAD]
+    d2h_time = {i: profile.transfer_s(saved[i], "d2h") for i in offloaded}
+    h2d_time = {i: profile.transfer_s(saved[i], "h2d") for i in offloaded}
+    reload_order = offloaded[::-1]  # backward consumes the last layer first
+
+    # earliest start wanted by the prefetch policy (absolute, from the ideal timeline)
+    wanted_start: dict[int, float] = {}
+    if prefetch.mode == "deadline":
+        for i in offloaded:
+            wanted_start[i] = ideal_start[backward_task[i]] - h2d_time[i] - prefetch.margin_s
+    elif prefetch.mode == "lead":
+        assert prefetch.lead_s is not None
+        for i in offloaded:
+            wanted_start[i] = ideal_start[backward_task[i]] - prefetch.lead_s
+
+    # prefetch byte budget: reload k may start only after reload `release[k]` was consumed
+    release: list[int | None] = [None] * len(reload_order)
+    if prefetch.budget_bytes is not None and prefetch.mode != "on_demand":
+        budget = prefetch.budget_bytes
+        window_start, window_bytes = 0, 0
+        for k, i in enumerate(reload_order):
+            window_bytes += saved[i]
+            while window_start < k and window_bytes > budget:
+                window_bytes -= saved[reload_order[window_start]]
+                window_start += 1
+            release[k] = window_start - 1 if window_start > 0 else None
+
+    # ---- lazy compute progress over the backward tasks -------------------------------
+    backward_end: dict[int, float] = {}
+    h2d_end: dict[int, float] = {}
+    waits: dict[str, float] = {}
+    task_next = 0
+    compute_clock = forward_done
+    recompute_total = 0.0
+
+    def advance_to(limit: int) -> None:
+        """Run backward tasks with index < limit (their H2D copies are already scheduled)."""
+        nonlocal task_next, compute_clock, recompute_total
+        clock = compute_clock
+        index = task_next
+        while index < limit:
+            kind, i, duration = tasks[index]
+            if kind == "recompute":
+                first, last = segment_of[i]
+                for layer in range(first, last + 1):
+                    start, end = clock, clock + rec[layer]
+                    memory.append((start, 1, saved[layer] + work[layer]))
+                    if work[layer]:
+                        memory.append((end, 0, -work[layer]))
+                    if record_events:
+                        events.append(
+                            TimelineEvent("compute", f"recompute:{names[layer]}", start, end, "recompute", names[layer])
+                        )
+                    clock = end
+                recompute_total += duration
+            else:
+                if actions[i] is Action.OFFLOAD:
+                    arrival = h2d_end[i]
+                    if arrival > clock:
+                        waits[names[i]] = arrival - clock
+                        if record_events:
+                            events.append(
+                                TimelineEvent("compute", f"wait:{names[i]}", clock, arrival, "wait", names[i])
+                            )
+                        clock = arrival
+                start, end = clock, clock + duration
+                memory.append((start, 1, work[i]))
+                freed = work[i] + saved[i]
+                if actions[i] is Action.RECOMPUTE and segment_of[i][0] == i:
+                    freed += inputs[i]
+                memory.append((end, 0, -freed))
+                if record_events:
+                    events.append(TimelineEvent("compute", f"backward:{names[i]}", start, end, "backward", names[i]))
+                backward_end[i] = end
+                clock = end
+            index += 1
+        task_next = index
+        compute_clock = clock
+
+    def reload_ready(k: int, d2h_end: Mapping[int, float]) -> float | None:
+        """When reload k may start, or None while its D2H is not scheduled yet."""
+        i = reload_order[k]
+        if i not in d2h_end:
+            return None
+        ready = d2h_end[i]
+        if prefetch.mode == "on_demand":
+            advance_to(backward_task[i])
+            ready = max(ready, compute_clock)
+        else:
+            ready = max(ready, wanted_start[i])
+        released = release[k]
+        if released is not None:
+            j = reload_order[released]
+            advance_to(backward_task[j] + 1)
+            ready = max(ready, backward_end[j])
+        return ready
+
+    d2h_end: dict[int, float] = {}
+    busy = {"d2h": 0.0, "h2d": 0.0}
+
+    def run_d2h(i: int, start: float) -> float:
+        end = start + d2h_time[i]
+        d2h_end[i] = end
+        memory.append((end, 0, -saved[i]))
+        busy["d2h"] += d2h_time[i]
+        if record_events:
+            events.append(TimelineEvent("d2h", f"d2h:{names[i]}", start, end, "d2h", names[i]))
+        return end
+
+    def run_h2d(i: int, start: float) -> float:
+        end = start + h2d_time[i]
+        h2d_end[i] = end
+        memory.append((start, 1, saved[i]))
+        busy["h2d"] += h2d_time[i]
+        if record_events:
+            events.append(TimelineEvent("h2d", f"h2d:{names[i]}", start, end, "h2d", names[i]))
+        return end
+
+    if profile.duplex:
+        link_free = 0.0
+        for i in offloaded:
+            link_free = run_d2h(i, max(forward_end[i], link_free))
+        link_free = 0.0
+        for k, i in enumerate(reload_order):
+            ready = reload_ready(k, d2h_end)
+            assert ready is not None
+            link_free = run_h2d(i, max(ready, link_free))
+    else:
+        # one shared link: serve the head of each queue in order of readiness (D2H on ties)
+        link_free = 0.0
+        next_d2h, next_h2d = 0, 0
+        while next_d2h < len(offloaded) or next_h2d < len(reload_order):
+            ready_d2h = forward_end[offloaded[next_d2h]] if next_d2h < len(offloaded) else math.inf
+            ready_h2d = math.inf
+            if next_h2d < len(reload_order):
+                candidate = reload_ready(next_h2d, d2h_end)
+                if candidate is not None:
+                    ready_h2d = candidate
+            if ready_d2h <= ready_h2d:
+                link_free = run_d2h(offloaded[next_d2h], max(ready_d2h, link_free))
+                next_d2h += 1
+            else:
+                link_free = run_h2d(reload_order[next_h2d], max(ready_h2d, link_free))
+                next_h2d += 1
+
+    advance_to(len(tasks))
+    step_time = compute_clock
+
+    # ---- device bytes over time -------------------------------------------------------
+    memory.sort(key=lambda item: (item[0], item[1]))
+    static = profile.static_bytes
+    times: list[float] = [0.0]
+    levels: list[int] = [static]
+    level = static
+    for time, _, delta in memory:
+        level += delta
+        if time == times[-1]:
+            levels[-1] = level
+        else:
+            times.append(time)
+            levels.append(level)
+    if times[-1] < step_time:
+        times.append(step_time)
+        levels.append(level)
+    peak = max(levels)
+    peak_time = times[levels.index(peak)]
+
+    if record_events:
+        events.sort(key=lambda e: (e.start, e.stream))
+    offloaded_bytes = sum(saved[i] for i in offloaded)
+    return SimResult(
+        plan=plan,
+        step_time_s=step_time,
+        forward_s=math.fsum(fwd),
+        backward_s=math.fsum(bwd),
+        recompute_s=recompute_total,
+        overhead_s=0.0,
+        exposed_wait_s=math.fsum(waits.values()),
+        wait_by_layer=waits,
+        static_bytes=static,
+        peak_bytes=peak,
+        peak_time_s=peak_time,
+        memory_times=tuple(times),
+        memory_bytes=tuple(levels),
+        d2h_busy_s=busy["d2h"],
+        h2d_busy_s=busy["h2d"],
+        d2h_bytes=offloaded_bytes,
+        h2d_bytes=offloaded_bytes,
+        capacity_bytes=profile.capacity_bytes,
+        events=tuple(events),
+    )
