@@ -263,6 +263,7 @@ class TorchAcceleratorDevice:
         self._device_contexts: list[Any] = []
         self.staged_copies = 0
         self.direct_pageable_copies = 0
+        self._pinned_ranges: dict[int, int] = {}  # start -> end of every live pinned block
         self.pinned_pool = self.host_pool(self.options.host_budget, pinned=True)
 
     def _cap_memory(self, fraction: float) -> Callable[[], Any]:
@@ -338,6 +339,22 @@ class TorchAcceleratorDevice:
             )
         return block
 
+    def _tracked_pinned_block(self, nbytes: int) -> Any:
+        """A pinned block whose address range ``_is_pinned`` recognises while the pool holds it.
+
+        Runtimes differ in how ``Tensor.is_pinned()`` treats a pointer *inside* a pinned
+        block (torch_npu looks up the storage's base pointer), so the adapter also knows
+        its own blocks. A range is forgotten when the block tensor the pool holds dies;
+        views that outlive it are then merely staged again (never treated as pinned
+        when they are not).
+        """
+        block = self._allocate_pinned_block(nbytes)
+        start = block.data_ptr()
+        ranges = self._pinned_ranges
+        ranges[start] = start + block.numel()
+        weakref.finalize(block, ranges.pop, start, None).atexit = False
+        return block
+
     def _allocate_pageable_block(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8)
 
@@ -349,7 +366,7 @@ class TorchAcceleratorDevice:
         >>> done = dev.copy_(buf.view, x, stream=s)       # doctest: +SKIP
         >>> done.synchronize(); pool.release(buf)         # doctest: +SKIP
         """
-        allocate_block = self._allocate_pinned_block if pinned else self._allocate_pageable_block
+        allocate_block = self._tracked_pinned_block if pinned else self._allocate_pageable_block
         return HostBufferPool(allocate_block, budget=budget, block_size=self.options.block_size)
 
     def allocate(self, nbytes: int, tier: Tier) -> Any:
@@ -400,6 +417,9 @@ class TorchAcceleratorDevice:
         return device is not None and device.type == self.device_type and device.index == self.index
 
     def _is_pinned(self, tensor: Any) -> bool:
+        address = tensor.data_ptr()
+        if any(start <= address < end for start, end in list(self._pinned_ranges.items())):
+            return True
         return bool(tensor.is_pinned())
 
     # ----------------------------------------------------------------------- copy

@@ -10,7 +10,7 @@ synchronized, which is how the tests check that the adapter waits on events.
 :class:`FakeAcceleratorDevice` runs the shared adapter
 (:class:`offcore_torch.accelerator.TorchAcceleratorDevice`) on that module, with
 "device" tensors that are CPU tensors the device allocated and "pinned" memory that
-is the CPU blocks its pool allocated.
+is the CPU blocks its pool allocated (recognised by the adapter's own block ranges).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
         return Availability(True, "", mod.device_count())
 
     def _setup(self) -> None:
-        self.pinned_blocks: list[Any] = []  # kept alive so no address is ever reused by the host
+        self.pinned_block_sizes: list[int] = []
         self.device_tensors: list[Any] = []
         self.device_storages: set[int] = set()
         super()._setup()
@@ -242,9 +242,5 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
 
     def _allocate_pinned_block(self, nbytes: int) -> Any:
         block = torch.empty(nbytes, dtype=torch.uint8)
-        self.pinned_blocks.append(block)
+        self.pinned_block_sizes.append(nbytes)
         return block
-
-    def _is_pinned(self, tensor: Any) -> bool:
-        address = tensor.data_ptr()
-        return any(b.data_ptr() <= address < b.data_ptr() + b.numel() for b in self.pinned_blocks)

@@ -199,7 +199,17 @@ def test_pinned_buffer_returns_to_the_pool_when_its_last_view_dies(dev: Any) -> 
 def test_pinned_buffers_are_exact_size_slices_of_few_blocks(dev: Any) -> None:
     buffers = [dev.allocate(size, Tier.PINNED) for size in (1000, 3000, 70_000, 512)]
     assert [b.numel() for b in buffers] == [1000, 3000, 70_000, 512]
-    assert len(dev.pinned_blocks) == 1, "small buffers must share one block, not pin memory each"
+    assert dev.pinned_block_sizes == [4 * MiB], "small buffers must share one block, not pin memory each"
+
+
+def test_pinned_ranges_are_forgotten_with_their_blocks(dev: Any) -> None:
+    raw = dev.allocate(4096, Tier.PINNED)
+    inside = raw[100:]
+    assert dev._is_pinned(inside) and len(dev._pinned_ranges) == 1
+    del raw, inside
+    dev.pinned_pool.trim()
+    gc.collect()
+    assert dev._pinned_ranges == {}
 
 
 def test_pinned_budget_is_enforced(module: FakeAcceleratorModule) -> None:
