@@ -19,11 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import offcore
 
-__all__ = ["offcore_register_backends", "FakeDevice", "FakeDeviceOutOfMemoryError", "StreamWorkError"]
+__all__ = [
+    "offcore_register_backends",
+    "FakeDevice",
+    "FakeDeviceOutOfMemoryError",
+    "StreamWorkError",
+    "EventNotReadyError",
+]
 
 if TYPE_CHECKING:
     from offcore_cpu.device import FakeDevice
-    from offcore_cpu.errors import FakeDeviceOutOfMemoryError, StreamWorkError
+    from offcore_cpu.errors import EventNotReadyError, FakeDeviceOutOfMemoryError, StreamWorkError
 
 
 @offcore.hookimpl
@@ -41,7 +47,7 @@ def __getattr__(name: str) -> Any:
         from offcore_cpu.device import FakeDevice
 
         return FakeDevice
-    if name in ("FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError"):
+    if name in ("FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError"):  # no torch import
         from offcore_cpu import errors
 
         return getattr(errors, name)

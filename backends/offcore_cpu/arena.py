@@ -29,7 +29,7 @@ from typing import Any
 
 from offcore.errors import ConfigurationError
 from offcore.kinds import Tier
-from offcore_cpu.errors import out_of_memory
+from offcore_cpu.errors import FakeDeviceOutOfMemoryError, out_of_memory
 
 __all__ = ["MemoryArena"]
 
@@ -44,13 +44,23 @@ class _Allocation:
 class MemoryArena:
     """Live bytes per tier with peaks; the device tier is limited to ``capacity``.
 
+    A device request that does not fit raises ``error_class`` (see
+    Note [Two flavours of FakeDeviceOutOfMemoryError]).
+
     Thread-safe. Owners must support weak references; their bytes are released by the
     weakref callback when they die (from whatever thread drops the last reference).
     """
 
-    def __init__(self, device_name: str, capacity: int) -> None:
+    def __init__(
+        self,
+        device_name: str,
+        capacity: int,
+        *,
+        error_class: type[FakeDeviceOutOfMemoryError] = FakeDeviceOutOfMemoryError,
+    ) -> None:
         self.device_name = device_name
         self.capacity = capacity
+        self.error_class = error_class
         # RLock: a weakref callback may run (garbage collection) while this thread holds the lock.
         self._lock = threading.RLock()
         self._allocations: dict[int, _Allocation] = {}
@@ -63,7 +73,7 @@ class MemoryArena:
         with self._lock:
             allocated = self._current[Tier.DEVICE]
             if allocated + nbytes > self.capacity:
-                raise out_of_memory(self.device_name, nbytes, allocated, self.capacity)
+                raise out_of_memory(self.device_name, nbytes, allocated, self.capacity, error_class=self.error_class)
 
     def register(self, owner: Any, nbytes: int, tier: Tier) -> None:
         """Count ``owner``'s ``nbytes`` on ``tier`` until it dies (no-op when already counted there)."""

@@ -59,7 +59,8 @@ class FakeDevice:
     Create it with ``offcore.device("cpu", **options)``:
 
     - ``capacity`` (``"2GiB"``): device memory; exceeding it raises
-      :class:`~offcore_cpu.errors.FakeDeviceOutOfMemoryError` (a ``torch.OutOfMemoryError``).
+      :class:`~offcore_cpu.errors.FakeDeviceOutOfMemoryError` (with torch buffers also a
+      ``torch.OutOfMemoryError``).
     - ``h2d_bandwidth`` / ``d2h_bandwidth`` (``"32GiB/s"``, ``"inf"`` for unlimited) and
       ``latency`` (``"10us"``) per copy; ``duplex`` (True): each direction has its own link.
     - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`.
@@ -79,7 +80,6 @@ class FakeDevice:
         self.index = index
         self.ledger = Ledger()
         self._label = f"{self.name}:{index}"
-        self._arena = MemoryArena(self._label, self.options.capacity)
         self._link = Link(
             h2d_bandwidth=self.options.h2d_bandwidth,
             d2h_bandwidth=self.options.d2h_bandwidth,
@@ -93,12 +93,16 @@ class FakeDevice:
         self._local = threading.local()  # .depth of `with dev:` on this thread
         self._ops: BufferOps = NUMPY_OPS
         self._tracker: Any = None
-        if self.options.buffers == "torch":
+        if self.options.buffers == "torch":  # torch is imported here, never for numpy buffers
             from offcore_cpu.torch_buffers import TORCH_OPS
+            from offcore_cpu.torch_errors import TorchFakeDeviceOutOfMemoryError
             from offcore_cpu.tracking import StorageTracker
 
             self._ops = TORCH_OPS
+            self._arena = MemoryArena(self._label, self.options.capacity, error_class=TorchFakeDeviceOutOfMemoryError)
             self._tracker = StorageTracker(self._arena, poison_uninitialised=self.options.sanitize)
+        else:
+            self._arena = MemoryArena(self._label, self.options.capacity)
         capabilities = {Capability.NUMPY, Capability.EVENT_TIMING, Capability.PINNED_MEMORY}
         if self.options.buffers == "torch":
             capabilities.add(Capability.TORCH)

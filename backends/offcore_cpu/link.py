@@ -61,7 +61,8 @@ class Link:
         return self.latency + nbytes / self.bandwidth[direction]  # nbytes / inf == 0.0
 
     @contextlib.contextmanager
-    def _channel(self, direction: Direction) -> Iterator[None]:
+    def channel(self, direction: Direction) -> Iterator[None]:
+        """Hold the channel ``direction`` uses (nothing for H2H and D2D) for the duration of a transfer."""
         channel = self._channels.get(direction)
         if channel is None:
             yield
@@ -76,7 +77,7 @@ class Link:
 
         ``extra_delay`` (the sanitizer's jitter) postpones the landing of the data.
         """
-        with self._channel(direction):
+        with self.channel(direction):
             start = time.perf_counter()
             if self.crosses_link(direction):
                 sleep_until(start + self.latency + extra_delay)

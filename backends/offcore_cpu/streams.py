@@ -66,7 +66,7 @@ class _Marker:
         if self.error is not None:
             raise StreamWorkError(
                 f"work queued on stream {self.stream_name!r} before this point failed: "
-                f"{type(self.error).__name__}: {self.error}. The data that work should have produced is not valid."
+                f"{type(self.error).__name__}: {str(self.error).rstrip('.')}. The data that work should have produced is not valid."
             ) from self.error
 
 
@@ -311,7 +311,7 @@ class WorkerStream:
             error, self._state.error = self._state.error, None
         if error is not None:
             raise StreamWorkError(
-                f"work queued on stream {self.name!r} failed: {type(error).__name__}: {error}. "
+                f"work queued on stream {self.name!r} failed: {type(error).__name__}: {str(error).rstrip('.')}. "
                 "The data that work should have produced is not valid."
             ) from error
 

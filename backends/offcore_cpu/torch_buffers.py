@@ -45,9 +45,9 @@ class TorchBuffers:
         if dst.shape == src.shape and dst.dtype == src.dtype:
             dst.copy_(src)
         elif dst.is_contiguous():
-            dst.view(-1).view(src.dtype).view(src.shape).copy_(src)
+            _flat(dst).view(src.dtype).view(src.shape).copy_(src)
         elif src.is_contiguous():
-            dst.copy_(src.reshape(-1).view(dst.dtype).view(dst.shape))
+            dst.copy_(_flat(src).view(dst.dtype).view(dst.shape))
         else:
             raise ConfigurationError(
                 f"cannot copy {describe(src)} into {describe(dst)}: layouts differ and neither side is "
@@ -59,6 +59,13 @@ class TorchBuffers:
         if buffer.numel():
             pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
             buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D stride-1 view of a contiguous tensor. ``view(-1)`` keeps the stride of a
+    one-element tensor (``torch.zeros(2)[::2]`` is contiguous with stride 2), which
+    ``view(dtype)`` then refuses."""
+    return tensor.as_strided((tensor.numel(),), (1,))
 
 
 TORCH_OPS = TorchBuffers()
