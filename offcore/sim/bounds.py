@@ -15,16 +15,16 @@
 #      D2H ends, that layer's H2D and all backward from that layer on must still run; after
 #      an H2D, all backward from that layer on). For any set S of jobs on one machine
 #          T ≥ min_S head + Σ_S duration + min_S tail,
-#      evaluated for every contiguous range of offloaded layers. On a duplex link the
-#      D2H and the H2D queues are two machines; on a shared link both directions' jobs
-#      are on one machine. With no compute at all this is bytes/bandwidth per
-#      direction (duplex: the larger; shared: the sum), e.g. 10 × 256 MiB there and
-#      back over a 32 GiB/s shared link: 156.25 ms.
+#      evaluated for the offloaded layers from each one to the end of the stack. The D2H
+#      and H2D jobs are taken as one machine even on a duplex link: within one step they
+#      never overlap (Note [Copies of one step never overlap] in simulator.py). With no
+#      compute at all this is the bytes there and back over their bandwidths, e.g.
+#      10 × 256 MiB over 32 GiB/s: 156.25 ms.
 #
 # For an *instance* (any plan that fits a device budget) the planner needs a bound that
 # holds for every feasible plan. :func:`instance_lower_bound` minimises T over the
-# per-layer choices under (1), a relaxed (2) (``min head`` and ``min tail`` taken at the
-# range's first layer, ranges extended to the end of the stack), and two memory
+# per-layer choices under (1), a relaxed (2) (``min head`` and ``min tail`` taken at a
+# layer that need not be offloaded itself), and two memory
 # conditions every plan must meet: during layer i's forward, and at the start of its
 # backward, the kept activations of the layers before it plus its own saved bytes and
 # working set are on the device. That is a small MILP (scipy.optimize.milp). In-flight
@@ -78,25 +78,12 @@ def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
     h = [profile.transfer_s(layers[j].saved_bytes, "h2d") for j in offloaded]
     best = compute
     count = len(offloaded)
+    # Note [Copies of one step never overlap]: every H2D starts after the last D2H ended,
+    # so the D2H and H2D jobs form one machine whether or not the link is duplex.
     for lo in range(count):
         first = offloaded[lo]
-        if profile.duplex:
-            d2h_sum = h2d_sum = 0.0
-            d2h_tail = h2d_head = math.inf
-            for hi in range(lo, count):
-                j = offloaded[hi]
-                d2h_sum += d[hi]
-                h2d_sum += h[hi]
-                d2h_tail = min(d2h_tail, h[hi] + tail[j])
-                h2d_head = min(h2d_head, forward_end[j] + d[hi])
-                best = max(
-                    best,
-                    forward_end[first] + d2h_sum + d2h_tail,
-                    h2d_head + h2d_sum + tail[first],
-                )
-        else:
-            total = math.fsum(d[lo:]) + math.fsum(h[lo:])
-            best = max(best, forward_end[first] + total + tail[first])
+        total = math.fsum(d[lo:]) + math.fsum(h[lo:])
+        best = max(best, forward_end[first] + total + tail[first])
     return best
 
 
@@ -141,13 +128,7 @@ def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval:
     def suffix(values: np.ndarray) -> np.ndarray:
         return np.cumsum((offloaded * values)[:, ::-1], axis=1)[:, ::-1]
 
-    if profile.duplex:
-        link = np.maximum(
-            (forward_end + suffix(d) + tail).max(axis=1),
-            (forward_end + suffix(h) + tail).max(axis=1),
-        )
-    else:
-        link = (forward_end + suffix(d + h) + tail).max(axis=1)
+    link = (forward_end + suffix(d + h) + tail).max(axis=1)  # Note [Copies of one step never overlap]
     return np.maximum(compute, link)
 
 
@@ -261,7 +242,7 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     add(row, float(f.sum() + b.sum()) / time_scale, math.inf)
     forward_end = np.cumsum(f)
     backward_prefix = np.cumsum(b)
-    directions = [d, h] if profile.duplex else [d + h]
+    directions = [d + h]  # Note [Copies of one step never overlap]
     for i in range(n):  # copies with prefix constraints
         for duration in directions:
             row = np.zeros(nv)

@@ -1,0 +1,322 @@
+"""The timeline simulator: lifetimes, streams, prefetch policies, and properties over random plans."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from offcore import ConfigurationError
+from offcore.sim import (
+    LayerProfile,
+    Plan,
+    PrefetchPolicy,
+    StepProfile,
+    plan_lower_bound,
+    simulate,
+    uniform_profile,
+)
+
+MB = 10**6
+
+
+def events_of(result, kind, layer=None):
+    return [e for e in result.events if e.kind == kind and (layer is None or e.layer == layer)]
+
+
+def only(events):
+    (event,) = events
+    return event
+
+
+# --- lifetimes ----------------------------------------------------------------------------------
+
+
+def test_keep_all_runs_forward_then_backward_in_reverse_with_no_wait():
+    profile = StepProfile(
+        [LayerProfile(f"l{i}", 1.0 + i, 2.0 + i, 10 * (i + 1), working_bytes=3) for i in range(3)], param_bytes=100
+    )
+    result = simulate(profile, Plan.keep_all(3))
+    compute = [e for e in result.events if e.stream == "compute"]
+    assert [e.name for e in compute] == [
+        "forward:l0",
+        "forward:l1",
+        "forward:l2",
+        "backward:l2",
+        "backward:l1",
+        "backward:l0",
+    ]
+    assert result.step_time_s == result.compute_s == 6.0 + 9.0
+    assert result.exposed_wait_s == 0.0 and result.utilization == 1.0
+    # all activations plus the last layer's working set at the turn from forward to backward
+    assert result.peak_bytes == 100 + 10 + 20 + 30 + 3
+    assert result.memory_bytes[-1] == 100  # everything freed at the end
+
+
+def test_offloaded_bytes_are_freed_only_when_their_d2h_completes():
+    # 100 MB at 100 MB/s: a 1 s D2H starting when layer0's 0.5 s forward ends
+    profile = StepProfile(
+        [LayerProfile("l0", 0.5, 1.0, 100 * MB), LayerProfile("l1", 2.0, 1.0, 0)],
+        d2h_bandwidth=100 * MB,
+        h2d_bandwidth=100 * MB,
+    )
+    result = simulate(profile, Plan(["offload", "keep"]))
+    d2h = only(events_of(result, "d2h"))
+    assert (d2h.start, d2h.end) == (0.5, 1.5)
+    assert result.memory_at(1.4999) == 100 * MB
+    assert result.memory_at(1.5) == 0
+    h2d = only(events_of(result, "h2d"))
+    backward = only(events_of(result, "backward", "l0"))
+    assert h2d.start >= d2h.end and backward.start >= h2d.end
+    # the H2D lands exactly when layer0's backward would start (deadline prefetch, no margin)
+    assert h2d.end == pytest.approx(backward.start) and result.exposed_wait_s == 0.0
+    assert result.memory_at(h2d.start) == 100 * MB
+
+
+def test_a_reload_never_starts_before_its_d2h_has_completed():
+    # D2H takes 10 s, far beyond the rest of the step: the reload waits for it
+    profile = StepProfile(
+        [LayerProfile("l0", 0.0, 1.0, 10), LayerProfile("l1", 0.0, 1.0, 0)],
+        d2h_bandwidth=1.0,
+        h2d_bandwidth=10.0,
+    )
+    result = simulate(profile, Plan(["offload", "keep"]))
+    assert only(events_of(result, "h2d")).start == only(events_of(result, "d2h")).end == 10.0
+    assert result.step_time_s == 12.0
+    assert result.wait_by_layer == {"l0": pytest.approx(10.0)}
+
+
+def test_on_demand_starts_the_copy_when_backward_reaches_the_layer():
+    profile = uniform_profile(3, forward_s=1.0, backward_s=2.0, saved_bytes=4, d2h_bandwidth=4.0, h2d_bandwidth=2.0)
+    result = simulate(profile, Plan(["offload", "keep", "keep"], prefetch=PrefetchPolicy("on_demand")))
+    h2d = only(events_of(result, "h2d"))
+    assert h2d.start == 3.0 + 2 * 2.0  # after the backward of l2 and l1
+    assert result.exposed_wait_s == 2.0
+    deadline = simulate(profile, Plan(["offload", "keep", "keep"]))
+    assert deadline.exposed_wait_s == 0.0
+    assert only(events_of(deadline, "h2d")).start == pytest.approx(7.0 - 2.0)
+
+
+def test_prefetch_margin_moves_the_copy_earlier():
+    profile = uniform_profile(3, forward_s=1.0, backward_s=2.0, saved_bytes=4, d2h_bandwidth=4.0, h2d_bandwidth=2.0)
+    result = simulate(profile, Plan(["offload", "keep", "keep"], prefetch=PrefetchPolicy(margin_s=0.5)))
+    assert only(events_of(result, "h2d")).start == pytest.approx(4.5)
+
+
+def test_latency_is_added_to_every_copy():
+    profile = uniform_profile(2, forward_s=1.0, backward_s=1.0, saved_bytes=8, d2h_bandwidth=8.0, latency_s="250ms")
+    result = simulate(profile, Plan(["offload", "keep"]))
+    assert only(events_of(result, "d2h")).duration == pytest.approx(1.25)
+    assert only(events_of(result, "h2d")).duration == pytest.approx(0.25)  # infinite H2D bandwidth
+
+
+def test_prefetch_budget_limits_bytes_reloaded_but_not_yet_consumed():
+    # a large margin asks every reload to start as soon as its D2H is done; the budget holds them back
+    profile = uniform_profile(6, forward_s=1.0, backward_s=1.0, saved_bytes=10, d2h_bandwidth=100.0, h2d_bandwidth=100.0)
+    unbounded = simulate(profile, Plan.uniform(6, "offload", prefetch=PrefetchPolicy(margin_s=10.0)))
+    bounded = simulate(profile, Plan.uniform(6, "offload", prefetch=PrefetchPolicy(margin_s=10.0, budget_bytes=20)))
+
+    def held_peak(result):
+        starts = {e.layer: e.start for e in events_of(result, "h2d")}
+        ends = {e.layer: e.end for e in events_of(result, "backward")}
+        return max(sum(10 for layer in starts if starts[layer] <= t < ends[layer]) for t in starts.values())
+
+    assert held_peak(unbounded) > 20
+    assert held_peak(bounded) <= 20
+    assert bounded.peak_bytes < unbounded.peak_bytes
+    assert bounded.step_time_s == pytest.approx(unbounded.step_time_s)  # here the budget costs no time
+
+
+def test_a_layer_larger_than_the_prefetch_budget_is_reloaded_alone():
+    profile = uniform_profile(3, forward_s=1.0, backward_s=1.0, saved_bytes=50, d2h_bandwidth=1e3, h2d_bandwidth=1e3)
+    result = simulate(profile, Plan.uniform(3, "offload", prefetch=PrefetchPolicy(budget_bytes=10)))
+    starts = sorted((e.start, e.layer) for e in events_of(result, "h2d"))
+    ends = {e.layer: e.end for e in events_of(result, "backward")}
+    for (_, layer), (next_start, _) in zip(starts, starts[1:], strict=False):
+        assert next_start >= ends[layer]  # the previous one was consumed first
+
+
+def test_a_shared_link_serialises_the_two_directions():
+    layers = [LayerProfile(f"l{i}", 1.0, 1.0, 10) for i in range(4)]
+    shared = StepProfile(layers, d2h_bandwidth=5.0, h2d_bandwidth=5.0, duplex=False)
+    result = simulate(shared, Plan(["offload", "offload", "offload", "keep"]))
+    copies = sorted(events_of(result, "d2h") + events_of(result, "h2d"), key=lambda e: e.start)
+    assert len(copies) == 6
+    assert all(a.end <= b.start for a, b in zip(copies, copies[1:], strict=False))
+
+
+def test_recompute_runs_the_segment_before_the_backward_of_its_last_layer():
+    profile = StepProfile(
+        [LayerProfile(f"l{i}", 1.0, 2.0, 100, recompute_s=0.5, input_bytes=7) for i in range(4)],
+        param_bytes=1000,
+    )
+    result = simulate(profile, Plan(["keep", "recompute", "recompute", "keep"], checkpoint_interval=2))
+    names = [e.name for e in result.events if e.stream == "compute"]
+    assert names[4:] == [
+        "backward:l3",
+        "recompute:l1",
+        "recompute:l2",
+        "backward:l2",
+        "backward:l1",
+        "backward:l0",
+    ]
+    assert result.recompute_s == 1.0 and result.step_time_s == 4.0 + 8.0 + 1.0
+    assert result.utilization == 1.0
+    # forward keeps l0, l3 and the segment's checkpoint; the rerun brings l1 and l2 back
+    assert max(b for t, b in zip(result.memory_times, result.memory_bytes, strict=True) if t < 4.0) == 1000 + 200 + 7
+    assert result.peak_bytes == 1000 + 100 + 7 + 200
+
+
+def test_microbatches_repeat_a_smaller_step():
+    profile = uniform_profile(2, forward_s=4.0, backward_s=8.0, saved_bytes=400, batch_size=4)
+    whole = simulate(profile, Plan.keep_all(2))
+    split = simulate(profile, Plan.keep_all(2, microbatches=4), microbatch_overhead_s=0.5)
+    assert split.step_time_s == pytest.approx(whole.step_time_s + 3 * 0.5)
+    assert split.peak_bytes == whole.peak_bytes // 4
+    assert len(events_of(split, "forward")) == 4 * 2
+    assert split.compute_s == pytest.approx(split.step_time_s)
+
+
+def test_oom_is_reported_against_the_profile_capacity():
+    profile = uniform_profile(4, forward_s=1.0, backward_s=1.0, saved_bytes=100, capacity_bytes=250)
+    assert simulate(profile, Plan.keep_all(4)).oom
+    assert not simulate(profile, Plan.uniform(4, "recompute")).oom
+
+
+def test_results_serialise_and_make_a_chrome_trace():
+    profile = uniform_profile(3, forward_s=1e-3, backward_s=2e-3, saved_bytes=10 * MB, d2h_bandwidth="10GB/s")
+    result = simulate(profile, Plan(["offload", "recompute", "keep"]))
+    trace = json.loads(json.dumps(result.to_chrome_trace()))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in complete} >= {"forward", "backward", "recompute", "d2h", "h2d"}
+    assert all(e["dur"] >= 0 for e in complete)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["step_time_s"] == result.step_time_s
+    assert Plan.from_dict(data["plan"]) == result.plan
+
+
+def test_bad_input_is_refused_clearly():
+    profile = uniform_profile(3, forward_s=1.0, backward_s=1.0, saved_bytes=1)
+    with pytest.raises(ConfigurationError, match="3 layers"):
+        simulate(profile, Plan.keep_all(2))
+    with pytest.raises(ConfigurationError, match="StepProfile"):
+        simulate("profile", Plan.keep_all(3))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not divisible"):
+        simulate(profile, Plan.keep_all(3, microbatches=2))
+
+
+# --- properties over random profiles and plans --------------------------------------------------
+
+times = st.floats(min_value=0.0, max_value=1e-2, allow_nan=False, allow_infinity=False)
+sizes = st.integers(min_value=0, max_value=2 * 10**9)
+
+
+@st.composite
+def profiles(draw, duplex=None):
+    n = draw(st.integers(min_value=1, max_value=6))
+    layers = [
+        LayerProfile(
+            f"l{i}",
+            draw(times),
+            draw(times),
+            draw(sizes),
+            recompute_s=draw(times),
+            working_bytes=draw(st.integers(0, 10**8)),
+            input_bytes=draw(st.integers(0, 10**8)),
+        )
+        for i in range(n)
+    ]
+    return StepProfile(
+        layers,
+        param_bytes=draw(st.integers(0, 10**9)),
+        d2h_bandwidth=draw(st.floats(1e9, 1e11)),
+        h2d_bandwidth=draw(st.floats(1e9, 1e11)),
+        latency_s=draw(st.sampled_from([0.0, 1e-5, 1e-4])),
+        duplex=draw(st.booleans()) if duplex is None else duplex,
+    )
+
+
+@st.composite
+def plans(draw, n, actions=("keep", "offload", "recompute")):
+    mode = draw(st.sampled_from(["deadline", "lead", "on_demand"]))
+    policy = PrefetchPolicy(
+        mode,
+        margin_s=draw(st.sampled_from([0.0, 1e-3])) if mode == "deadline" else 0.0,
+        lead_s=draw(times) if mode == "lead" else None,
+        budget_bytes=draw(st.one_of(st.none(), st.integers(1, 4 * 10**9))),
+    )
+    return Plan(
+        draw(st.lists(st.sampled_from(actions), min_size=n, max_size=n)),
+        checkpoint_interval=draw(st.integers(1, 3)),
+        prefetch=policy,
+    )
+
+
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(st.data())
+def test_step_time_is_never_below_the_lower_bound(data):
+    profile = data.draw(profiles())
+    plan = data.draw(plans(profile.n_layers))
+    result = simulate(profile, plan)
+    bound = plan_lower_bound(profile, plan)
+    assert result.step_time_s >= bound * (1 - 1e-9) - 1e-15
+    assert result.step_time_s == pytest.approx(result.compute_s + result.exposed_wait_s, rel=1e-9, abs=1e-15)
+    assert result.memory_bytes[-1] == profile.static_bytes
+
+
+@PROPERTY
+@given(st.data())
+def test_every_reload_follows_its_d2h_and_precedes_its_backward(data):
+    profile = data.draw(profiles())
+    result = simulate(profile, data.draw(plans(profile.n_layers)))
+    d2h = {e.layer: e for e in events_of(result, "d2h")}
+    for h2d in events_of(result, "h2d"):
+        assert h2d.start >= d2h[h2d.layer].end
+        assert only(events_of(result, "backward", h2d.layer)).start >= h2d.end
+    compute = [e for e in result.events if e.stream == "compute"]
+    for earlier, later in zip(compute, compute[1:], strict=False):
+        assert later.start >= earlier.end - 1e-15  # one compute stream, in order
+
+
+@PROPERTY
+@given(st.data())
+def test_offloading_never_raises_the_peak_above_keep_all(data):
+    profile = data.draw(profiles())
+    plan = data.draw(plans(profile.n_layers, actions=("keep", "offload")))
+    keep_all = simulate(profile, Plan.keep_all(profile.n_layers))
+    assert simulate(profile, plan).peak_bytes <= keep_all.peak_bytes
+
+
+@PROPERTY
+@given(st.data())
+def test_within_one_step_every_reload_starts_after_every_d2h(data):
+    # Note [Copies of one step never overlap]: so duplex and shared links give the same step
+    profile = data.draw(profiles())
+    plan = data.draw(plans(profile.n_layers))
+    result = simulate(profile, plan)
+    d2h, h2d = events_of(result, "d2h"), events_of(result, "h2d")
+    if d2h:
+        assert min(e.start for e in h2d) >= max(e.end for e in d2h)
+    other = simulate(profile.with_link(duplex=not profile.duplex), plan)
+    assert other.step_time_s == result.step_time_s and other.peak_bytes == result.peak_bytes
+
+
+@PROPERTY
+@given(st.data())
+def test_more_bandwidth_never_increases_the_step_time(data):
+    # every queue's order is fixed by the plan, so start times are monotone in copy durations
+    profile = data.draw(profiles())
+    plan = data.draw(plans(profile.n_layers))
+    d2h_factor = data.draw(st.floats(1.0, 8.0))
+    h2d_factor = data.draw(st.floats(1.0, 8.0))
+    faster = profile.with_link(
+        d2h_bandwidth=profile.d2h_bandwidth * d2h_factor, h2d_bandwidth=profile.h2d_bandwidth * h2d_factor
+    )
+    assume(math.isfinite(faster.d2h_bandwidth) and math.isfinite(faster.h2d_bandwidth))
+    assert simulate(faster, plan).step_time_s <= simulate(profile, plan).step_time_s * (1 + 1e-9) + 1e-15
