@@ -164,7 +164,9 @@ class TorchKit(BufferKit):
         buffer.copy_(source)
 
     def read(self, buffer: Any) -> np.ndarray:
-        flat = buffer.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        # clone into a fresh contiguous tensor: ``contiguous()`` keeps a stride of 2 on a
+        # one-element view, which ``view(uint8)`` then refuses
+        flat = buffer.detach().to("cpu").reshape(-1).clone(memory_format=self.torch.contiguous_format)
         return flat.view(self.torch.uint8).numpy().copy()
 
     def swap_last_axes(self, buffer: Any) -> Any:

@@ -67,3 +67,31 @@ def test_suite_passes_on_a_correct_backend_and_catches_a_broken_one(
             )
     assert status("test_copy_is_exact_for_random_shapes_and_layouts[broken_strides]") == "FAILED"
     assert result.ret == 1
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "offset"])
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (2, 3), (1, 4, 1)])
+def test_buffer_kits_read_every_layout_in_logical_order(kind: str, layout: str, shape: tuple[int, ...]) -> None:
+    import numpy as np
+
+    from offcore.testing import buffer_kit
+    from offcore.testing.conformance import _apply_layout, _base_shape, _layout_fits
+
+    if kind == "torch":
+        pytest.importorskip("torch")
+    if not _layout_fits(layout, shape):
+        pytest.skip(f"{layout} needs more dimensions than {shape}")
+    kit = buffer_kit(kind)
+    base_shape = _base_shape(layout, shape)
+    raw_bytes = np.arange(4 * int(np.prod(base_shape)), dtype=np.uint32).astype(np.uint8)
+    raw = np.zeros(raw_bytes.size, np.uint8)
+    if kind == "torch":
+        import torch
+
+        raw = torch.from_numpy(raw)
+    base = kit.typed(raw, "float32", base_shape)
+    kit.write(base, raw_bytes)
+    view = _apply_layout(layout, base, kit.swap_last_axes)
+    reference = _apply_layout(layout, raw_bytes.view(np.float32).reshape(base_shape), lambda a: np.swapaxes(a, -1, -2))
+    np.testing.assert_array_equal(kit.read(view), np.ascontiguousarray(reference).reshape(-1).view(np.uint8))

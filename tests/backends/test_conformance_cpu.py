@@ -1,0 +1,30 @@
+"""The conformance suite on the CPU fake device: sanitizer on, an emulated link, torch and numpy buffers.
+
+The numpy variant needs no torch, so ``tox -e core`` runs it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from offcore.testing import BackendConformance
+
+SANITIZED_LINK: dict[str, Any] = {
+    "capacity": "64MiB",
+    "h2d_bandwidth": "16GiB/s",
+    "d2h_bandwidth": "16GiB/s",
+    "latency": "20us",
+    "sanitize": True,
+}
+
+
+class TestCpuTorchSanitized(BackendConformance):
+    backend_spec = "cpu"
+    backend_options: ClassVar[dict[str, Any]] = {**SANITIZED_LINK, "buffers": "torch", "duplex": False}
+    buffer_kind = "torch"
+
+
+class TestCpuNumpySanitized(BackendConformance):
+    backend_spec = "cpu"
+    backend_options: ClassVar[dict[str, Any]] = {**SANITIZED_LINK, "buffers": "numpy"}
+    buffer_kind = "numpy"
