@@ -117,6 +117,7 @@ class _Evaluator:
         self.overhead_s = overhead_s
         self.budget = budget
         self.cache: dict[Plan, _Score] = {}
+        self.lowest: _Score | None = None  # the lowest-peak plan simulated so far
 
     def __call__(self, plan: Plan) -> _Score:
         cached = self.cache.get(plan)
@@ -131,6 +132,8 @@ class _Evaluator:
             plan=plan,
         )
         self.cache[plan] = score
+        if self.lowest is None or score.peak < self.lowest.peak:
+            self.lowest = score
         return score
 
 
@@ -208,6 +211,8 @@ def _descend(start: Plan, evaluate: _Evaluator, options: _Options, budget: int) 
         best_fit: _Score | None = None
         for candidate in _neighbours(current.plan, options, downgrades_only=True):
             score = evaluate(candidate)
+            if score.peak > current.peak:
+                continue  # a descent never raises the peak
             gain = (current.peak - score.peak) + (current.above - score.above) / max(current.time, 1e-30)
             if gain <= 0:
                 continue
@@ -244,28 +249,24 @@ def _improve(current: _Score, evaluate: _Evaluator, options: _Options, budget: i
         current = best
 
 
-def _greedy(evaluate: _Evaluator, n: int, options: _Options, budget: int) -> tuple[_Score | None, _Score]:
-    """Best feasible score over several starts, and the lowest-peak score seen."""
+def _greedy(evaluate: _Evaluator, n: int, options: _Options, budget: int) -> _Score | None:
+    """Best feasible score over several starts (all keep, all offload, all recompute)."""
     base = Plan([options.allowed[0]] * n, checkpoint_interval=options.intervals[0], prefetch=options.prefetch[0])
     starts = [replace(base, actions=(action,) * n) for action in options.allowed]
     best: _Score | None = None
-    lowest: _Score | None = None
     for start in starts:
         score = _descend(start, evaluate, options, budget)
-        if lowest is None or score.peak < lowest.peak:
-            lowest = score
         if score.peak > budget:
             continue
         score = _improve(score, evaluate, options, budget)
         if best is None or score.time < best.time * (1 - _TIME_TOLERANCE):
             best = score
-    assert lowest is not None
-    return best, lowest
+    return best
 
 
 def _exhaustive(
     evaluate: _Evaluator, micro: StepProfile, options: _Options, budget: int, incumbent: float
-) -> tuple[_Score | None, _Score | None]:
+) -> _Score | None:
     """Exact search over all action vectors of the allowed actions (with every K and prefetch policy)."""
     n = micro.n_layers
     codes_of = {Action.KEEP: 0, Action.OFFLOAD: 1, Action.RECOMPUTE: 2}
@@ -273,9 +274,8 @@ def _exhaustive(
     codes = np.array(list(itertools.product(allowed_codes, repeat=n)), dtype=np.int8).reshape(-1, n)
     floor = batch_memory_floor(micro, codes)
     feasible = floor <= budget
-    lowest: _Score | None = None
     if not feasible.any():
-        return None, None
+        return None
     codes = codes[feasible]
     m = evaluate.microbatches
     bounds = m * batch_lower_bounds(micro, codes, max_interval=max(options.intervals)) + (m - 1) * evaluate.overhead_s
@@ -294,11 +294,9 @@ def _exhaustive(
         for interval in intervals:
             for policy in policies:
                 score = evaluate(Plan(actions, checkpoint_interval=interval, prefetch=policy))
-                if lowest is None or score.peak < lowest.peak:
-                    lowest = score
                 if score.peak <= budget and score.time < best_time * (1 - _TIME_TOLERANCE):
                     best, best_time = score, score.time
-    return best, lowest
+    return best
 
 
 def _longest_recompute_run(actions: Sequence[Action]) -> int:
@@ -379,15 +377,15 @@ def _run(
             pair_moves=pairs,
         )
         evaluate = _Evaluator(micro, m, overhead, budget)
-        found, low = _greedy(evaluate, n, options, budget)  # also the incumbent that prunes the exact search
+        found = _greedy(evaluate, n, options, budget)  # also the incumbent that prunes the exact search
         if use_exhaustive:
             incumbent = found.time * (1 + 1e-9) if found is not None else math.inf
-            exact, low_exact = _exhaustive(evaluate, micro, options, budget, incumbent)
+            exact = _exhaustive(evaluate, micro, options, budget, incumbent)
             if exact is not None:
                 found = exact
-            if low_exact is not None and low_exact.peak < low.peak:
-                low = low_exact
         evaluated += len(evaluate.cache)
+        low = evaluate.lowest
+        assert low is not None
         if lowest is None or low.peak < lowest[1].peak:
             lowest = (m, low)
         if found is not None and (best is None or found.time < best.time * (1 - 1e-9)):

@@ -115,7 +115,9 @@ def test_latency_is_added_to_every_copy():
 
 def test_prefetch_budget_limits_bytes_reloaded_but_not_yet_consumed():
     # a large margin asks every reload to start as soon as its D2H is done; the budget holds them back
-    profile = uniform_profile(6, forward_s=1.0, backward_s=1.0, saved_bytes=10, d2h_bandwidth=100.0, h2d_bandwidth=100.0)
+    profile = uniform_profile(
+        6, forward_s=1.0, backward_s=1.0, saved_bytes=10, d2h_bandwidth=100.0, h2d_bandwidth=100.0
+    )
     unbounded = simulate(profile, Plan.uniform(6, "offload", prefetch=PrefetchPolicy(margin_s=10.0)))
     bounded = simulate(profile, Plan.uniform(6, "offload", prefetch=PrefetchPolicy(margin_s=10.0, budget_bytes=20)))
 
