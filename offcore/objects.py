@@ -51,7 +51,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
     State.OFFLOADED: frozenset({State.PREFETCHING, State.RELEASED}),
     State.PREFETCHING: frozenset({State.RESTORED, State.RELEASED}),
-    State.RESTORED: frozenset({State.RELEASED, State.OFFLOADING}),
+    State.RESTORED: frozenset({State.RELEASED, State.OFFLOADING, State.OFFLOADED}),
     State.RELEASED: frozenset(),
 }
 
@@ -143,6 +143,13 @@ class ManagedObject:
             )
         self._move(State.RESTORED)
         self.tier = Tier.DEVICE
+
+    def drop_restored_copy(self) -> None:
+        """Drop the restored device copy again while the host copy stays valid (reused by a later
+        backward over a retained graph). Only from RESTORED: a prefetch in flight must land first."""
+        self._move(State.OFFLOADED)
+        self.h2d_event = None
+        self.tier = self.host_tier or Tier.PINNED
 
     def release(self) -> None:
         """Drop every copy (consumed by backward, or the step was abandoned)."""

@@ -1,0 +1,67 @@
+"""offcore_torch: the PyTorch binding of offcore — activation offload with deadline prefetch.
+
+    >>> import offcore, offcore_torch, torch
+    >>> dev = offcore.device("cpu", capacity="1GiB", h2d_bandwidth="16GiB/s", d2h_bandwidth="16GiB/s")
+    >>> with dev:
+    ...     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 1))
+    ...     with offcore_torch.offload_activations(dev, min_bytes="16KiB") as handle:
+    ...         loss = model(torch.randn(256, 128)).square().mean()
+    ...     loss.backward()                       # may run after the block
+    >>> stats = handle.stats()
+    >>> stats.offloaded_bytes > 0 and stats.reloaded_bytes + stats.reused_live_bytes > 0
+    True
+
+Public API: :func:`offload_activations` (returns an :class:`OffloadHandle`),
+:func:`no_offload`, :func:`mark`, :func:`synchronize`, :class:`OffloadStats`,
+:class:`OffloadPolicy`, and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
+as ``schedule=`` to share what prefetch learns across regions). Names load lazily, so
+``import offcore_torch.accelerator`` (used by the CUDA/NPU adapters) does not import
+the offload machinery.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offcore.scheduler import Scheduler
+    from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations
+    from offcore_torch.policy import OffloadPolicy
+    from offcore_torch.runtime import synchronize
+    from offcore_torch.stats import OffloadStats
+
+__all__ = [
+    "OffloadHandle",
+    "OffloadPolicy",
+    "OffloadStats",
+    "Scheduler",
+    "mark",
+    "no_offload",
+    "offload_activations",
+    "synchronize",
+]
+
+_EXPORTS = {
+    "OffloadHandle": "offcore_torch.offload",
+    "offload_activations": "offcore_torch.offload",
+    "no_offload": "offcore_torch.offload",
+    "mark": "offcore_torch.offload",
+    "OffloadPolicy": "offcore_torch.policy",
+    "OffloadStats": "offcore_torch.stats",
+    "synchronize": "offcore_torch.runtime",
+    "Scheduler": "offcore.scheduler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'offcore_torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

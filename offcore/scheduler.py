@@ -1,0 +1,284 @@
+"""Deadline-driven prefetch scheduling by next-use time (framework-neutral, no torch).
+
+A host-to-device copy of ``V`` bytes over a link of bandwidth ``BW`` must start by
+``t_prefetch = t_need − V/BW − margin`` to land before the object is needed at ``t_need``.
+This module learns ``t_need`` for every saved object of a training step (keyed by the
+order in which the step saved it) from the forward pass and from earlier steps, measures
+``BW`` from copies that really happened, and turns both into a prefetch plan that a
+binding (``offcore_torch``) consults each time backward touches a saved object.
+
+    >>> from offcore.scheduler import BandwidthEstimator, Scheduler, StepObservation
+    >>> link = BandwidthEstimator()
+    >>> link.observe(1 << 20, 0.001)                     # 1 MiB took 1 ms
+    >>> round(link.duration(4 << 20), 4)                 # 4 MiB: about 4 ms
+    0.004
+    >>> sched = Scheduler(margin=0.0)
+    >>> first = StepObservation(pack_times={0: 0.0, 1: 0.01}, forward_seconds=0.01)
+    >>> sched.predict(first)                             # no history: reverse order, backward = 2 x forward
+    {0: 0.02, 1: 0.0}
+
+# Note [Prefetch plan: serial link, latest start, horizon]
+# Copies in one direction run in order on one copy stream, so a plan is a chain: sorted
+# by ``t_need``, each copy must finish before its own deadline (minus the margin) *and*
+# before the next copy in the chain has to start. Walking the chain from the last
+# deadline back gives every copy's latest start (an as-late-as-possible schedule). A
+# binding can only act when backward calls it (each unpack is a trigger), so at a
+# trigger it starts every copy whose latest start falls before the *next* trigger's
+# predicted time — waiting for that trigger would make it late. The byte budget is the
+# binding's to enforce (it knows which prefetched bytes are still unconsumed); the plan
+# only yields candidates in deadline order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from offcore.errors import ConfigurationError
+from offcore.units import parse_duration
+
+__all__ = ["BandwidthEstimator", "StepObservation", "Scheduler", "PrefetchPlan"]
+
+
+class BandwidthEstimator:
+    """Online fit of ``copy seconds = latency + bytes / bandwidth`` from measured copies.
+
+    Samples decay geometrically (``decay`` per sample) so the estimate follows a link
+    whose speed changes (both directions at once on PCIe, another process). With fewer
+    than two distinct sizes the latency is taken as zero and the bandwidth is the
+    ratio of totals. ``bandwidth`` is ``None`` until something was measured.
+
+        >>> est = BandwidthEstimator()
+        >>> for size in (1 << 20, 4 << 20):
+        ...     est.observe(size, 1e-5 + size / 1e9)
+        >>> round(est.bandwidth / 1e9, 3), round(est.latency * 1e6, 1)
+        (1.0, 10.0)
+    """
+
+    def __init__(self, *, decay: float = 0.95) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ConfigurationError(f"bandwidth estimator decay must be in (0, 1], got {decay!r}")
+        self.decay = decay
+        self.samples = 0
+        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Add one measured copy of ``nbytes`` that took ``seconds`` (non-positive times are ignored)."""
+        if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        with self._lock:
+            d = self.decay
+            x, y = float(nbytes), float(seconds)
+            self._n = self._n * d + 1.0
+            self._sx = self._sx * d + x
+            self._sy = self._sy * d + y
+            self._sxx = self._sxx * d + x * x
+            self._sxy = self._sxy * d + x * y
+            self.samples += 1
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(latency seconds, seconds per byte), or None without samples."""
+        if self._n <= 0 or self._sx <= 0:
+            return None
+        n, sx, sy, sxx, sxy = self._n, self._sx, self._sy, self._sxx, self._sxy
+        var = n * sxx - sx * sx
+        if var > 1e-9 * n * sxx:  # at least two distinct sizes
+            slope = (n * sxy - sx * sy) / var
+            intercept = (sy - slope * sx) / n
+            if slope > 0 and intercept >= 0:
+                return intercept, slope
+        return 0.0, sy / sx
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Estimated bytes per second, or None before the first measurement."""
+        with self._lock:
+            fit = self._fit()
+        if fit is None:
+            return None
+        return math.inf if fit[1] <= 0 else 1.0 / fit[1]
+
+    @property
+    def latency(self) -> float:
+        """Estimated fixed seconds per copy (0 before two distinct sizes were seen)."""
+        with self._lock:
+            fit = self._fit()
+        return 0.0 if fit is None else fit[0]
+
+    def duration(self, nbytes: int) -> float:
+        """Predicted seconds for a copy of ``nbytes`` (``inf`` before any measurement: unknown link)."""
+        with self._lock:
+            fit = self._fit()
+        if fit is None:
+            return math.inf
+        return fit[0] + nbytes * fit[1]
+
+
+@dataclass
+class StepObservation:
+    """What one step (one graph) showed: when each object was saved and first used again.
+
+    Keys are the order in which the step saved tensors (0, 1, 2, ...), so the same key
+    names the same saved tensor in every step of a fixed model. ``pack_times`` are
+    seconds since the forward pass started; ``first_use`` seconds since backward
+    started (its first use of any saved object).
+    """
+
+    pack_times: dict[int, float] = field(default_factory=dict)
+    forward_seconds: float = 0.0
+    first_use: dict[int, float] = field(default_factory=dict)
+    backward_seconds: float = 0.0
+
+
+class PrefetchPlan:
+    """Offloaded objects in deadline order with their latest start times (see the module Note).
+
+    ``use_times`` maps every key of the step (offloaded or not: each use is a trigger)
+    to its predicted use, in seconds after backward starts; ``offloaded`` maps the keys
+    that need a copy to their bytes. At each trigger the binding calls
+    ``due(virtual_time(key, now))`` and starts the returned keys' copies in order,
+    calling ``issued(key)`` for each; it stops early when its byte budget is full, and
+    the remaining keys come again at the next trigger.
+
+        >>> plan = PrefetchPlan({0: 0.0, 1: 0.002, 2: 0.010}, {1: 1000, 2: 1000}, lambda n: 0.003, margin=0.0)
+        >>> plan.latest_start
+        {2: 0.007, 1: -0.001}
+        >>> plan.due(plan.virtual_time(0, 0.0))       # key 1 must start now, key 2 can wait
+        [1]
+    """
+
+    def __init__(
+        self,
+        use_times: Mapping[int, float],
+        offloaded: Mapping[int, int],
+        duration: Callable[[int], float],
+        *,
+        margin: float,
+    ) -> None:
+        self.use_times: dict[int, float] = dict(use_times)
+        self.nbytes: dict[int, int] = dict(offloaded)
+        self.order: list[int] = sorted(self.nbytes, key=lambda k: (self.use_times.get(k, 0.0), k))
+        self.latest_start: dict[int, float] = {}
+        chain_start = math.inf
+        for key in reversed(self.order):
+            finish = min(self.use_times.get(key, 0.0) - margin, chain_start)
+            start = finish - duration(self.nbytes[key])
+            self.latest_start[key] = start
+            chain_start = start
+        self._triggers = sorted(self.use_times.values())
+        self._cursor = 0
+        self._done: set[int] = set()
+        self._drift = 0.0
+
+    def __len__(self) -> int:
+        """Keys still waiting for a copy."""
+        return len(self.order) - len(self._done)
+
+    def virtual_time(self, key: int | None, now: float) -> float:
+        """Map ``now`` (seconds since backward started) onto the plan's clock.
+
+        When ``key`` has a predicted use time the plan's clock jumps to it (the step
+        runs early or late by the difference, the drift); otherwise the last drift is
+        applied to ``now``.
+        """
+        predicted = self.use_times.get(key) if key is not None else None
+        if predicted is not None:
+            self._drift = now - predicted
+            return predicted
+        return now - self._drift
+
+    def horizon(self, vtime: float) -> float:
+        """Predicted time of the next trigger after ``vtime`` (``inf`` when none is expected)."""
+        i = bisect.bisect_right(self._triggers, vtime)
+        return self._triggers[i] if i < len(self._triggers) else math.inf
+
+    def due(self, vtime: float) -> list[int]:
+        """Keys (deadline order) whose latest start falls before the next trigger after ``vtime``."""
+        horizon = self.horizon(vtime)
+        order, done, latest = self.order, self._done, self.latest_start
+        while self._cursor < len(order) and order[self._cursor] in done:
+            self._cursor += 1
+        out: list[int] = []
+        for i in range(self._cursor, len(order)):
+            key = order[i]
+            if key in done:
+                continue
+            if latest[key] > horizon:
+                break
+            out.append(key)
+        return out
+
+    def issued(self, key: int) -> None:
+        """``key`` needs no more planning (its copy started, it was used, or it needs no copy)."""
+        if key in self.nbytes:
+            self._done.add(key)
+
+
+class Scheduler:
+    """Predicts when backward needs each saved object, learning from earlier steps.
+
+    One scheduler is meant to live across steps (``offcore_torch`` keeps one per device
+    unless given one). Before any backward was observed it predicts the reverse of the
+    save order with backward taking ``backward_ratio`` × the forward time (the usual
+    ≈2× of a training step); afterwards it uses the measured first-use times, smoothed
+    over steps (``smoothing`` is the weight of the newest step).
+
+        >>> s = Scheduler(margin="0.5ms")
+        >>> s.observe(StepObservation({0: 0.0, 1: 0.004}, 0.005, {1: 0.0, 0: 0.006}, 0.008))
+        >>> s.predict(StepObservation({0: 0.0, 1: 0.004}, 0.005))
+        {0: 0.006, 1: 0.0}
+    """
+
+    def __init__(self, *, margin: float | str = "0.5ms", smoothing: float = 0.5, backward_ratio: float = 2.0) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ConfigurationError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        if not backward_ratio > 0:
+            raise ConfigurationError(f"backward_ratio must be positive, got {backward_ratio!r}")
+        self.margin = parse_duration(margin, what="prefetch margin")
+        self.smoothing = smoothing
+        self.backward_ratio = backward_ratio
+        self.steps_observed = 0
+        self._first_use: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def predict(self, step: StepObservation) -> dict[int, float]:
+        """Predicted first use (seconds after backward starts) of every key in ``step.pack_times``."""
+        if not step.pack_times:
+            return {}
+        last_pack = max(step.pack_times.values())
+        with self._lock:
+            learned = dict(self._first_use)
+            ratio = self.backward_ratio
+        out: dict[int, float] = {}
+        for key, packed_at in step.pack_times.items():
+            t = learned.get(key)
+            out[key] = t if t is not None else ratio * (last_pack - packed_at)
+        return out
+
+    def observe(self, step: StepObservation) -> None:
+        """Learn from a finished step (steps whose backward never ran teach nothing)."""
+        if not step.first_use:
+            return
+        with self._lock:
+            a = self.smoothing
+            for key, t in step.first_use.items():
+                old = self._first_use.get(key)
+                self._first_use[key] = t if old is None else (1 - a) * old + a * t
+            if step.forward_seconds > 0 and step.backward_seconds > 0:
+                measured = step.backward_seconds / step.forward_seconds
+                self.backward_ratio = (1 - a) * self.backward_ratio + a * measured
+            self.steps_observed += 1
+
+    def plan(
+        self,
+        step: StepObservation,
+        offloaded: Mapping[int, int],
+        duration: Callable[[int], float],
+        margin: float | None = None,
+    ) -> PrefetchPlan:
+        """A plan for the keys in ``offloaded`` (key → bytes); every key of ``step`` is a trigger."""
+        return PrefetchPlan(self.predict(step), offloaded, duration, margin=self.margin if margin is None else margin)

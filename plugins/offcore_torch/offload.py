@@ -1,0 +1,1052 @@
+"""Activation offload: saved-tensor hooks that move what autograd saves to the host and back.
+
+    >>> import offcore, offcore_torch, torch
+    >>> dev = offcore.device("cpu", capacity="1GiB", sanitize=True)
+    >>> with dev:
+    ...     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    ...     x = torch.randn(512, 256)
+    ...     with offcore_torch.offload_activations(dev, min_bytes="64KiB") as handle:
+    ...         loss = model(x).square().mean()
+    ...     loss.backward()
+    >>> handle.stats().offloaded_bytes > 0
+    True
+
+How a saved tensor travels (every step uses the Backend protocol only):
+
+1. **pack** (forward, per saved tensor): the policy decides (size, parameter, device,
+   marks, scope, watermark); the tensor's whole *storage* is copied once into an
+   exact-size buffer of the device's budgeted host pool on the D2H stream, after an
+   event recorded on the compute stream that is current *now*. Later views of the same
+   storage share that copy (dedupe). autograd gets a small record back.
+2. **landing** (polled at every pack/unpack): once the D2H event completed, offcore
+   drops its device reference (Note [When may a device copy be freed?]); the memory is
+   really freed when nothing else holds the storage (a weak reference tells).
+3. **prefetch** (backward): every unpack is a trigger; a :class:`~offcore.scheduler.PrefetchPlan`
+   says which reloads must start now to land before their predicted need, within the
+   prefetch byte budget; they run on the H2D stream into fresh device buffers.
+4. **unpack**: version check; then the storage comes back (prefetched: the compute
+   stream waits on its event; still alive: no copy at all; otherwise a synchronous
+   reload, a *stall*), and the saved tensor is rebuilt as a view of it with its
+   original shape, stride, storage offset and dtype.
+5. **release**: host buffers return to the pool when the records autograd holds die
+   (after backward, or when the graph is dropped) and every copy reading them landed.
+
+# Note [Saved-tensor version checks]
+# Under saved-tensor hooks autograd does not compare version counters, so an in-place
+# change of a saved tensor (or ``optimizer.step()`` before backward, which changes the
+# parameters forward used) would silently give wrong gradients. offcore records
+# ``tensor._version`` at pack for *every* saved tensor, offloaded or passed through,
+# and compares at unpack through a version keeper (see storage.py Note [Version
+# keepers]); a mismatch raises SavedTensorModifiedError naming the tensor and the
+# backward op. For offloaded tensors the version is also checked when the D2H copy is
+# seen to land, to say whether the copy may have read modified data.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from offcore.errors import CapacityExceededError, ConfigurationError, SavedTensorModifiedError
+from offcore.kinds import Direction, Kind, Tier
+from offcore.ledger import Ledger
+from offcore.objects import ManagedObject, State
+from offcore.protocols import Capability
+from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
+from offcore.trace import TraceRecorder
+from offcore.units import format_bytes
+from offcore_torch.policy import OffloadPolicy
+from offcore_torch.runtime import CopyCounters, DeviceRuntime, runtime_for
+from offcore_torch.stats import OffloadStats
+from offcore_torch.storage import (
+    MARK_ATTRIBUTE,
+    TensorMeta,
+    is_offloadable_kind,
+    is_parameter_like,
+    raw_bytes,
+    release_storage,
+    storage_key,
+    version_keeper,
+)
+
+__all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark"]
+
+_local = threading.local()
+
+
+# ----------------------------------------------------------------------------- user marks
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Inside this block (on this thread) nothing is offloaded, e.g. around an output head.
+
+    >>> with offcore_torch.offload_activations(dev) as handle:      # doctest: +SKIP
+    ...     h = model.body(x)
+    ...     with offcore_torch.no_offload():
+    ...         loss = model.head(h)
+    """
+    _local.suspended = getattr(_local, "suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _local.suspended -= 1
+
+
+def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
+    """Decide explicitly whether ``tensor`` is offloaded when autograd saves it; returns ``tensor``.
+
+    The mark belongs to the tensor's *storage* (it covers the tensor and all its
+    views) and lives as long as the storage. ``offload=True`` overrides ``min_bytes``,
+    the watermark and module scoping; it never makes offcore offload a parameter, a
+    buffer or a tensor that is not on the device.
+
+        >>> h = offcore_torch.mark(torch.relu(x), offload=False)       # doctest: +SKIP
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigurationError(f"mark() takes a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(offload, bool):
+        raise ConfigurationError(f"mark(tensor, offload=...) takes True or False, got {offload!r}")
+    setattr(tensor.untyped_storage(), MARK_ATTRIBUTE, offload)
+    return tensor
+
+
+def _profiling() -> bool:
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+@contextlib.contextmanager
+def _range(name: str) -> Iterator[None]:
+    """A ``torch.profiler.record_function`` range, only while a profiler runs (free otherwise)."""
+    if _profiling():
+        with torch.profiler.record_function(name):
+            yield
+    else:
+        yield
+
+
+def _current_op() -> str:
+    """The backward node being run, if autograd tells (for error messages)."""
+    getter = getattr(torch._C, "_current_autograd_node", None)
+    node = getter() if getter is not None else None
+    if node is None:
+        return "an unknown backward op"
+    try:
+        return str(node.name())
+    except Exception:  # pragma: no cover - defensive: a node without a name
+        return type(node).__name__
+
+
+def _inside_checkpoint() -> bool:
+    """True when the innermost saved-tensor hooks are torch.utils.checkpoint's (forward or recompute)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        hooks = top(False)
+    except Exception:
+        return False
+    if not hooks:
+        return False
+    pack = hooks[0]
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint"
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (CapacityExceededError, torch.OutOfMemoryError))
+
+
+# ------------------------------------------------------------------------- saved records
+class _Kept:
+    """What autograd holds for a tensor offcore did not offload: the tensor (detached) and its version."""
+
+    __slots__ = ("tensor", "version", "key")
+
+    def __init__(self, tensor: torch.Tensor, key: int) -> None:
+        # detach(): a saved *output* holding its own grad_fn would form a reference cycle
+        # autograd cannot collect. The alias shares the version counter.
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+        self.key = key
+
+
+class _Offloaded:
+    """What autograd holds for an offloaded tensor: its storage entry, metadata and version keeper."""
+
+    __slots__ = ("entry", "keeper", "version", "meta", "key", "fmt", "unpacked_round", "__weakref__")
+
+    def __init__(self, entry: _Entry, tensor: torch.Tensor, key: int, fmt: Any) -> None:
+        self.entry = entry
+        self.keeper = version_keeper(tensor)
+        self.version = tensor._version
+        self.meta = TensorMeta.of(tensor)
+        self.key = key
+        self.fmt = fmt
+        self.unpacked_round = -1
+
+    def __del__(self) -> None:
+        entry = self.entry
+        if entry is not None:
+            try:
+                entry.region._item_died(entry)
+            except Exception:  # pragma: no cover - never raise from a finalizer
+                pass
+
+
+class _Entry:
+    """One offloaded storage: its copies, its host buffer and the records that use it."""
+
+    __slots__ = (
+        "region",
+        "key",
+        "name",
+        "nbytes",
+        "obj",
+        "skey",
+        "storage_ref",
+        "src",
+        "host",
+        "host_view",
+        "version_at_copy",
+        "items",
+        "live",
+        "restored",
+        "restored_ref",
+        "modified_in_flight",
+        "landed",
+        "held",
+        "freed",
+        "disposed",
+        "prefetch_counted",
+        "used",
+        "__weakref__",
+    )
+
+    def __init__(self, region: OffloadHandle, key: int, name: str, storage: torch.UntypedStorage) -> None:
+        self.region = region
+        self.key = key
+        self.name = name
+        self.nbytes = int(storage.nbytes())
+        self.obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=self.nbytes, name=name)
+        self.skey = storage_key(storage)
+        self.storage_ref: weakref.ref[torch.UntypedStorage] = weakref.ref(storage, _storage_death_callback(self))
+        self.src: torch.Tensor | None = None
+        self.host: Any = None
+        self.host_view: torch.Tensor | None = None
+        self.version_at_copy = 0
+        self.items: list[weakref.ref[_Offloaded]] = []
+        self.live = 0
+        self.restored: torch.UntypedStorage | None = None
+        self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
+        self.used = False  # unpacked at least once
+        self.modified_in_flight = False
+        self.landed = False
+        self.held = False  # counted in held_elsewhere_bytes
+        self.freed = False  # counted in freed_device_bytes
+        self.disposed = False
+        self.prefetch_counted = False
+
+    def live_items(self) -> list[_Offloaded]:
+        return [item for ref in self.items if (item := ref()) is not None]
+
+    def all_unpacked(self, round_: int) -> bool:
+        """Every record autograd still holds was unpacked in backward round ``round_``."""
+        return all(item.unpacked_round == round_ for item in self.live_items())
+
+
+def _storage_death_callback(entry: _Entry) -> Any:
+    """A weakref callback that reaches ``entry`` weakly (no entry -> weakref -> callback -> entry cycle)."""
+    entry_ref = weakref.ref(entry)
+
+    def died(_ref: Any) -> None:
+        # Note [When may a device copy be freed?], point (2): bytes count as freed only here.
+        found = entry_ref()
+        if found is not None:
+            try:
+                found.region._storage_died(found)
+            except Exception:  # pragma: no cover - weakref callbacks must not raise
+                pass
+
+    return died
+
+
+# ------------------------------------------------------------------------------- region
+class OffloadHandle:
+    """One offload region: a context manager around forward whose saved tensors it manages.
+
+    Returned by :func:`offload_activations`. Its state is per region (per graph), so
+    several graphs may be in flight at once (micro-batches). ``stats()`` and
+    ``write_trace()`` may be called any time; they are final once backward ended.
+    """
+
+    def __init__(self, device: Any, policy: OffloadPolicy) -> None:
+        _check_device(device)
+        self.device = device
+        self.policy = policy
+        self.runtime: DeviceRuntime = runtime_for(device)
+        self.scheduler: Scheduler = policy.schedule or self.runtime.scheduler
+        self.active = False
+        self.bypassed = False  # inside a checkpointed function: torch.utils.checkpoint owns the saves
+        self._entered = False
+        self._closed = False
+        self._lock = threading.RLock()
+        self._hooks: Any = None
+        self._module_handles: list[Any] = []
+        self._param_keys: set[int] = set()
+        self._seen_modules: dict[int, str] = {}
+        self._module_stack: list[str] = []
+        self._scope_depth = 0
+        self._exclude_depth = 0
+        self._pressure = False
+        self._by_storage: dict[int, _Entry] = {}
+        self._by_key: dict[int, _Entry] = {}
+        self._pending_d2h: collections.deque[_Entry] = collections.deque()
+        self._hold_until_used: list[_Entry] = []
+        self._next_key = 0
+        self._t_enter = 0.0
+        self._t_exit = 0.0
+        self._observation = StepObservation()
+        self._round = -1
+        self._in_backward = False
+        self._t_backward = 0.0
+        self._plan: PrefetchPlan | None = None
+        self._outstanding = 0  # prefetched bytes not yet handed to autograd
+        self._vtime = 0.0  # the prefetch plan's clock at the last trigger
+        self._ledger = Ledger()
+        self._counters = CopyCounters(trace=TraceRecorder(process_name="offcore_torch") if policy.trace else None)
+        self._stats = OffloadStats()
+        self._kept: collections.Counter[str] = collections.Counter()
+        self._peak_samples = 0
+        self._peak_baseline = 0
+        self._peak_final: int | None = None
+        self._capacity = 0
+        self._formats = Capability.PRIVATE_FORMATS in frozenset(getattr(device, "capabilities", ()))
+        self._pageable: dict[int, Any] = {}
+
+    # -- context manager -----------------------------------------------------------------
+    def __enter__(self) -> OffloadHandle:
+        if self._entered:
+            raise ConfigurationError(
+                "an OffloadHandle is entered once: call offload_activations(...) again for the next step"
+            )
+        self._entered = True
+        self.runtime.poll()
+        if _inside_checkpoint():
+            # torch.utils.checkpoint discards and recomputes what is saved in here; offloading
+            # in forward but not in its recomputation would desynchronise it, so step aside.
+            self.bypassed = True
+            return self
+        stats = self.device.memory_stats()
+        self._capacity = int(stats.get("capacity_bytes", 0) or 0)
+        self._peak_baseline = int(stats.get("peak_allocated_bytes", 0) or 0)
+        self._sample_peak(stats)
+        self._register_module_hooks()
+        self._t_enter = time.perf_counter()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        self.active = True
+        with self.runtime.lock:
+            self.runtime.regions.add(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.bypassed or not self.active:
+            return
+        self.active = False
+        try:
+            self._hooks.__exit__(exc_type, exc, tb)
+        finally:
+            self._hooks = None
+            for handle in self._module_handles:
+                handle.remove()
+            self._module_handles.clear()
+            self._t_exit = time.perf_counter()
+            self._observation.forward_seconds = self._t_exit - self._t_enter
+            if self._counters.trace is not None:
+                self._counters.trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
+            self._sample_peak()
+            self.runtime.poll()
+
+    # -- module scope, parameters and names ----------------------------------------------
+    def _register_module_hooks(self) -> None:
+        policy = self.policy
+        for module in (policy.modules or ()) + (policy.exclude or ()):
+            self._note_module(module)
+        self._module_handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_enter))
+        self._module_handles.append(
+            nn.modules.module.register_module_forward_hook(self._on_module_exit, always_call=True)
+        )
+        for module in policy.modules or ():
+            self._module_handles.append(module.register_forward_pre_hook(self._enter_scope))
+            self._module_handles.append(module.register_forward_hook(self._exit_scope, always_call=True))
+        for module in policy.exclude or ():
+            self._module_handles.append(module.register_forward_pre_hook(self._enter_exclude))
+            self._module_handles.append(module.register_forward_hook(self._exit_exclude, always_call=True))
+
+    def _enter_scope(self, *_: Any) -> None:
+        self._scope_depth += 1
+
+    def _exit_scope(self, *_: Any) -> None:
+        self._scope_depth -= 1
+
+    def _enter_exclude(self, *_: Any) -> None:
+        self._exclude_depth += 1
+
+    def _exit_exclude(self, *_: Any) -> None:
+        self._exclude_depth -= 1
+
+    def _note_module(self, module: nn.Module) -> None:
+        """Learn the storages of a module tree's parameters and buffers, and its submodules' names."""
+        if id(module) in self._seen_modules:
+            return
+        root = type(module).__name__
+        for name, sub in module.named_modules():
+            self._seen_modules.setdefault(id(sub), f"{root}.{name}" if name else root)
+        for tensor in (*module.parameters(), *module.buffers()):
+            self._param_keys.add(storage_key(tensor.untyped_storage()))
+
+    def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
+        name = self._seen_modules.get(id(module))
+        if name is None:
+            self._note_module(module)
+            name = self._seen_modules[id(module)]
+        self._module_stack.append(name)
+
+    def _on_module_exit(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    # -- pack ----------------------------------------------------------------------------
+    def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> _Kept:
+        self._kept[reason] += 1
+        return _Kept(tensor, key)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = self._next_key
+        self._next_key += 1
+        now = time.perf_counter()
+        self._observation.pack_times[key] = now - self._t_enter
+        self._stats.saved_tensors += 1
+        self.runtime.poll()
+
+        if torch._C._current_autograd_node() is not None:
+            return self._keep(tensor, key, "during_backward")
+        if getattr(_local, "suspended", 0):
+            return self._keep(tensor, key, "no_offload")
+        if not is_offloadable_kind(tensor):
+            return self._keep(tensor, key, "unsupported")
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return self._keep(tensor, key, "empty")
+        skey = storage_key(storage)
+        if is_parameter_like(tensor) or skey in self._param_keys:
+            return self._keep(tensor, key, "parameter")
+        if not self.device.holds(tensor):
+            return self._keep(tensor, key, "not_on_device")
+        marked = getattr(storage, MARK_ATTRIBUTE, None)
+        if marked is False:
+            return self._keep(tensor, key, "marked")
+
+        entry = self._by_storage.get(skey)
+        if entry is not None and entry.storage_ref() is storage and not entry.disposed:
+            return self._pack_shared(entry, tensor, key)
+
+        if marked is None:
+            if self._exclude_depth:
+                return self._keep(tensor, key, "excluded")
+            if self.policy.modules is not None and not self._scope_depth:
+                return self._keep(tensor, key, "outside_modules")
+            if storage.nbytes() < self.policy.min_bytes:
+                return self._keep(tensor, key, "small")
+            if self.policy.watermark is not None and not self._under_pressure():
+                return self._keep(tensor, key, "watermark")
+        entry = self._offload(storage, tensor, key)
+        if entry is None:
+            return self._keep(tensor, key, "host_budget")
+        return self._record(entry, tensor, key)
+
+    def _record(self, entry: _Entry, tensor: torch.Tensor, key: int) -> _Offloaded:
+        fmt = self.device.format_of(tensor) if self._formats else None
+        item = _Offloaded(entry, tensor, key, fmt)
+        entry.items.append(weakref.ref(item))
+        entry.live += 1
+        if entry.landed:
+            release_storage(item.keeper)
+        return item
+
+    def _pack_shared(self, entry: _Entry, tensor: torch.Tensor, key: int) -> Any:
+        """A further tensor on an already offloaded storage: share its copy (dedupe)."""
+        if entry.obj.state not in (State.OFFLOADING, State.OFFLOADED) or self._in_backward:
+            return self._keep(tensor, key, "shared_storage_busy")
+        if tensor._version != entry.version_at_copy:
+            # modified in place since the copy was taken: the copy is stale for this tensor.
+            # (The earlier saves of this storage will fail their own version check.)
+            return self._keep(tensor, key, "modified_after_save")
+        return self._record(entry, tensor, key)
+
+    def _under_pressure(self) -> bool:
+        """Watermark policy with hysteresis: offload while free device memory is below α × capacity."""
+        stats = self.device.memory_stats()
+        capacity = int(stats.get("capacity_bytes", 0) or self._capacity)
+        if capacity <= 0:
+            return True
+        free = int(stats.get("free_bytes", capacity - int(stats.get("allocated_bytes", 0))))
+        alpha = self.policy.watermark or 0.0
+        if self._pressure:
+            if free > (alpha + self.policy.hysteresis) * capacity:
+                self._pressure = False
+        elif free < alpha * capacity:
+            self._pressure = True
+        return self._pressure
+
+    def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
+        """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
+        pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
+        try:
+            buffer = pool.acquire(nbytes)
+            return buffer, buffer.view, Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
+        except CapacityExceededError:
+            self.runtime.poll()  # buffers whose copies just landed may come back
+            try:
+                buffer = pool.acquire(nbytes)
+                return buffer, buffer.view, Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
+            except CapacityExceededError:
+                pass
+        self._stats.fallbacks += 1
+        if self.policy.fallback == "keep":
+            return None
+        try:
+            view = self.device.allocate(nbytes, Tier.PAGEABLE)
+        except (CapacityExceededError, MemoryError, RuntimeError):
+            return None
+        return None, view, Tier.PAGEABLE
+
+    def _offload(self, storage: torch.UntypedStorage, tensor: torch.Tensor, key: int) -> _Entry | None:
+        nbytes = int(storage.nbytes())
+        host = self._acquire_host(nbytes)
+        if host is None:
+            return None
+        buffer, host_view, tier = host
+        where = self._module_stack[-1] if self._module_stack else "forward"
+        entry = _Entry(self, key, f"#{key} {where} {TensorMeta.of(tensor).describe()}", storage)
+        entry.host, entry.host_view = buffer, host_view
+        entry.version_at_copy = tensor._version
+        entry.src = raw_bytes(storage, tensor.device)
+        device, runtime = self.device, self.runtime
+        stream = runtime.d2h_stream
+        with _range("offcore::d2h"):
+            stream.wait_event(device.current_stream().record_event())  # the producer, read now
+            start, issued = runtime.begin_timing(device, stream)
+            done = device.copy_(host_view, entry.src, stream=stream)
+            runtime.end_timing(
+                device,
+                stream,
+                start,
+                issued,
+                nbytes=nbytes,
+                direction=Direction.D2H,
+                label=entry.name,
+                counters=self._counters,
+            )
+        entry.obj.start_offload(done, tier)
+        with self._lock:
+            self._by_storage[entry.skey] = entry
+            self._by_key[key] = entry
+            self._pending_d2h.append(entry)
+        self._ledger.add(tier, Kind.ACTIVATION, nbytes)
+        self._stats.offloaded_bytes += nbytes
+        self._stats.offloaded_storages += 1
+        return entry
+
+    # -- landing -------------------------------------------------------------------------
+    def _poll_copies(self) -> None:
+        """Handle D2H copies that landed, oldest first (they complete in order on one stream)."""
+        pending = self._pending_d2h
+        while pending:
+            entry = pending[0]
+            if not entry.disposed and not entry.obj.d2h_event.query():
+                return
+            with self._lock:
+                if not pending or pending[0] is not entry:
+                    continue
+                pending.popleft()
+            if not entry.disposed:
+                self._landed(entry)
+
+    def _landed(self, entry: _Entry) -> None:
+        entry.landed = True
+        items = entry.live_items()
+        if any(item.keeper._version != item.version for item in items):
+            entry.modified_in_flight = True
+        if self._in_backward and not entry.all_unpacked(self._round) and self._hold_as_prefetch(entry):
+            return
+        self._release_device(entry, items)
+
+    def _hold_as_prefetch(self, entry: _Entry) -> bool:
+        """During backward, keep a just-landed device copy that the plan would reload now anyway."""
+        plan = self._plan
+        if plan is None or plan.latest_start.get(entry.key, math.inf) > plan.horizon(self._vtime):
+            return False
+        if not self._within_budget(entry.nbytes):
+            return False
+        entry.prefetch_counted = True
+        self._outstanding += entry.nbytes
+        self._hold_until_used.append(entry)
+        plan.issued(entry.key)
+        return True
+
+    def _within_budget(self, nbytes: int) -> bool:
+        budget = self.policy.prefetch_budget
+        return self._outstanding + nbytes <= budget or (self._outstanding == 0 and budget > 0)
+
+    def _uncount_prefetch(self, entry: _Entry) -> None:
+        if entry.prefetch_counted:
+            entry.prefetch_counted = False
+            self._outstanding -= entry.nbytes
+
+    def _release_device(self, entry: _Entry, items: list[_Offloaded] | None = None) -> None:
+        """Drop offcore's device references of a landed entry; count what that really freed."""
+        if entry.obj.state is State.OFFLOADING:
+            entry.obj.release_device_copy()  # refuses unless the D2H event completed
+        for item in entry.live_items() if items is None else items:
+            release_storage(item.keeper)
+        entry.src = None
+        if entry.storage_ref() is not None and not entry.freed and not entry.held and not entry.used:
+            # still alive although backward has not used it: something else references it
+            entry.held = True
+            self._stats.held_elsewhere_bytes += entry.nbytes
+
+    def _storage_died(self, entry: _Entry) -> None:
+        with self._lock:
+            if self._by_storage.get(entry.skey) is entry:
+                del self._by_storage[entry.skey]
+        if entry.landed and not entry.freed and not entry.disposed and not entry.used:
+            entry.freed = True
+            self._stats.freed_device_bytes += entry.nbytes
+            if entry.held:
+                entry.held = False
+                self._stats.held_elsewhere_bytes -= entry.nbytes
+
+    # -- unpack --------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        self._round += 1
+        self._in_backward = True
+        self._t_backward = time.perf_counter()
+        self._sample_peak()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        except RuntimeError:  # not inside a backward pass (a saved tensor read by hand)
+            self._in_backward = False
+            return
+        if self.policy.prefetch == "deadline":
+            offloaded = {k: e.nbytes for k, e in self._by_key.items() if not e.disposed}
+            self._plan = self.scheduler.plan(
+                self._observation, offloaded, self.runtime.h2d_duration, margin=self.policy.margin
+            )
+
+    def _end_backward(self) -> None:
+        """Called by autograd when the backward pass that used this region ends."""
+        try:
+            now = time.perf_counter()
+            self._in_backward = False
+            self._observation.backward_seconds = now - self._t_backward
+            if self._counters.trace is not None:
+                self._counters.trace.span(
+                    "compute", f"backward {self._round}", self._t_backward, now - self._t_backward
+                )
+            if self._round == 0:
+                self.scheduler.observe(self._observation)
+            self._plan = None
+            held, self._hold_until_used = self._hold_until_used, []
+            for entry in held:
+                self._uncount_prefetch(entry)
+                if not entry.disposed:
+                    self._release_device(entry)
+            for entry in list(self._by_key.values()):
+                if entry.restored is not None and not entry.disposed:
+                    self._drop_restored(entry)
+            self._sample_peak()
+            self._peak_final = self._peak_now()
+            self.runtime.poll()
+        except Exception:  # pragma: no cover - must not break the caller's backward
+            pass
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        self.runtime.poll()
+        if torch._C._current_autograd_node() is not None and not self._in_backward:
+            self._begin_backward()
+        now = time.perf_counter() - self._t_backward
+        key = packed.key
+        if self._in_backward and self._round == 0:
+            self._observation.first_use.setdefault(key, now)
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                raise self._modified_error(packed.tensor, packed.version, packed.tensor._version, offloaded=False)
+            self._prefetch_due(key, now)
+            return packed.tensor
+        return self._restore(packed, key, now)
+
+    def _modified_error(
+        self, tensor_or_meta: Any, saved: int, now: int, *, offloaded: bool, in_flight: bool = False
+    ) -> SavedTensorModifiedError:
+        meta = tensor_or_meta if isinstance(tensor_or_meta, TensorMeta) else TensorMeta.of(tensor_or_meta)
+        what = "an offloaded saved tensor" if offloaded else "a saved tensor"
+        detail = " The change happened while its device-to-host copy was in flight." if in_flight else ""
+        return SavedTensorModifiedError(
+            f"{what} of shape {tuple(meta.shape)} and dtype {meta.dtype}, needed by {_current_op()}, was modified "
+            f"in place after forward saved it (version {saved} at save, {now} now).{detail} Backward must use the "
+            "values forward used: do not modify it in place before backward (e.g. call optimizer.step() only after "
+            "backward, use an out-of-place op, or .clone() it before modifying)."
+        )
+
+    def _restore(self, packed: _Offloaded, key: int, now: float) -> torch.Tensor:
+        entry = packed.entry
+        current = packed.keeper._version
+        if current != packed.version:
+            raise self._modified_error(
+                packed.meta, packed.version, current, offloaded=True, in_flight=entry.modified_in_flight
+            )
+        storage = self._device_storage(entry, key, now)
+        out = packed.meta.view_of(storage)
+        if packed.fmt is not None:
+            out = self.device.restore_format(out, packed.fmt)
+        entry.used = True
+        packed.unpacked_round = self._round
+        if entry.all_unpacked(self._round):
+            self._consumed(entry)
+        return out
+
+    def _device_storage(self, entry: _Entry, key: int, now: float) -> torch.UntypedStorage:
+        """The storage backward should read, on the device and ordered for the compute stream."""
+        first_use = not any(item.unpacked_round == self._round for item in entry.live_items())
+        if self._plan is not None:
+            self._plan.issued(key)
+        if entry.restored is not None:
+            self._prefetch_due(key, now)
+            if first_use and entry.prefetch_counted:
+                self._stats.prefetch_hits += 1
+            self._await_prefetch(entry)
+            return entry.restored
+        live = entry.storage_ref()
+        if live is None and entry.restored_ref is not None:
+            live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
+        if live is not None:
+            self._prefetch_due(key, now)
+            if first_use:
+                self._stats.reused_live_bytes += entry.nbytes
+            entry.restored = live
+            return live
+        # a miss: reload now; the whole copy is exposed and charged to this object
+        storage = self._reload_now(entry)
+        self._prefetch_due(key, now)
+        return storage
+
+    def _reload_now(self, entry: _Entry) -> torch.UntypedStorage:
+        device, runtime = self.device, self.runtime
+        compute = device.current_stream()
+        dst = self._allocate_device(entry.nbytes)
+        with _range("offcore::h2d"), _range("offcore::wait"):
+            start, issued = runtime.begin_timing(device, compute)
+            done = device.copy_(dst, entry.host_view, stream=compute)
+            compute.wait_event(done)
+            for nbytes, direction in ((entry.nbytes, Direction.H2D), (0, None)):  # a copy, and a wait
+                runtime.end_timing(
+                    device,
+                    compute,
+                    start,
+                    issued,
+                    nbytes=nbytes,
+                    direction=direction,
+                    label=entry.name,
+                    counters=self._counters,
+                )
+        entry.obj.start_prefetch(done)
+        entry.obj.finish_prefetch(stream_waited=True)
+        self._stats.stalls += 1
+        self._stats.stalled_objects.append(entry.name)
+        self._stats.reloaded_bytes += entry.nbytes
+        storage = dst.untyped_storage()
+        entry.restored = storage
+        entry.restored_ref = weakref.ref(storage)
+        return storage
+
+    def _allocate_device(self, nbytes: int) -> torch.Tensor:
+        dst = self.device.allocate(nbytes, Tier.DEVICE)
+        if dst.storage_offset() != 0 or dst.untyped_storage().nbytes() != nbytes:
+            raise ConfigurationError(
+                f"the backend's allocate({nbytes}, DEVICE) returned a view into a larger storage; offcore restores "
+                "saved tensors storage-exactly and needs a buffer that owns exactly its storage"
+            )
+        return dst
+
+    def _await_prefetch(self, entry: _Entry) -> None:
+        if entry.obj.state is not State.PREFETCHING:
+            return
+        event = entry.obj.h2d_event
+        if not event.query():
+            device, runtime = self.device, self.runtime
+            compute = device.current_stream()
+            with _range("offcore::wait"):
+                start, issued = runtime.begin_timing(device, compute)
+                compute.wait_event(event)
+                runtime.end_timing(
+                    device, compute, start, issued, nbytes=0, direction=None, label=entry.name, counters=self._counters
+                )
+        else:
+            device = self.device
+            device.current_stream().wait_event(event)  # ordering only; it has landed
+        entry.obj.finish_prefetch(stream_waited=True)
+
+    def _consumed(self, entry: _Entry) -> None:
+        """Every live record of ``entry`` was unpacked this round: autograd owns the storage now."""
+        if entry in self._hold_until_used:
+            self._hold_until_used.remove(entry)
+            self._uncount_prefetch(entry)
+            self._release_device(entry)
+        self._drop_restored(entry)
+
+    def _drop_restored(self, entry: _Entry) -> None:
+        """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
+        self._uncount_prefetch(entry)
+        storage = entry.restored
+        if storage is None:
+            return
+        entry.restored = None
+        obj = entry.obj
+        if obj.state is State.PREFETCHING:
+            event = obj.h2d_event
+
+            def finish(obj: ManagedObject = obj, keep: Any = storage) -> None:
+                if obj.state is State.PREFETCHING:
+                    obj.finish_prefetch(stream_waited=True)
+                    obj.drop_restored_copy()
+
+            self.runtime.defer(event, finish)
+        elif obj.state is State.RESTORED:
+            obj.drop_restored_copy()
+
+    # -- prefetch ------------------------------------------------------------------------
+    def _prefetch_due(self, key: int, now: float) -> None:
+        plan = self._plan
+        if plan is None or not len(plan):
+            return
+        self._vtime = vtime = plan.virtual_time(key, now)
+        for k in plan.due(vtime):
+            entry = self._by_key.get(k)
+            if entry is not None and not entry.disposed and not entry.landed:
+                continue  # its D2H copy is in flight: the device copy is still there (see _landed)
+            if (
+                entry is None
+                or entry.disposed
+                or entry.obj.state is not State.OFFLOADED
+                or entry.restored is not None
+                or entry.storage_ref() is not None
+            ):
+                plan.issued(k)
+                continue
+            if not self._within_budget(entry.nbytes):
+                return
+            if not self._start_prefetch(entry):
+                return
+            plan.issued(k)
+
+    def _start_prefetch(self, entry: _Entry) -> bool:
+        device, runtime = self.device, self.runtime
+        try:
+            dst = self._allocate_device(entry.nbytes)
+        except Exception as exc:
+            if _is_oom(exc):
+                self._kept["prefetch_oom"] += 1
+                return False
+            raise
+        stream = runtime.h2d_stream
+        with _range("offcore::h2d"):
+            # the new buffer may reuse memory the compute stream used until now
+            stream.wait_event(device.current_stream().record_event())
+            start, issued = runtime.begin_timing(device, stream)
+            done = device.copy_(dst, entry.host_view, stream=stream)
+            runtime.end_timing(
+                device,
+                stream,
+                start,
+                issued,
+                nbytes=entry.nbytes,
+                direction=Direction.H2D,
+                label=entry.name,
+                counters=self._counters,
+            )
+        entry.obj.start_prefetch(done)
+        storage = dst.untyped_storage()
+        entry.restored = storage
+        entry.restored_ref = weakref.ref(storage)
+        entry.prefetch_counted = True
+        self._outstanding += entry.nbytes
+        self._stats.prefetched_bytes += entry.nbytes
+        self._stats.reloaded_bytes += entry.nbytes
+        return True
+
+    # -- release -------------------------------------------------------------------------
+    def _item_died(self, entry: _Entry) -> None:
+        entry.live -= 1
+        if entry.disposed:
+            return
+        if entry.live <= 0:
+            self._dispose(entry)
+        elif entry.restored is not None and entry.used and entry.all_unpacked(self._round):
+            self._consumed(entry)
+
+    def _dispose(self, entry: _Entry) -> None:
+        """No record uses ``entry`` any more: return its host buffer and device references once copies landed."""
+        entry.disposed = True
+        with self._lock:
+            if self._by_storage.get(entry.skey) is entry:
+                del self._by_storage[entry.skey]
+            if self._by_key.get(entry.key) is entry:
+                del self._by_key[entry.key]
+        if entry in self._hold_until_used:
+            self._hold_until_used.remove(entry)
+        self._uncount_prefetch(entry)
+        obj = entry.obj
+        pending = obj.h2d_event if obj.state is State.PREFETCHING else None
+        if obj.state is State.OFFLOADING:
+            pending = obj.d2h_event
+        host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
+        entry.host = entry.host_view = entry.src = entry.restored = None
+        tier = obj.host_tier or Tier.PINNED
+        ledger, runtime, device = self._ledger, self.runtime, self.device
+        pool = runtime.pool(device, self.policy.host_budget, self.policy.pinned) if host is not None else None
+        sanitize = Capability.SANITIZER in frozenset(getattr(device, "capabilities", ()))
+
+        def release(
+            host: Any = host, host_view: Any = host_view, src: Any = src, restored: Any = restored, obj: Any = obj
+        ) -> None:
+            if pool is not None:
+                pool.release(host)  # the pool poisons it under the sanitizer
+            elif sanitize and host_view is not None:
+                device.poison(host_view)
+            ledger.remove(tier, Kind.ACTIVATION, obj.nbytes)
+            if obj.state is not State.RELEASED:
+                obj.release()
+
+        runtime.defer(pending, release)
+
+    # -- figures -------------------------------------------------------------------------
+    def _peak_now(self) -> int:
+        stats = self.device.memory_stats()
+        return int(stats.get("peak_allocated_bytes", 0) or 0)
+
+    def _sample_peak(self, stats: Any = None) -> None:
+        stats = stats if stats is not None else self.device.memory_stats()
+        self._peak_samples = max(self._peak_samples, int(stats.get("allocated_bytes", 0) or 0))
+
+    def stats(self) -> OffloadStats:
+        """The region's figures so far (final once backward ended); see :class:`OffloadStats`."""
+        self.runtime.poll()
+        for event in self.runtime.pending_timings(self._counters):
+            event.synchronize()
+        self.runtime.poll()
+        s = self._stats
+        c = self._counters
+        peak = self._peak_final if self._peak_final is not None else self._peak_now()
+        out = OffloadStats(**{k: v for k, v in s.as_dict().items()})
+        out.peak_device_bytes = peak if peak > self._peak_baseline else self._peak_samples
+        out.peak_pinned_bytes = self._ledger.peak(Tier.PINNED)
+        out.peak_pageable_bytes = self._ledger.peak(Tier.PAGEABLE)
+        out.exposed_wait_s = c.wait_seconds
+        out.waits = dict(c.waits)
+        out.d2h_bandwidth = c.d2h_bytes / c.d2h_seconds if c.d2h_seconds > 0 else 0.0
+        out.h2d_bandwidth = c.h2d_bytes / c.h2d_seconds if c.h2d_seconds > 0 else 0.0
+        out.kept = dict(self._kept)
+        return out
+
+    def write_trace(self, path: Any) -> None:
+        """Write a Chrome-trace / Perfetto JSON of compute, D2H, H2D and waits (needs ``trace=True``)."""
+        if self._counters.trace is None:
+            raise ConfigurationError("this region records no trace: pass trace=True to offload_activations")
+        self.stats()  # resolves pending copy timings
+        self._counters.trace.write(path)
+
+    def trace_dict(self) -> dict[str, Any]:
+        """The trace as a dict (Chrome's JSON object format); needs ``trace=True``."""
+        if self._counters.trace is None:
+            raise ConfigurationError("this region records no trace: pass trace=True to offload_activations")
+        self.stats()
+        return self._counters.trace.to_dict()
+
+    def synchronize(self) -> None:
+        """Wait for this device's copies in flight and run every release that waited on one."""
+        self.runtime.synchronize()
+
+    def __repr__(self) -> str:
+        return (
+            f"<OffloadHandle {'active' if self.active else 'closed'} offloaded "
+            f"{format_bytes(self._stats.offloaded_bytes)} in {self._stats.offloaded_storages} storages>"
+        )
+
+
+def _check_device(device: Any) -> None:
+    if isinstance(device, str):
+        raise ConfigurationError(
+            f"offload_activations needs a device object, not the string {device!r}: "
+            f"create it with offcore.device({device!r}, ...) and pass that"
+        )
+    missing = [
+        name
+        for name in (
+            "current_stream",
+            "new_stream",
+            "new_event",
+            "allocate",
+            "holds",
+            "copy_",
+            "memory_stats",
+            "host_pool",
+        )
+        if not callable(getattr(device, name, None))
+    ]
+    if missing:
+        raise ConfigurationError(
+            f"{type(device).__name__} is not an offcore backend device (missing {', '.join(missing)}); "
+            "create one with offcore.device('cpu' | 'cuda' | 'npu', ...)"
+        )
+    capabilities = frozenset(getattr(device, "capabilities", ()))
+    if capabilities and Capability.TORCH not in capabilities:
+        raise ConfigurationError(
+            f"{device!r} does not move torch tensors (its buffers are numpy arrays); create it with torch buffers, "
+            "e.g. offcore.device('cpu', buffers='torch')"
+        )
+
+
+def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
+    """Offload the tensors autograd saves in the block to host memory; reload them for backward.
+
+    ``device`` is an offcore backend device (``offcore.device("cpu" | "cuda" | "npu", ...)``).
+    Backward may run after the block. Policy knobs (all optional):
+
+    - ``min_bytes`` (``"64KiB"``): smaller storages stay on the device.
+    - ``prefetch``: ``"deadline"`` (start each reload by its predicted need time, learnt
+      across steps) or ``"on_demand"`` (reload when backward asks: every reload stalls).
+    - ``prefetch_budget`` (``"256MiB"``): device bytes of reloads allowed ahead of use.
+    - ``margin`` (``"0.5ms"``): slack before each predicted need.
+    - ``host_budget`` (``"4GiB"``), ``pinned`` (True): the host pool; ``fallback``
+      (``"pageable"`` or ``"keep"``) when it is exhausted.
+    - ``watermark`` (None or α in (0, 1)), ``hysteresis`` (0.05): offload only while free
+      device memory is below α × capacity.
+    - ``modules`` / ``exclude``: offload only inside these submodules' forward / never
+      inside these.
+    - ``schedule``: an :class:`offcore.scheduler.Scheduler` reused across steps
+      (default: one per device).
+    - ``trace`` (False): record a Chrome trace (``handle.write_trace(path)``).
+
+        >>> with offcore_torch.offload_activations(dev, min_bytes="1MiB") as handle:   # doctest: +SKIP
+        ...     loss = model(x)
+        >>> loss.backward(); print(handle.stats())                                    # doctest: +SKIP
+    """
+    return OffloadHandle(device, OffloadPolicy.parse(**policy))

@@ -1,0 +1,284 @@
+"""What offcore_torch keeps per device across steps.
+
+One :class:`DeviceRuntime` per backend device holds the two copy streams (D2H and
+H2D, created once, not per step), the budgeted host pools, the measured link
+(:class:`offcore.scheduler.BandwidthEstimator` per direction), the default
+:class:`offcore.scheduler.Scheduler`, and the releases that wait for a copy to land
+(Note [When may a device copy be freed?] in :mod:`offcore.objects`: a host buffer goes
+back to its pool, and a device buffer is dropped, only after the copy touching it has
+completed). It uses only the :class:`offcore.protocols.Backend` protocol, so it runs
+unchanged on the fake device, CUDA and NPU.
+
+    >>> import offcore                                             # doctest: +SKIP
+    >>> rt = runtime_for(offcore.device("cpu"))                    # doctest: +SKIP
+    >>> rt.d2h_link.bandwidth is None                              # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from offcore.kinds import Direction
+from offcore.pool import HostBufferPool
+from offcore.protocols import Capability
+from offcore.scheduler import BandwidthEstimator, Scheduler
+from offcore.trace import TraceRecorder
+
+__all__ = ["DeviceRuntime", "runtime_for", "CopyCounters", "synchronize"]
+
+_RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
+_fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
+_fallback_by_id: dict[int, DeviceRuntime] = {}
+_registry_lock = threading.Lock()
+
+
+@dataclass
+class CopyCounters:
+    """Copy and wait figures of one offload region, filled in as copies are timed."""
+
+    d2h_bytes: int = 0
+    d2h_seconds: float = 0.0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    waits: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    trace: TraceRecorder | None = None
+
+
+class _Timed:
+    """A copy or wait bracketed by timing events, resolved once ``end`` completes."""
+
+    __slots__ = ("start", "end", "nbytes", "direction", "issued", "label", "counters", "host_seconds")
+
+    def __init__(
+        self,
+        start: Any,
+        end: Any,
+        nbytes: int,
+        direction: Direction | None,
+        issued: float,
+        label: str,
+        counters: CopyCounters,
+        host_seconds: float | None = None,
+    ) -> None:
+        self.start, self.end, self.nbytes, self.direction = start, end, nbytes, direction
+        self.issued, self.label, self.counters, self.host_seconds = issued, label, counters, host_seconds
+
+
+def _stream_key(stream: Any) -> Any:
+    """A stable identity for a stream (``torch.cuda.current_stream()`` returns a new wrapper per call)."""
+    stream_id = getattr(stream, "stream_id", None)
+    return (
+        (type(stream).__name__, getattr(stream, "device_index", None), stream_id)
+        if stream_id is not None
+        else id(stream)
+    )
+
+
+class DeviceRuntime:
+    """Per-device state shared by every offload region on that device (see the module doc)."""
+
+    def __init__(self, device: Any) -> None:
+        self.d2h_stream = device.new_stream()
+        self.h2d_stream = device.new_stream()
+        self.d2h_link = BandwidthEstimator()
+        self.h2d_link = BandwidthEstimator()
+        self.scheduler = Scheduler()
+        self.timing = Capability.EVENT_TIMING in frozenset(getattr(device, "capabilities", ()))
+        self.lock = threading.RLock()
+        self._pools: dict[tuple[int, bool], HostBufferPool] = {}
+        self._deferred: list[tuple[Any, Callable[[], None]]] = []
+        self._timed: dict[Any, collections.deque[_Timed]] = {}  # per stream: brackets end in order
+        self._track_end: dict[str, float] = collections.defaultdict(float)
+        self.regions: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    # -- host pools --------------------------------------------------------------------
+    def pool(self, device: Any, budget: int, pinned: bool) -> HostBufferPool:
+        """The device's host pool for ``(budget, pinned)``, created once and reused every step."""
+        key = (budget, pinned)
+        with self.lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = device.host_pool(budget, pinned=pinned)
+            return pool
+
+    @property
+    def pools(self) -> list[HostBufferPool]:
+        with self.lock:
+            return list(self._pools.values())
+
+    # -- releases waiting for copies ---------------------------------------------------
+    def defer(self, event: Any, release: Callable[[], None]) -> None:
+        """Run ``release()`` once ``event`` has completed (now, if it has)."""
+        if event is None or event.query():
+            release()
+            return
+        with self.lock:
+            self._deferred.append((event, release))
+
+    @property
+    def deferred_count(self) -> int:
+        return len(self._deferred)
+
+    def poll(self) -> None:
+        """Run the releases whose copies landed and time the copies that finished. Cheap when idle."""
+        if self._deferred:
+            with self.lock:
+                ready: list[tuple[Any, Callable[[], None]]] = []
+                waiting: list[tuple[Any, Callable[[], None]]] = []
+                for item in self._deferred:
+                    (ready if item[0].query() else waiting).append(item)
+                self._deferred = waiting
+            for _, release in ready:
+                release()
+        if any(self._timed.values()):
+            self._resolve_timed()
+        for region in list(self.regions):
+            region._poll_copies()
+
+    def synchronize(self, *, wait: bool = True) -> None:
+        """Wait for every copy offcore has in flight on this device, then run every pending release."""
+        while True:
+            with self.lock:
+                pending = list(self._deferred)
+            if wait:
+                for event, _ in pending:
+                    event.synchronize()
+                for queue in list(self._timed.values()):
+                    for item in list(queue):
+                        item.end.synchronize()
+            self.poll()
+            if not wait or not self._deferred:
+                return
+
+    # -- timing ------------------------------------------------------------------------
+    def begin_timing(self, device: Any, stream: Any) -> tuple[Any, float]:
+        """Record a timing start event on ``stream`` (None without event timing) and the host time."""
+        start = None
+        if self.timing:
+            start = device.new_event(enable_timing=True)
+            stream.record_event(start)
+        return start, time.perf_counter()
+
+    def end_timing(
+        self,
+        device: Any,
+        stream: Any,
+        start: Any,
+        issued: float,
+        *,
+        nbytes: int,
+        direction: Direction | None,
+        label: str,
+        counters: CopyCounters,
+    ) -> None:
+        """Close a bracket opened by :meth:`begin_timing`; it is resolved when the end event completes.
+
+        Without event timing the host time since ``issued`` is used (exact on backends
+        whose compute stream is the host thread; an upper bound for copies otherwise).
+        """
+        if start is None:
+            seconds = time.perf_counter() - issued
+            self._account(_Timed(None, None, nbytes, direction, issued, label, counters, seconds), seconds)
+            return
+        end = device.new_event(enable_timing=True)
+        stream.record_event(end)
+        with self.lock:
+            key = _stream_key(stream)
+            queue = self._timed.get(key)
+            if queue is None:
+                queue = self._timed[key] = collections.deque()
+            queue.append(_Timed(start, end, nbytes, direction, issued, label, counters))
+
+    def _resolve_timed(self) -> None:
+        done: list[_Timed] = []
+        with self.lock:
+            for queue in self._timed.values():
+                while queue and queue[0].end.query():
+                    done.append(queue.popleft())
+        for item in done:
+            self._account(item, max(item.start.elapsed_time(item.end) / 1e3, 0.0))
+
+    def _account(self, item: _Timed, seconds: float) -> None:
+        c = item.counters
+        if item.direction is Direction.D2H:
+            self.d2h_link.observe(item.nbytes, seconds)
+            c.d2h_bytes += item.nbytes
+            c.d2h_seconds += seconds
+            track = "d2h"
+        elif item.direction is Direction.H2D:
+            self.h2d_link.observe(item.nbytes, seconds)
+            c.h2d_bytes += item.nbytes
+            c.h2d_seconds += seconds
+            track = "h2d"
+        else:
+            c.wait_seconds += seconds
+            c.waits[item.label] += seconds
+            track = "wait"
+        if c.trace is not None:
+            with self.lock:
+                start = max(item.issued, self._track_end[track]) if track != "wait" else item.issued
+                self._track_end[track] = start + seconds
+            c.trace.span(track, item.label, start, seconds, bytes=item.nbytes)
+
+    def pending_timings(self, counters: CopyCounters) -> list[Any]:
+        """End events of timings of ``counters`` not resolved yet."""
+        with self.lock:
+            return [item.end for queue in self._timed.values() for item in queue if item.counters is counters]
+
+    def h2d_duration(self, nbytes: int) -> float:
+        """Predicted seconds of a host-to-device copy (measured H2D, else measured D2H, else unknown: inf)."""
+        if self.h2d_link.samples:
+            return self.h2d_link.duration(nbytes)
+        return self.d2h_link.duration(nbytes)
+
+
+def runtime_for(device: Any) -> DeviceRuntime:
+    """The :class:`DeviceRuntime` of ``device`` (created on first use, lives as long as the device)."""
+    runtime = getattr(device, _RUNTIME_ATTRIBUTE, None)
+    if runtime is not None:
+        return runtime
+    with _registry_lock:
+        runtime = getattr(device, _RUNTIME_ATTRIBUTE, None)
+        if runtime is not None:
+            return runtime
+        try:
+            return _fallback_runtimes[device]
+        except (KeyError, TypeError):
+            pass
+        if id(device) in _fallback_by_id:
+            return _fallback_by_id[id(device)]
+        runtime = DeviceRuntime(device)
+        try:
+            setattr(device, _RUNTIME_ATTRIBUTE, runtime)
+        except (AttributeError, TypeError):
+            try:
+                _fallback_runtimes[device] = runtime
+            except TypeError:
+                _fallback_by_id[id(device)] = runtime  # not weak-referenceable: lives for the process
+        return runtime
+
+
+def synchronize(device: Any) -> None:
+    """Wait for every copy offcore_torch has in flight on ``device`` and run every release waiting on one.
+
+    Afterwards every host buffer and device buffer offcore no longer needs is back
+    (useful before measuring memory, and in tests).
+
+        >>> offcore_torch.synchronize(dev)                       # doctest: +SKIP
+    """
+    runtime = getattr(device, _RUNTIME_ATTRIBUTE, None)
+    if runtime is None:
+        try:
+            runtime = _fallback_runtimes.get(device) or _fallback_by_id.get(id(device))
+        except TypeError:
+            runtime = _fallback_by_id.get(id(device))
+    if runtime is not None:
+        runtime.synchronize()

@@ -1,0 +1,116 @@
+"""Storage identity, whole-storage byte views and storage-exact restore.
+
+offcore moves *storages*, not tensors: a tensor and its views share one
+``torch.UntypedStorage``, which is copied once and restored once, and every saved
+tensor comes back as a view of the restored storage with its original shape, stride,
+storage offset and dtype.
+
+    >>> import torch
+    >>> base = torch.arange(12.0)
+    >>> view = base.view(3, 4).t()
+    >>> meta = TensorMeta.of(view)
+    >>> copy = base.untyped_storage().clone()          # stands in for a restored storage
+    >>> back = meta.view_of(copy)
+    >>> back.shape == view.shape and back.stride() == view.stride() and torch.equal(back, view)
+    True
+
+# Note [Version keepers]
+# Autograd's own in-place check is off under saved-tensor hooks, so offcore checks
+# version counters itself. A version counter belongs to a tensor and its views (and
+# ``detach()`` aliases), not to the storage, and holding any such tensor holds the
+# storage — which is exactly what offloading must stop doing. A *keeper* is a
+# ``detach()`` alias of the saved tensor: it shares the version counter. Once the
+# device-to-host copy has landed, ``release_storage`` points the keeper at an empty
+# storage through ``.data`` assignment, which swaps the storage but keeps the
+# TensorImpl's version counter and does not bump it. The keeper then costs no device
+# memory and still reports every later in-place modification of the saved tensor's
+# family (``keeper._version``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TensorMeta",
+    "storage_key",
+    "raw_bytes",
+    "version_keeper",
+    "release_storage",
+    "is_offloadable_kind",
+    "is_parameter_like",
+    "MARK_ATTRIBUTE",
+]
+
+MARK_ATTRIBUTE = "_offcore_offload"
+"""Attribute set on a storage's Python object by :func:`offcore_torch.mark` (True/False)."""
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An identity for a live storage (the address of its ``StorageImpl``).
+
+    Valid only while the storage lives: pair it with a weak reference to the storage
+    object (torch keeps one Python object per live storage) to detect reuse.
+    """
+    return int(storage._cdata)
+
+
+def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A one-dimensional ``uint8`` tensor over every byte of ``storage`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Everything needed to rebuild a saved tensor as a view of a (restored) storage."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype, tensor.device
+        )
+
+    def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A tensor over ``storage`` with exactly this shape, stride, storage offset and dtype."""
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
+
+    def describe(self) -> str:
+        dims = "x".join(str(d) for d in self.shape) or "scalar"
+        return f"{dims} {str(self.dtype).removeprefix('torch.')}"
+
+
+def version_keeper(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``detach()`` alias sharing ``tensor``'s version counter (Note [Version keepers])."""
+    return tensor.detach()
+
+
+def release_storage(keeper: torch.Tensor) -> None:
+    """Let ``keeper`` stop holding its storage while keeping its version counter (Note [Version keepers])."""
+    keeper.data = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+
+
+def is_offloadable_kind(tensor: torch.Tensor) -> bool:
+    """Plain dense tensors only: no sparse/quantized/nested layouts, no tensor subclasses, no meta/fake tensors."""
+    cls = type(tensor)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+        return False
+    if tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
+        return False
+    return True
+
+
+def is_parameter_like(tensor: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear)."""
+    if tensor.requires_grad and tensor.grad_fn is None:
+        return True
+    base: Any = tensor._base
+    return base is not None and base.requires_grad and base.grad_fn is None
