@@ -37,6 +37,7 @@ from offcore.units import format_bytes, parse_size
 
 __all__ = [
     "AcceleratorOptions",
+    "PinnedSlots",
     "TorchAcceleratorDevice",
     "import_torch",
     "tensor_over",
@@ -128,6 +129,85 @@ def tensor_over(address: int, nbytes: int, *, on_free: Callable[[], None], keepa
     finalizer = weakref.finalize(span, _run_quietly, on_free, keepalive)
     finalizer.atexit = False  # at interpreter exit the runtime may already be torn down
     return torch.from_numpy(np.asarray(span))
+
+
+class PinnedSlots:
+    """The device's own pinned pool, made safe to release into from finalizers.
+
+    A storage finalizer (Note [Pinned buffers live as long as their storage]) can run
+    at any allocation -- the cyclic garbage collector may fire inside
+    ``HostBufferPool.acquire`` while its lock is held by the same thread. So a
+    finalizer never waits for a lock: it queues the slot, and the queue is drained
+    by whoever next holds ``guard`` (every pool operation here ends with a drain).
+    Staging buffers of copies still in flight are held here too, each with its event.
+    """
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+        self.guard = threading.Lock()
+        self._returned: collections.deque[HostBuffer] = collections.deque()
+        self._in_flight: collections.deque[tuple[Any, HostBuffer]] = collections.deque()
+
+    def drain(self, *, blocking: bool = True) -> None:
+        """Give queued slots back to the pool (skipped, not waited for, when ``blocking`` is False)."""
+        if not self.guard.acquire(blocking=blocking):
+            return
+        try:
+            self._give_back()
+        finally:
+            self.guard.release()
+
+    def _give_back(self) -> None:
+        while self._returned:
+            self.pool.release(self._returned.popleft())
+
+    def release_soon(self, slot: HostBuffer) -> None:
+        """Return ``slot``; safe from a finalizer (never blocks)."""
+        self._returned.append(slot)
+        self.drain(blocking=False)
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """An exact-size slot; first returns completed staging buffers if the pool is full."""
+        with self.guard:
+            self._give_back()
+            try:
+                slot = self.pool.acquire(nbytes)
+            except CapacityExceededError:
+                self._reap(all_done=False)
+                slot = self.pool.acquire(nbytes)
+        self.drain(blocking=False)
+        return slot
+
+    def release(self, slot: HostBuffer) -> None:
+        with self.guard:
+            self.pool.release(slot)
+            self._give_back()
+
+    def hold_until(self, event: Any, slot: HostBuffer) -> None:
+        """Keep ``slot`` out of the pool until ``event`` has completed."""
+        with self.guard:
+            self._in_flight.append((event, slot))
+
+    def reap(self, *, all_done: bool = False) -> None:
+        """Return staging slots whose copies completed (all of them after a device synchronize)."""
+        with self.guard:
+            self._reap(all_done)
+            self._give_back()
+
+    def _reap(self, all_done: bool) -> None:
+        pending: collections.deque[tuple[Any, HostBuffer]] = collections.deque()
+        while self._in_flight:
+            event, slot = self._in_flight.popleft()
+            if all_done or event.query():
+                self.pool.release(slot)
+            else:
+                pending.append((event, slot))
+        self._in_flight = pending
+
+    def trim(self) -> int:
+        with self.guard:
+            self._give_back()
+            return self.pool.trim()
 
 
 @dataclass(frozen=True)
@@ -258,13 +338,12 @@ class TorchAcceleratorDevice:
                 )
             self._restore_fraction = self._cap_memory(cap / total)
         self.capacity = cap if cap is not None else total
-        self._lock = threading.Lock()
-        self._in_flight: collections.deque[tuple[Any, HostBuffer]] = collections.deque()
         self._device_contexts: list[Any] = []
         self.staged_copies = 0
         self.direct_pageable_copies = 0
         self._pinned_ranges: dict[int, int] = {}  # start -> end of every live pinned block
         self.pinned_pool = self.host_pool(self.options.host_budget, pinned=True)
+        self._slots = PinnedSlots(self.pinned_pool)
 
     def _cap_memory(self, fraction: float) -> Callable[[], Any]:
         """Limit the caching allocator to ``fraction`` of the device; returns the undo.
@@ -311,7 +390,7 @@ class TorchAcceleratorDevice:
     def synchronize(self) -> None:
         """Block until all work on this device has completed; returns staging buffers."""
         self._mod.synchronize(self.index)
-        self._reap(all_done=True)
+        self._slots.reap(all_done=True)
 
     def __enter__(self) -> TorchAcceleratorDevice:
         context = self._mod.device(self.index)
@@ -385,13 +464,9 @@ class TorchAcceleratorDevice:
         if tier is Tier.PAGEABLE:
             return self._torch.empty(nbytes, dtype=self._torch.uint8)
         if tier is Tier.PINNED:
-            try:
-                slot = self.pinned_pool.acquire(nbytes)
-            except CapacityExceededError:
-                self._reap()
-                slot = self.pinned_pool.acquire(nbytes)
-            pool = self.pinned_pool
-            return tensor_over(slot.view.data_ptr(), nbytes, on_free=lambda: pool.release(slot), keepalive=slot)
+            slots = self._slots
+            slot = slots.acquire(nbytes)
+            return tensor_over(slot.view.data_ptr(), nbytes, on_free=lambda: slots.release_soon(slot), keepalive=slot)
         raise ConfigurationError(
             f"the {self.name} backend allocates device, pinned or pageable buffers, not {tier.value!r}; "
             "NVMe files are handled by offcore's storage tier, not by a device backend"
@@ -449,7 +524,7 @@ class TorchAcceleratorDevice:
             raise ConfigurationError("copy_ needs the stream to enqueue on (e.g. dev.new_stream())")
         dst_side, src_side = self._side(dst, "dst"), self._side(src, "src")
         dst, src = match_layout(dst, src)
-        self._reap()
+        self._slots.reap()
         if dst_side == "host" and src_side == "host":
             stream.synchronize()  # the source may be the target of earlier work on this stream
             dst.copy_(src)
@@ -474,13 +549,9 @@ class TorchAcceleratorDevice:
         if not self.options.stage_pageable:
             return None
         try:
-            return self.pinned_pool.acquire(nbytes)
+            return self._slots.acquire(nbytes)
         except CapacityExceededError:
-            self._reap(all_done=False)
-            try:
-                return self.pinned_pool.acquire(nbytes)
-            except CapacityExceededError:
-                return None
+            return None
 
     def _copy_from_pageable(self, dst: Any, src: Any, stream: Any) -> Any:
         staging = self._staging_buffer(src.numel() * src.element_size())
@@ -490,8 +561,7 @@ class TorchAcceleratorDevice:
         pinned = typed_view(staging.view, src.dtype, src.shape)
         pinned.copy_(src)  # host memcpy; the slot is ours until the H2D below completes
         event = self._copy_async(dst, pinned, stream)
-        with self._lock:
-            self._in_flight.append((event, staging))
+        self._slots.hold_until(event, staging)
         self.staged_copies += 1
         return event
 
@@ -506,21 +576,9 @@ class TorchAcceleratorDevice:
         event = self._copy_async(pinned, src, stream)
         event.synchronize()  # the bytes must be in the staging buffer before the host copies them on
         dst.copy_(pinned)
-        self.pinned_pool.release(staging)
+        self._slots.release(staging)
         self.staged_copies += 1
         return event
-
-    def _reap(self, all_done: bool = False) -> None:
-        """Return staging buffers whose copies have completed to the pool."""
-        with self._lock:
-            pending = collections.deque()
-            while self._in_flight:
-                event, staging = self._in_flight.popleft()
-                if all_done or event.query():
-                    self.pinned_pool.release(staging)
-                else:
-                    pending.append((event, staging))
-            self._in_flight = pending
 
     # ---------------------------------------------------------------------- stats
     def memory_stats(self) -> MemoryStats:
@@ -531,6 +589,7 @@ class TorchAcceleratorDevice:
         reservation; ``free_bytes``: what may still be allocated within ``capacity``.
         """
         mod, index = self._mod, self.index
+        self._slots.drain(blocking=False)
         stats = MemoryStats(
             allocated_bytes=int(mod.memory_allocated(index)),
             peak_allocated_bytes=int(mod.max_memory_allocated(index)),
@@ -559,7 +618,7 @@ class TorchAcceleratorDevice:
     def close(self) -> None:
         """Wait for outstanding copies, free idle pinned blocks, lift the capacity cap."""
         self.synchronize()
-        self.pinned_pool.trim()
+        self._slots.trim()
         if self._restore_fraction is not None:
             self._restore_fraction()
             self._restore_fraction = None

@@ -196,6 +196,20 @@ def test_pinned_buffer_returns_to_the_pool_when_its_last_view_dies(dev: Any) -> 
     assert pool.used_bytes == 0
 
 
+def test_a_finalizer_never_waits_for_the_pool(dev: Any) -> None:
+    """The last view of a pinned buffer may die while the pool is busy (e.g. GC inside acquire)."""
+    import threading
+
+    holder = [dev.allocate(4096, Tier.PINNED)]
+    worker = threading.Thread(target=holder.clear)  # the buffer's last reference dies in the worker
+    with dev._slots.guard:  # the pool is busy
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the storage finalizer blocked on the pool's lock"
+        assert dev.pinned_pool.used_bytes == 4096  # queued, not yet returned
+    assert dev.memory_stats()["pinned_used_bytes"] == 0  # the next pool operation returns it
+
+
 def test_pinned_buffers_are_exact_size_slices_of_few_blocks(dev: Any) -> None:
     buffers = [dev.allocate(size, Tier.PINNED) for size in (1000, 3000, 70_000, 512)]
     assert [b.numel() for b in buffers] == [1000, 3000, 70_000, 512]
