@@ -1,0 +1,578 @@
+"""Measure one real training step, layer by layer, into the simulator's :class:`offcore.sim.StepProfile`.
+
+The planner (:mod:`offcore.sim.planner`) needs per layer the forward, backward and
+recompute time, the bytes it saves for backward, its input bytes (what a checkpoint
+keeps) and its transient working set, plus the link's bandwidth per direction and the
+device capacity. :func:`profile_step` collects all of it from one real step on any
+offcore backend:
+
+- **times** from the backend's timing events (``device.new_event(enable_timing=True)``
+  recorded on ``device.current_stream()``, read at each use): forward from module
+  forward pre/post hooks; backward from tensor gradient hooks on each layer's outputs
+  (its backward starts) and inputs (its backward ends). Tensor hooks do not add nodes
+  to the graph, so in-place ops after a layer keep working. Recompute cost = forward
+  time.
+- **saved bytes** from ``torch.autograd.graph.saved_tensors_hooks``: every storage
+  autograd saves is counted once (views share it), attributed to the layer whose
+  forward saved it first; parameters and buffers (and their views) and tensors not on
+  the device are excluded — the same rule as :func:`offcore_torch.offload_activations`.
+- **memory** from ``device.memory_stats()``: resident bytes at the step's start, the
+  step's peak, and each layer's transient peak above its own level.
+- **link** from timed copies on a copy stream (:func:`measure_link`), and the capacity
+  from ``memory_stats()["capacity_bytes"]``.
+
+    >>> import offcore, torch
+    >>> from offcore_torch.profiler import profile_step
+    >>> dev = offcore.device("cpu", capacity="1GiB", h2d_bandwidth="8GiB/s", d2h_bandwidth="8GiB/s")
+    >>> with dev:
+    ...     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)])
+    ...     x = torch.randn(256, 64)
+    ...     profile = profile_step(model, lambda: model(x).square().mean(), dev)
+    >>> profile.n_layers, profile.layers[0].saved_bytes > 0, profile.capacity_bytes == 2**30
+    (3, True, True)
+    >>> dev.close()
+
+Only the profiled layers are planned; what runs outside them (embedding, output head,
+loss, optimizer) is measured as *other* time and bytes in :class:`StepMeasurement`, so
+a predicted step time is ``simulate(...).step_time_s + measurement.other_compute_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from offcore.errors import ConfigurationError
+from offcore.kinds import Tier
+from offcore.protocols import Capability
+from offcore.sim import Plan, StepProfile, simulate
+from offcore.sim.profile import LayerProfile
+from offcore.units import parse_size
+from offcore_torch.layers import resolve_layers
+from offcore_torch.storage import is_offloadable_kind, is_parameter_like, storage_key
+
+__all__ = ["LinkMeasurement", "StepMeasurement", "measure_link", "measure_step", "profile_step"]
+
+LayersArg = Sequence[nn.Module] | Sequence[tuple[str, nn.Module]] | None
+
+
+# ----------------------------------------------------------------------------- the link
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """Measured copy speed between device and pinned host memory.
+
+    ``*_bandwidth`` in bytes per second (``inf`` when a copy takes no measurable
+    time beyond its latency), ``latency_s`` the fixed cost per copy (fit of
+    ``seconds = latency + bytes / bandwidth`` over two sizes, mean of both directions),
+    ``duplex`` whether the backend copies both directions at once.
+
+    >>> LinkMeasurement(1e9, 2e9, 1e-5, True).as_profile_fields()["h2d_bandwidth"]
+    2000000000.0
+    """
+
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    latency_s: float
+    duplex: bool
+    sizes: tuple[int, ...] = ()
+
+    def as_profile_fields(self) -> dict[str, Any]:
+        """The :class:`~offcore.sim.StepProfile` keyword arguments this measurement gives."""
+        return {
+            "d2h_bandwidth": self.d2h_bandwidth,
+            "h2d_bandwidth": self.h2d_bandwidth,
+            "latency_s": self.latency_s,
+            "duplex": self.duplex,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``inf`` written as ``"inf"``)."""
+        return {
+            "d2h_bandwidth": "inf" if math.isinf(self.d2h_bandwidth) else self.d2h_bandwidth,
+            "h2d_bandwidth": "inf" if math.isinf(self.h2d_bandwidth) else self.h2d_bandwidth,
+            "latency_s": self.latency_s,
+            "duplex": self.duplex,
+            "sizes": list(self.sizes),
+        }
+
+
+def _timed_copy(device: Any, stream: Any, dst: Any, src: Any) -> float:
+    """Seconds one ``copy_`` occupies ``stream``, from timing events around it on that stream."""
+    start = device.new_event(enable_timing=True)
+    end = device.new_event(enable_timing=True)
+    stream.wait_stream(device.current_stream())
+    start.record(stream)
+    device.copy_(dst, src, stream=stream)
+    end.record(stream)
+    end.synchronize()
+    return max(0.0, start.elapsed_time(end) / 1e3)
+
+
+def measure_link(
+    device: Any,
+    *,
+    min_bytes: int | str = "64KiB",
+    max_bytes: int | str = "64MiB",
+    target_s: float = 0.01,
+    repeats: int = 3,
+) -> LinkMeasurement:
+    """Measure D2H and H2D bandwidth and the per-copy latency with timed copies on a copy stream.
+
+    The copy size starts at ``min_bytes`` and grows ×4 until one copy takes at least
+    ``target_s`` or reaches ``max_bytes`` (and never more than a quarter of the
+    device's free memory). Each size is copied ``repeats`` times; the median counts.
+    Bandwidth and latency come from the two largest sizes.
+
+        >>> import offcore
+        >>> dev = offcore.device("cpu", h2d_bandwidth="128MiB/s", d2h_bandwidth="256MiB/s", latency=0)
+        >>> link = measure_link(dev, max_bytes="4MiB")
+        >>> 0.5 < link.d2h_bandwidth / 2**28 < 1.5
+        True
+        >>> dev.close()
+    """
+    low = parse_size(min_bytes, what="min_bytes")
+    high = parse_size(max_bytes, what="max_bytes")
+    if high < low:
+        raise ConfigurationError(f"max_bytes ({high}) must be at least min_bytes ({low})")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ConfigurationError(f"repeats must be a positive integer, got {repeats!r}")
+    stats = device.memory_stats()
+    free = int(stats.get("capacity_bytes", 0) or 0) - int(stats.get("allocated_bytes", 0) or 0)
+    if free > 0:
+        high = max(low, min(high, free // 4))
+    stream = device.new_stream()
+    device_buffer = device.allocate(high, Tier.DEVICE)
+    host_buffer = device.allocate(high, Tier.PINNED)
+    samples: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+    try:
+        for direction in ("d2h", "h2d"):
+            size = low
+            while True:
+                dev_view, host_view = device_buffer[:size], host_buffer[:size]
+                times = []
+                for _ in range(repeats):
+                    if direction == "d2h":
+                        times.append(_timed_copy(device, stream, host_view, dev_view))
+                    else:
+                        times.append(_timed_copy(device, stream, dev_view, host_view))
+                samples[direction].append((size, statistics.median(times)))
+                if samples[direction][-1][1] >= target_s or size >= high:
+                    break
+                size = min(high, size * 4)
+    finally:
+        stream.synchronize()
+        del device_buffer, host_buffer
+
+    def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+        if len(points) == 1:
+            size, seconds = points[0]
+            return (size / seconds if seconds > 0 else math.inf), 0.0
+        (small, t_small), (large, t_large) = points[-2], points[-1]
+        if t_large <= t_small:
+            return (large / t_large if t_large > 0 else math.inf), 0.0
+        bandwidth = (large - small) / (t_large - t_small)
+        return bandwidth, max(0.0, t_small - small / bandwidth)
+
+    d2h, d2h_latency = fit(samples["d2h"])
+    h2d, h2d_latency = fit(samples["h2d"])
+    duplex = Capability.DUPLEX_COPY in frozenset(getattr(device, "capabilities", ()))
+    sizes = tuple(sorted({s for points in samples.values() for s, _ in points}))
+    return LinkMeasurement(d2h, h2d, (d2h_latency + h2d_latency) / 2, duplex, sizes)
+
+
+# ------------------------------------------------------------------------ the step
+@dataclass(frozen=True)
+class StepMeasurement:
+    """Everything one profiled step measured; :attr:`profile` is the simulator's input.
+
+    Times in seconds, sizes in bytes.
+
+    - ``profile``: one :class:`~offcore.sim.LayerProfile` per layer, the link, the
+      capacity; ``other_bytes`` is *calibrated* so that the simulated keep-all peak
+      equals the measured ``peak_bytes`` (it holds what the layers do not: optimizer
+      state, the batch, the output head's and the loss's saved tensors and transients).
+    - ``forward_s`` / ``backward_s`` / ``optimizer_s``: the whole step's phases;
+      ``other_forward_s`` / ``other_backward_s``: the parts outside the layers.
+    - ``param_bytes``; ``resident_bytes``: device bytes allocated when the step began;
+      ``other_saved_bytes``: saved outside any layer; ``peak_bytes``: the step's peak.
+    - ``layer_calls``: how often each layer ran in forward (1 expected).
+    """
+
+    profile: StepProfile
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    other_forward_s: float
+    other_backward_s: float
+    param_bytes: int
+    resident_bytes: int
+    other_saved_bytes: int
+    peak_bytes: int
+    calibration_bytes: int
+    link: LinkMeasurement | None = None
+    layer_calls: tuple[int, ...] = field(default=())
+
+    @property
+    def step_s(self) -> float:
+        """Forward + backward + optimizer as measured."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def other_compute_s(self) -> float:
+        """Compute outside the profiled layers (embedding, head, loss, optimizer): add it to simulated step times."""
+        return self.other_forward_s + self.other_backward_s + self.optimizer_s
+
+    @property
+    def per_sample_other_bytes(self) -> int:
+        """The part of ``profile.other_bytes`` that scales with the batch (saved outside layers + calibration)."""
+        return self.other_saved_bytes + self.calibration_bytes
+
+    def profile_for_microbatches(self, microbatches: int) -> StepProfile:
+        """The profile with its batch-dependent *other* bytes divided by ``microbatches``.
+
+        :meth:`StepProfile.split_microbatches` scales only the layers; the output head's
+        saved tensors shrink with the micro-batch too. Use this profile to predict a
+        plan with ``microbatches`` > 1.
+        """
+        if microbatches == 1:
+            return self.profile
+        fixed = self.profile.other_bytes - self.per_sample_other_bytes
+        return replace(self.profile, other_bytes=max(0, fixed) + -(-self.per_sample_other_bytes // microbatches))
+
+    def predict(self, plan: Plan, **kwargs: Any) -> Any:
+        """``simulate`` the plan on the matching profile; returns (SimResult, predicted step seconds)."""
+        result = simulate(self.profile_for_microbatches(plan.microbatches), plan, **kwargs)
+        return result, result.step_time_s + self.other_compute_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready figures (the profile as :meth:`StepProfile.to_dict`)."""
+        return {
+            "profile": self.profile.to_dict(),
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s,
+            "other_forward_s": self.other_forward_s,
+            "other_backward_s": self.other_backward_s,
+            "param_bytes": self.param_bytes,
+            "resident_bytes": self.resident_bytes,
+            "other_saved_bytes": self.other_saved_bytes,
+            "peak_bytes": self.peak_bytes,
+            "calibration_bytes": self.calibration_bytes,
+            "link": None if self.link is None else self.link.to_dict(),
+            "layer_calls": list(self.layer_calls),
+        }
+
+
+class _Marks:
+    """Timing events on the current stream, resolved to seconds after the step."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.origin = self.mark()
+        self.events: list[Any] = []
+
+    def mark(self) -> Any:
+        event = self.device.new_event(enable_timing=True)
+        event.record(self.device.current_stream())
+        return event
+
+    def seconds(self, event: Any) -> float:
+        return self.origin.elapsed_time(event) / 1e3
+
+
+class _Memory:
+    """Peak tracking split into intervals: every reset first folds the running peak into the step's."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.step_peak = self.allocated()
+        device.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return int(self.device.memory_stats().get("allocated_bytes", 0) or 0)
+
+    def restart(self) -> int:
+        """Fold the peak so far into the step's peak, restart peak tracking; returns bytes allocated now."""
+        stats = self.device.memory_stats()
+        self.step_peak = max(self.step_peak, int(stats.get("peak_allocated_bytes", 0) or 0))
+        self.device.reset_peak_memory_stats()
+        return int(stats.get("allocated_bytes", 0) or 0)
+
+    def peak_since_restart(self) -> int:
+        peak = int(self.device.memory_stats().get("peak_allocated_bytes", 0) or 0)
+        self.step_peak = max(self.step_peak, peak)
+        return peak
+
+
+@dataclass
+class _LayerRecord:
+    name: str
+    calls: int = 0
+    forward_start: Any = None
+    forward_end: Any = None
+    backward_start: Any = None
+    backward_end: Any = None
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    forward_transient: int = 0
+    backward_transient: int = 0
+    backward_level: int = 0
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+
+
+def measure_step(
+    model: nn.Module,
+    step: Callable[[], Tensor],
+    device: Any,
+    *,
+    layers: LayersArg = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    link: LinkMeasurement | bool = True,
+    batch_size: int = 1,
+    capacity_bytes: int | None = None,
+) -> StepMeasurement:
+    """Run one training step of ``model`` on ``device`` and measure it (see the module doc).
+
+    Args:
+        model: the model, already on ``device.torch_device``.
+        step: runs the forward and returns the scalar loss (``lambda: loss_fn(model(x), y)``);
+            the profiler calls ``loss.backward()`` and, with ``optimizer``, ``step()`` and
+            ``zero_grad()``.
+        device: an offcore backend device (``offcore.device(...)``).
+        layers: the modules to profile, in forward order (default:
+            :func:`offcore_torch.layers.find_layers`). Each must run once per forward.
+        optimizer: when given, its step is timed as part of the step.
+        link: ``True`` measures the link (:func:`measure_link`); a
+            :class:`LinkMeasurement` is used as given; ``False`` leaves the profile's
+            link unlimited.
+        batch_size: samples in the step (the planner splits it into micro-batches).
+        capacity_bytes: overrides the device capacity in the profile.
+
+    Raises:
+        ConfigurationError: ``step`` did not return a scalar tensor that requires grad,
+            or a layer ran more than once or never.
+    """
+    named = resolve_layers(model, layers)
+    n = len(named)
+    records = [_LayerRecord(name) for name, _ in named]
+    index_of = {id(module): i for i, (_, module) in enumerate(named)}
+    param_keys = {storage_key(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+    param_bytes = sum(
+        t.untyped_storage().nbytes() for t in {storage_key(p.untyped_storage()): p for p in model.parameters()}.values()
+    )
+    seen_storages: set[int] = set()
+    stack: list[int] = []
+    other_saved = 0
+    handles: list[Any] = []
+    grad_hooks: list[Any] = []
+
+    with device:
+        device.synchronize()
+        memory = _Memory(device)
+        resident = memory.allocated()
+        marks = _Marks(device)
+
+        def on_forward_pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            i = index_of[id(module)]
+            record = records[i]
+            record.calls += 1
+            stack.append(i)
+            memory.restart()
+            record.forward_start = marks.mark()
+            storages = {}
+            for tensor in _tensors((args, kwargs)):
+                storage = tensor.untyped_storage()
+                key = storage_key(storage)
+                if key not in param_keys and device.holds(tensor):
+                    storages[key] = storage.nbytes()
+                if tensor.requires_grad:
+                    grad_hooks.append(tensor.register_hook(_backward_end_hook(i)))
+            record.input_bytes = sum(storages.values())
+
+        def on_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            i = index_of[id(module)]
+            record = records[i]
+            record.forward_end = marks.mark()
+            peak = memory.peak_since_restart()
+            record.forward_transient = max(0, peak - memory.allocated())
+            if stack and stack[-1] == i:
+                stack.pop()
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    grad_hooks.append(tensor.register_hook(_backward_start_hook(i)))
+
+        def _backward_start_hook(i: int) -> Callable[[Tensor], None]:
+            def hook(_grad: Tensor) -> None:
+                record = records[i]
+                if record.backward_start is None:
+                    record.backward_level = memory.restart()
+                    record.backward_start = marks.mark()
+
+            return hook
+
+        def _backward_end_hook(i: int) -> Callable[[Tensor], None]:
+            def hook(_grad: Tensor) -> None:
+                record = records[i]
+                record.backward_end = marks.mark()
+                peak = memory.peak_since_restart()
+                record.backward_transient = max(record.backward_transient, peak - record.backward_level)
+
+            return hook
+
+        def pack(tensor: Tensor) -> Tensor:
+            nonlocal other_saved
+            if not is_offloadable_kind(tensor) or is_parameter_like(tensor):
+                return tensor
+            storage = tensor.untyped_storage()
+            key = storage_key(storage)
+            if key in param_keys or key in seen_storages or not device.holds(tensor):
+                return tensor
+            seen_storages.add(key)
+            if stack:
+                records[stack[-1]].saved_bytes += storage.nbytes()
+            else:
+                other_saved += storage.nbytes()
+            return tensor
+
+        for _, module in named:
+            handles.append(module.register_forward_pre_hook(on_forward_pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(on_forward, with_kwargs=True, always_call=True))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss = step()
+            forward_end = marks.mark()
+            if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise ConfigurationError(
+                    "the profiled step must return the scalar loss (a one-element tensor that requires grad), "
+                    f"got {type(loss).__name__}"
+                    + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
+                )
+            loss.backward()
+            del loss
+            backward_end = marks.mark()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            optimizer_end = marks.mark()
+        finally:
+            for handle in handles + grad_hooks:
+                handle.remove()
+        device.synchronize()
+        optimizer_end.synchronize()
+        memory.peak_since_restart()
+        peak = memory.step_peak
+
+    for record in records:
+        if record.calls != 1:
+            raise ConfigurationError(
+                f"layer {record.name!r} ran {record.calls} times in one forward; the profiler and the planner "
+                "need each layer to run exactly once (pass layers=[...] that are called once each)"
+            )
+
+    t = marks.seconds
+    forward_total = t(forward_end)
+    backward_total = t(backward_end) - forward_total
+    optimizer_s = t(optimizer_end) - t(backward_end)
+
+    layer_profiles: list[LayerProfile] = []
+    backward_starts = [t(r.backward_start) if r.backward_start is not None else None for r in records]
+    for i, record in enumerate(records):
+        forward_s = t(record.forward_end) - t(record.forward_start)
+        start = backward_starts[i]
+        if start is None:  # no gradient flowed through this layer's outputs
+            backward_s = 0.0
+        else:
+            if record.backward_end is not None:
+                end = t(record.backward_end)
+            else:  # its inputs need no gradient: it ends where the next layer (in backward) starts
+                later = [s for s in backward_starts[:i] if s is not None and s >= start]
+                end = max(later) if later else t(backward_end)
+            backward_s = max(0.0, end - start)
+        layer_profiles.append(
+            LayerProfile(
+                record.name,
+                forward_s=max(0.0, forward_s),
+                backward_s=backward_s,
+                saved_bytes=record.saved_bytes,
+                recompute_s=max(0.0, forward_s),
+                working_bytes=max(record.forward_transient, record.backward_transient),
+                input_bytes=record.input_bytes,
+            )
+        )
+
+    if link is True:
+        with device:
+            link_measurement: LinkMeasurement | None = measure_link(device)
+    elif link is False:
+        link_measurement = None
+    elif isinstance(link, LinkMeasurement):
+        link_measurement = link
+    else:
+        raise ConfigurationError(f"link must be True, False or a LinkMeasurement, got {type(link).__name__}")
+
+    capacity = capacity_bytes
+    if capacity is None:
+        capacity = int(device.memory_stats().get("capacity_bytes", 0) or 0) or None
+    base_other = max(0, resident - param_bytes) + other_saved
+    profile = StepProfile(
+        layer_profiles,
+        param_bytes=param_bytes,
+        grad_bytes=0,
+        other_bytes=base_other,
+        capacity_bytes=capacity,
+        batch_size=batch_size,
+        **(link_measurement.as_profile_fields() if link_measurement is not None else {}),
+    )
+    # Note [Calibrated other bytes]: the layers' lifetimes are modelled; the rest (head, loss,
+    # gradients appearing in backward, allocator transients) is folded into `other_bytes` so
+    # that the simulated keep-all peak equals the measured one. Never negative: when the model
+    # overestimates, the prediction stays conservative.
+    simulated_peak = simulate(profile, Plan.keep_all(n), record_events=False).peak_bytes
+    calibration = max(0, peak - simulated_peak)
+    if calibration:
+        profile = replace(profile, other_bytes=base_other + calibration)
+    return StepMeasurement(
+        profile=profile,
+        forward_s=forward_total,
+        backward_s=backward_total,
+        optimizer_s=optimizer_s,
+        other_forward_s=max(0.0, forward_total - math.fsum(lp.forward_s for lp in layer_profiles)),
+        other_backward_s=max(0.0, backward_total - math.fsum(lp.backward_s for lp in layer_profiles)),
+        param_bytes=param_bytes,
+        resident_bytes=resident,
+        other_saved_bytes=other_saved,
+        peak_bytes=peak,
+        calibration_bytes=calibration,
+        link=link_measurement,
+        layer_calls=tuple(r.calls for r in records),
+    )
+
+
+def profile_step(
+    model: nn.Module,
+    step: Callable[[], Tensor],
+    device: Any,
+    **options: Any,
+) -> StepProfile:
+    """:func:`measure_step` and return only its :class:`~offcore.sim.StepProfile` (same arguments).
+
+    >>> profile = profile_step(model, lambda: loss_fn(model(x), y), dev, batch_size=8)   # doctest: +SKIP
+    >>> from offcore.sim import plan
+    >>> plan(profile, budget_bytes="2GiB").plan.describe()                               # doctest: +SKIP
+    'OOKR K=1 m=1 prefetch=deadline/∞'
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return measure_step(model, step, device, **options).profile
