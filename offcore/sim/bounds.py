@@ -24,12 +24,17 @@
 # For an *instance* (any plan that fits a device budget) the planner needs a bound that
 # holds for every feasible plan. :func:`instance_lower_bound` minimises T over the
 # per-layer choices under (1), a relaxed (2) (``min head`` and ``min tail`` taken at a
-# layer that need not be offloaded itself), and two memory
-# conditions every plan must meet: during layer i's forward, and at the start of its
-# backward, the kept activations of the layers before it plus its own saved bytes and
-# working set are on the device. That is a small MILP (scipy.optimize.milp). In-flight
-# D2H bytes and prefetched bytes are not counted, so the bound is optimistic when the
-# budget is tight (the gap reported by the planner is an upper bound on its true gap).
+# layer that need not be offloaded itself), and memory conditions every plan must meet:
+#   - at the end of layer i's forward: the kept activations and checkpoints so far, the
+#     offloaded layers whose D2H cannot have finished yet (the D2H queue can only have
+#     drained Σ d_l ≤ F(i) − F(j) of the layers after any j), its own saved bytes and
+#     working set;
+#   - during layer i's backward: the kept activations and checkpoints of earlier layers,
+#     its own saved bytes and working set, and the reload of layer i−1 if that reload
+#     overlaps it; a reload that overlaps nothing is an exposed wait of h_{i−1} in (1).
+# That is a small MILP (scipy.optimize.milp). Prefetches further ahead and recompute
+# segments longer than one layer are not counted, so the bound can be optimistic when the
+# budget is tight: the planner's reported gap to it is an upper bound on its true gap.
 """
 
 from __future__ import annotations
@@ -202,6 +207,7 @@ def instance_lower_bound(
 def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Action]) -> float:
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array
     except ImportError:  # pragma: no cover - scipy is in the 'plan' extra
         raise ConfigurationError(
             "instance_lower_bound needs scipy: install it with pip install 'offcore[plan]'"
@@ -213,66 +219,115 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     r = np.array([layer.recompute_time for layer in layers])
     s = np.array([layer.saved_bytes for layer in layers], dtype=float)
     w = np.array([layer.working_bytes for layer in layers], dtype=float)
+    x = np.array([layer.input_bytes for layer in layers], dtype=float)
     d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
     h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
     static = float(profile.static_bytes)
-    # any layer alone must fit with its saved bytes and working set
-    if np.any(static + s + w > budget):
+    if np.any(static + s + w > budget):  # a layer's own backward needs its saved bytes and working set
         return math.inf
     time_scale = max(float(f.sum() + b.sum()), 1e-30)
-    # variables: keep[0:n], off[n:2n], rec[2n:3n], T (scaled by time_scale)
-    nv = 3 * n + 1
-    keep, off, rec, T = 0, n, 2 * n, 3 * n
-    rows: list[np.ndarray] = []
+    forward_end = np.cumsum(f)
+
+    # Variables: keep, off, rec (binary, one set per layer); start_l (segment starts, continuous,
+    # forced to 1 by rec_l − rec_{l−1}); freed[i, l] for l < i (continuous in [0, off_l]: the
+    # share of layer l's bytes whose D2H has completed by the end of layer i's forward);
+    # overlap_l (binary: layer l's reload overlaps the backward of layer l+1, else it is exposed); T.
+    keep, off, rec, start, overlap = 0, n, 2 * n, 3 * n, 4 * n
+    freed_index: dict[tuple[int, int], int] = {}
+    column = 5 * n
+    for i in range(n):
+        for j in range(i):
+            freed_index[(i, j)] = column
+            column += 1
+    T = column
+    nv = column + 1
+    entries: list[tuple[int, int, float]] = []
     lower: list[float] = []
     upper: list[float] = []
 
-    def add(row: np.ndarray, lo: float, hi: float) -> None:
-        rows.append(row)
+    def add(row: dict[int, float], lo: float, hi: float) -> None:
+        index = len(lower)
+        entries.extend((index, col, value) for col, value in row.items() if value != 0.0)
         lower.append(lo)
         upper.append(hi)
 
     for i in range(n):  # one action per layer
-        row = np.zeros(nv)
-        row[[keep + i, off + i, rec + i]] = 1.0
-        add(row, 1.0, 1.0)
-    row = np.zeros(nv)  # compute
-    row[T] = 1.0
-    row[rec : rec + n] = -r / time_scale
+        add({keep + i: 1.0, off + i: 1.0, rec + i: 1.0}, 1.0, 1.0)
+    # segment starts: start_l >= rec_l - rec_{l-1}; every kmax recomputed layers in a row contain one
+    for i in range(n):
+        row = {start + i: 1.0, rec + i: -1.0}
+        if i > 0:
+            row[rec + i - 1] = 1.0
+        add(row, 0.0, math.inf)
+        add({start + i: 1.0, rec + i: -1.0}, -math.inf, 0.0)
+        if i >= kmax - 1:
+            window = range(i - kmax + 1, i + 1)
+            row = {start + j: 1.0 for j in window}
+            for j in window:
+                row[rec + j] = row.get(rec + j, 0.0) - 1.0
+            add(row, 1.0 - kmax, math.inf)
+    # (1) compute, plus the reloads that cannot overlap the backward before them (exposed waits)
+    row = {T: 1.0}
+    for i in range(n):
+        row[rec + i] = -r[i] / time_scale
+        row[off + i] = -h[i] / time_scale
+        row[overlap + i] = h[i] / time_scale
+        add({overlap + i: 1.0, off + i: -1.0}, -math.inf, 0.0)
     add(row, float(f.sum() + b.sum()) / time_scale, math.inf)
-    forward_end = np.cumsum(f)
+    # (2) copies, one queue (Note [Copies of one step never overlap]), prefix constraints
     backward_prefix = np.cumsum(b)
-    directions = [d + h]  # Note [Copies of one step never overlap]
-    for i in range(n):  # copies with prefix constraints
-        for duration in directions:
-            row = np.zeros(nv)
-            row[T] = 1.0
-            row[off + i : off + n] = -duration[i:] / time_scale
-            last_rec = i - kmax + 1
-            if last_rec >= 0:
-                row[rec : rec + last_rec + 1] = -r[: last_rec + 1] / time_scale
-            add(row, float(forward_end[i] + backward_prefix[i]) / time_scale, math.inf)
-    for i in range(n):  # memory during forward of i and at the start of its backward
-        row = np.zeros(nv)
-        row[keep : keep + i] = s[:i] / budget
-        add(row, -math.inf, (budget - static - s[i] - w[i]) / budget)
-        row = np.zeros(nv)
-        row[keep : keep + i] = s[:i] / budget
-        row[keep + i] += s[i] / budget
-        row[off + i] += s[i] / budget
+    for i in range(n):
+        row = {T: 1.0}
+        for j in range(i, n):
+            row[off + j] = -(d[j] + h[j]) / time_scale
+        for j in range(0, i - kmax + 2):
+            row[rec + j] = -r[j] / time_scale
+        add(row, float(forward_end[i] + backward_prefix[i]) / time_scale, math.inf)
+    # (3) memory at the end of each forward: kept, checkpoints, offloaded but not yet copied out
+    for i in range(n):
+        row: dict[int, float] = {}
+        for j in range(i):
+            row[keep + j] = s[j] / budget
+            row[off + j] = s[j] / budget
+            row[freed_index[(i, j)]] = -s[j] / budget
+            row[start + j] = x[j] / budget
+        row[keep + i] = s[i] / budget
+        row[off + i] = s[i] / budget
+        row[start + i] = x[i] / budget
         add(row, -math.inf, (budget - static - w[i]) / budget)
+        for j in range(i):  # freed share <= offloaded
+            add({freed_index[(i, j)]: 1.0, off + j: -1.0}, -math.inf, 0.0)
+        for first in range(i):  # D2H jobs released at or after F(first) end by F(i)
+            row = {freed_index[(i, j)]: d[j] / time_scale for j in range(first, i)}
+            add(row, -math.inf, float(forward_end[i] - forward_end[first]) / time_scale)
+    # (4) memory during each backward: kept earlier layers, checkpoints, its own saved bytes, and
+    #     the next layer's reload when that overlaps it
+    for i in range(n):
+        row = {}
+        for j in range(i):
+            row[keep + j] = s[j] / budget
+            row[start + j] = x[j] / budget
+        row[start + i] = x[i] / budget
+        if i > 0:
+            row[overlap + i - 1] = s[i - 1] / budget
+        add(row, -math.inf, (budget - static - s[i] - w[i]) / budget)
+
     upper_bounds = np.ones(nv)
     upper_bounds[T] = np.inf
-    for action, start in ((Action.KEEP, keep), (Action.OFFLOAD, off), (Action.RECOMPUTE, rec)):
+    upper_bounds[overlap + n - 1] = 0.0  # the last layer's reload waits for its own D2H: see (2)
+    for action, first_column in ((Action.KEEP, keep), (Action.OFFLOAD, off), (Action.RECOMPUTE, rec)):
         if action not in allowed:
-            upper_bounds[start : start + n] = 0.0
-    integrality = np.ones(nv)
-    integrality[T] = 0
+            upper_bounds[first_column : first_column + n] = 0.0
+    integrality = np.zeros(nv)
+    integrality[: 3 * n] = 1
+    integrality[overlap : overlap + n] = 1
     cost = np.zeros(nv)
     cost[T] = 1.0
+    rows_, cols_, values_ = zip(*entries, strict=True)
+    matrix = csr_array((values_, (rows_, cols_)), shape=(len(lower), nv))
     result = milp(
         cost,
-        constraints=LinearConstraint(np.array(rows), np.array(lower), np.array(upper)),
+        constraints=LinearConstraint(matrix, np.array(lower), np.array(upper)),
         integrality=integrality,
         bounds=Bounds(np.zeros(nv), upper_bounds),
     )
