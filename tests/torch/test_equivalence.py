@@ -28,8 +28,8 @@ from offcore_torch.models import (  # noqa: E402
     mlp_workload,
     view_saver_workload,
 )
-from offcore_torch.testing import RunRecord, assert_bit_identical, run_workload  # noqa: E402
-from torch_test_devices import device_with_link  # noqa: E402
+from offcore_torch.testing import RunRecord, assert_bit_identical, run_steps, run_workload  # noqa: E402
+from torch_test_devices import device_with_link, is_fake_device  # noqa: E402
 
 STEPS = 3
 MIN_BYTES = "1KiB"
@@ -53,11 +53,17 @@ def reference_run(backend: Any, device: Any, name: str) -> RunRecord:
     return _references[key]
 
 
-def check_really_offloaded(record: RunRecord) -> None:
+def check_really_offloaded(record: RunRecord, *, reloaded: bool = False) -> None:
+    """Every step offloaded bytes and backward read offloaded entries back; with ``reloaded``
+    backward must also have copied bytes back to the device (not only reused a storage that
+    was still alive because its copy had not landed yet when backward began)."""
     for step, stats in enumerate(record.stats):
         assert stats is not None, "the offloaded run recorded no stats"
         assert stats.offloaded_bytes > 0, f"step {step} offloaded nothing: the comparison would be vacuous"
-        assert stats.reloaded_bytes > 0, f"step {step} reloaded nothing although backward used offloaded tensors"
+        used = stats.reloaded_bytes + stats.reused_live_bytes
+        assert used > 0, f"step {step}: backward read no offloaded tensor back: {stats}"
+        if reloaded:
+            assert stats.reloaded_bytes > 0, f"step {step} copied nothing back to the device: {stats}"
 
 
 @pytest.mark.parametrize("link", ["unlimited", "slow"])
@@ -96,3 +102,32 @@ def test_offload_inside_activation_checkpointing_is_bit_identical(
 
     assert_bit_identical(reference, offloaded, labels=("keep-all", "checkpointed + offloaded"))
     check_really_offloaded(offloaded)
+
+
+@pytest.mark.parametrize("prefetch", ["deadline", "on_demand"])
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_storages_restored_from_host_are_bit_identical(
+    backend: Any, make_fake_device: Callable[..., Any], name: str, prefetch: str
+) -> None:
+    """The device is synchronized at the end of forward, so every device-to-host copy has landed
+    and offcore has let the device copies go before backward: backward must copy them back."""
+    device = device_with_link(backend, "slow", make_fake_device) if is_fake_device(backend) else backend
+    reference = reference_run(backend, device, name)
+    work = WORKLOADS[name]()
+
+    def loss_then_synchronize(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        loss = work.loss(model, batch)
+        device.synchronize()
+        return loss
+
+    offloaded = run_steps(
+        work.build,
+        work.make_batch,
+        loss_fn=loss_then_synchronize,
+        device=device,
+        steps=STEPS,
+        offload={"min_bytes": MIN_BYTES, "prefetch": prefetch},
+    )
+
+    assert_bit_identical(reference, offloaded)
+    check_really_offloaded(offloaded, reloaded=True)
