@@ -6,6 +6,8 @@ import json
 import random
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from offcore import CapacityExceededError, ConfigurationError
 from offcore.sim import (
@@ -226,3 +228,25 @@ def test_the_result_serialises():
     data = json.loads(json.dumps(result.to_dict()))
     assert data["method"] == "exhaustive" and data["predicted"]["peak_bytes"] <= data["budget_bytes"]
     assert data["gap_to_lower_bound"] >= 1 - 1e-6
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(2, 6),
+    fraction=st.floats(0.2, 1.0),
+    codes=st.lists(st.sampled_from(["keep", "offload", "recompute"]), min_size=6, max_size=6),
+    interval=st.sampled_from([1, 2, 4]),
+    prefetch=st.sampled_from([None, 1, 2]),
+    mode=st.sampled_from(["deadline", "on_demand"]),
+)
+def test_every_plan_that_fits_takes_at_least_the_instance_bound(seed, n, fraction, codes, interval, prefetch, mode):
+    profile = generated_instance(seed, n)
+    budget = budget_at(profile, fraction)
+    largest = max(layer.saved_bytes for layer in profile.layers)
+    policy = PrefetchPolicy(mode, budget_bytes=None if prefetch is None or mode == "on_demand" else prefetch * largest)
+    candidate = Plan(codes[:n], checkpoint_interval=interval, prefetch=policy)
+    result = simulate(profile, candidate)
+    assume(result.peak_bytes <= budget)
+    bound = instance_lower_bound(profile, budget, checkpoint_intervals=(1, 2, 4))
+    assert bound <= result.step_time_s * (1 + 1e-6)
