@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from offcore.kinds import Tier
 from offcore_cpu.arena import MemoryArena
@@ -43,6 +42,26 @@ _aten = torch.ops.aten
 _UNINITIALISED = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided}
 
 _ACTIVE = threading.local()  # .stack: the StorageTrackers active on this thread, innermost last
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results (tensors, nested lists/tuples/dicts).
+
+    A plain walk: ``torch.utils._pytree.tree_flatten`` costs ~100 us per operator here.
+    """
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    found: list[torch.Tensor] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, torch.Tensor):
+            found.append(node)
+        elif isinstance(node, (list, tuple)):
+            pending.extend(node)
+        elif isinstance(node, dict):
+            pending.extend(node.values())
+    return found
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -128,25 +147,26 @@ class StorageTracker:
         """Count the new storages among ``out`` (called by the dispatch mode after each operator)."""
         if getattr(self._local, "suspended", 0) or not self.active:
             return
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not outputs:
-            return
-        input_storages = {
-            id(s) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for s in [_storage(t)] if s
-        }
-        new: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        outputs = _tensors(out)
+        unknown: dict[int, torch.UntypedStorage] = {}
         for tensor in outputs:
             storage = _storage(tensor)
-            if storage is None or id(storage) in new:
+            if storage is None or id(storage) in unknown:
                 continue
             tier = self.arena.tier_of(storage)
             if tier is Tier.DEVICE:
                 self.arena.resize(storage, storage.nbytes())  # resize_ and friends
-            elif tier is None and id(storage) not in input_storages:
-                new[id(storage)] = (storage, storage.nbytes())
-        if not new:
+            elif tier is None:
+                unknown[id(storage)] = storage
+        if not unknown:
             return
-        self.arena.register_many(new.values(), Tier.DEVICE)  # raises the fake device's OOM error
+        for tensor in _tensors((args, kwargs)):  # a view or in-place result of a foreign tensor is not new
+            storage = _storage(tensor)
+            if storage is not None:
+                unknown.pop(id(storage), None)
+        if not unknown:
+            return
+        self.arena.register_many([(s, s.nbytes()) for s in unknown.values()], Tier.DEVICE)  # may raise OOM
         if self.poison_uninitialised and func.overloadpacket in _UNINITIALISED:
             with self.suspended():
                 for tensor in outputs:
