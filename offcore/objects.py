@@ -106,7 +106,13 @@ class ManagedObject:
     def release_device_copy(self) -> None:
         """Drop the device copy. Refused while the D2H copy is still in flight (see the Note above)."""
         if self.state is not State.OFFLOADING:
-            self._move(State.OFFLOADED)  # raises with the allowed states
+            # explicit: RESTORED -> OFFLOADED is legal (drop_restored_copy), but not through here,
+            # and a half-done _move must never leave the state changed under a raised error
+            raise IllegalTransitionError(
+                f"object {self.describe()} is {self.state.value}: only an offloading object (a device-to-host "
+                "copy started with start_offload) can release its device copy; "
+                f"allowed next states: {sorted(s.value for s in TRANSITIONS[self.state]) or 'none'}"
+            )
         if self.d2h_event is None or not self.d2h_event.query():
             raise IllegalTransitionError(
                 f"refusing to free the device copy of {self.describe()}: its device-to-host copy has not "
@@ -147,6 +153,14 @@ class ManagedObject:
     def drop_restored_copy(self) -> None:
         """Drop the restored device copy again while the host copy stays valid (reused by a later
         backward over a retained graph). Only from RESTORED: a prefetch in flight must land first."""
+        if self.state is not State.RESTORED:
+            # from OFFLOADING the table allows OFFLOADED too, but only release_device_copy may
+            # take that edge: it checks that the device-to-host copy has landed
+            raise IllegalTransitionError(
+                f"object {self.describe()} is {self.state.value}: only a restored object can drop its "
+                "restored device copy (an offloading one releases it with release_device_copy once its "
+                "device-to-host copy has completed)"
+            )
         self._move(State.OFFLOADED)
         self.h2d_event = None
         self.tier = self.host_tier or Tier.PINNED

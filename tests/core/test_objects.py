@@ -49,6 +49,19 @@ def test_device_copy_cannot_be_freed_while_the_d2h_copy_is_pending() -> None:
     assert obj.state is State.OFFLOADED and obj.tier is Tier.PINNED
 
 
+def test_dropping_a_restored_copy_is_no_back_door_around_the_pending_d2h() -> None:
+    obj, event = offloading()
+    with pytest.raises(offcore.IllegalTransitionError, match="only a restored object"):
+        obj.drop_restored_copy()  # OFFLOADING -> OFFLOADED is in the table, but not without the event
+    assert obj.state is State.OFFLOADING and obj.tier is Tier.DEVICE
+    event.done = True
+    obj.release_device_copy()
+    obj.start_prefetch(FakeEvent(done=True))
+    obj.finish_prefetch()
+    obj.drop_restored_copy()  # a retained graph's restored copy goes; the host copy stays valid
+    assert obj.state is State.OFFLOADED and obj.tier is Tier.PINNED and obj.h2d_event is None
+
+
 def test_a_missing_event_counts_as_pending() -> None:
     obj = ManagedObject(kind=Kind.GRADIENT, nbytes=16)
     obj.start_offload(None)
@@ -59,9 +72,9 @@ def test_a_missing_event_counts_as_pending() -> None:
 @pytest.mark.parametrize("state", [State.RESIDENT, State.OFFLOADED, State.PREFETCHING, State.RESTORED, State.RELEASED])
 def test_device_copy_release_is_refused_outside_offloading(state: State) -> None:
     obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=1, state=state)
-    with pytest.raises(offcore.IllegalTransitionError, match="allowed next states"):
+    with pytest.raises(offcore.IllegalTransitionError, match="only an offloading object"):
         obj.release_device_copy()
-    assert obj.state is state
+    assert obj.state is state, "a refused transition changes nothing"
 
 
 def test_full_round_trip_and_reoffload() -> None:
@@ -113,6 +126,7 @@ ACTIONS = {
     "cancel_offload": lambda o: o.cancel_offload(),
     "start_prefetch": lambda o: o.start_prefetch(FakeEvent(done=True)),
     "finish_prefetch": lambda o: o.finish_prefetch(),
+    "drop_restored_copy": lambda o: o.drop_restored_copy(),
     "release": lambda o: o.release(),
 }
 TARGET = {
@@ -121,7 +135,14 @@ TARGET = {
     "cancel_offload": State.RESIDENT,
     "start_prefetch": State.PREFETCHING,
     "finish_prefetch": State.RESTORED,
+    "drop_restored_copy": State.OFFLOADED,
     "release": State.RELEASED,
+}
+ONLY_FROM = {
+    # these reach their target from one state only, whatever else may also lead there
+    "release_device_copy": State.OFFLOADING,
+    "finish_prefetch": State.PREFETCHING,
+    "drop_restored_copy": State.RESTORED,
 }
 
 
@@ -131,8 +152,8 @@ def test_random_action_sequences_follow_the_transition_table(actions: list[str])
     for action in actions:
         before = obj.state
         legal = TARGET[action] in TRANSITIONS[before]
-        if action == "finish_prefetch":
-            legal = legal and before is State.PREFETCHING  # RESTORED only comes from a landed prefetch
+        if action in ONLY_FROM:
+            legal = legal and before is ONLY_FROM[action]
         try:
             ACTIONS[action](obj)
         except offcore.IllegalTransitionError:
