@@ -231,7 +231,9 @@ def backend(request: pytest.FixtureRequest, backend_name: str) -> Iterator[Any]:
     try:
         yield device
     finally:
-        device.synchronize()
-        close = getattr(device, "close", None)
-        if callable(close):
-            close()
+        try:
+            device.synchronize()  # surfaces a failure of work the test left queued
+        finally:
+            close = getattr(device, "close", None)
+            if callable(close):
+                close()
