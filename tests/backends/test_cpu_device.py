@@ -405,17 +405,22 @@ def test_typed_and_non_contiguous_views_copy_exactly_through_raw_buffers(ndev: F
     assert ndev.holds(back) and not ndev.holds(raw_host)
 
 
-def test_copy_refuses_mismatched_buffers(ndev: FakeDevice, torch: Any) -> None:
+def test_copy_refuses_mismatched_buffers(ndev: FakeDevice) -> None:
     stream = ndev.new_stream()
     device = ndev.allocate(64, Tier.DEVICE)
     with pytest.raises(ConfigurationError, match="different sizes"):
         ndev.copy_(device, np.zeros(63, np.uint8), stream=stream)
     with pytest.raises(ConfigurationError, match="two numpy arrays or two torch tensors"):
-        ndev.copy_(device, torch.zeros(64, dtype=torch.uint8), stream=stream)
+        ndev.copy_(device, [0] * 64, stream=stream)
     frozen = np.zeros(64, np.uint8)
     frozen.flags.writeable = False
     with pytest.raises(ConfigurationError, match="read-only"):
         ndev.copy_(frozen, device, stream=stream)
+
+
+def test_copy_refuses_to_mix_numpy_and_torch(ndev: FakeDevice, torch: Any) -> None:
+    with pytest.raises(ConfigurationError, match="two numpy arrays or two torch tensors"):
+        ndev.copy_(ndev.allocate(64, Tier.DEVICE), torch.zeros(64, dtype=torch.uint8), stream=ndev.new_stream())
 
 
 def test_copy_needs_a_stream_of_this_device(ndev: FakeDevice, make_device: Any) -> None:
