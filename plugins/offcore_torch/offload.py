@@ -104,7 +104,9 @@ def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
     """Decide explicitly whether ``tensor`` is offloaded when autograd saves it; returns ``tensor``.
 
     The mark belongs to the tensor's *storage* (it covers the tensor and all its
-    views) and lives as long as the storage. ``offload=True`` overrides ``min_bytes``,
+    views), lives as long as the storage, and applies to saves made after it: an op
+    that saves its own output (``exp``, ``tanh``) has already saved it when ``mark``
+    runs. ``offload=True`` overrides ``min_bytes``,
     the watermark and module scoping; it never makes offcore offload a parameter, a
     buffer or a tensor that is not on the device.
 
@@ -446,8 +448,10 @@ class OffloadHandle:
         if storage.nbytes() == 0:
             return self._keep(tensor, key, "empty")
         skey = storage_key(storage)
-        if is_parameter_like(tensor) or skey in self._param_keys:
+        if skey in self._param_keys:
             return self._keep(tensor, key, "parameter")
+        if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
+            return self._keep(tensor, key, "leaf")
         if not self.device.holds(tensor):
             return self._keep(tensor, key, "not_on_device")
         marked = getattr(storage, MARK_ATTRIBUTE, None)
@@ -596,8 +600,7 @@ class OffloadHandle:
             return False
         if not self._within_budget(entry.nbytes):
             return False
-        entry.prefetch_counted = True
-        self._outstanding += entry.nbytes
+        self._count_prefetch(entry)
         self._hold_until_used.append(entry)
         plan.issued(entry.key)
         return True
@@ -605,6 +608,12 @@ class OffloadHandle:
     def _within_budget(self, nbytes: int) -> bool:
         budget = self.policy.prefetch_budget
         return self._outstanding + nbytes <= budget or (self._outstanding == 0 and budget > 0)
+
+    def _count_prefetch(self, entry: _Entry) -> None:
+        entry.prefetch_counted = True
+        self._outstanding += entry.nbytes
+        if self._outstanding > self._stats.peak_prefetched_bytes:
+            self._stats.peak_prefetched_bytes = self._outstanding
 
     def _uncount_prefetch(self, entry: _Entry) -> None:
         if entry.prefetch_counted:
@@ -698,7 +707,12 @@ class OffloadHandle:
     ) -> SavedTensorModifiedError:
         meta = tensor_or_meta if isinstance(tensor_or_meta, TensorMeta) else TensorMeta.of(tensor_or_meta)
         what = "an offloaded saved tensor" if offloaded else "a saved tensor"
-        detail = " The change happened while its device-to-host copy was in flight." if in_flight else ""
+        detail = (
+            " It changed before offcore saw its device-to-host copy complete, so the host copy may hold "
+            "modified data too."
+            if in_flight
+            else ""
+        )
         return SavedTensorModifiedError(
             f"{what} of shape {tuple(meta.shape)} and dtype {meta.dtype}, needed by {_current_op()}, was modified "
             f"in place after forward saved it (version {saved} at save, {now} now).{detail} Backward must use the "
@@ -886,8 +900,7 @@ class OffloadHandle:
         storage = dst.untyped_storage()
         entry.restored = storage
         entry.restored_ref = weakref.ref(storage)
-        entry.prefetch_counted = True
-        self._outstanding += entry.nbytes
+        self._count_prefetch(entry)
         self._stats.prefetched_bytes += entry.nbytes
         self._stats.reloaded_bytes += entry.nbytes
         return True

@@ -38,10 +38,15 @@ class OffloadStats:
     - ``fallbacks``: storages that did not fit the pinned host budget (kept on the
       device or copied to pageable memory, per policy).
     - ``prefetched_bytes`` / ``prefetch_hits``: reloads started ahead of use, and uses
-      that found their reload already started; ``reused_live_bytes``: storages still
+      that found their reload already started; ``peak_prefetched_bytes``: the most
+      bytes reloaded (or kept) ahead of use at once — at most ``prefetch_budget``
+      unless a single storage is larger; ``reused_live_bytes``: storages still
       alive at use, returned without any copy.
     - ``offloaded_storages``, ``saved_tensors`` (packed by the hooks), ``kept``
-      (tensors not offloaded, by reason: parameter, small, not_on_device, ...).
+      (tensors not offloaded, by reason: ``parameter`` (a parameter or
+      buffer of a module that ran, or a view of one), ``leaf`` (another tensor that
+      requires grad), ``small``, ``not_on_device``, ``marked``, ``no_offload``,
+      ``excluded``, ``outside_modules``, ``watermark``, ``host_budget``, ...).
     """
 
     offloaded_bytes: int = 0
@@ -60,6 +65,7 @@ class OffloadStats:
     fallbacks: int = 0
     prefetched_bytes: int = 0
     prefetch_hits: int = 0
+    peak_prefetched_bytes: int = 0
     reused_live_bytes: int = 0
     offloaded_storages: int = 0
     saved_tensors: int = 0
