@@ -104,8 +104,11 @@ class _Registry:
 
     def _collect(self) -> None:
         self.infos.clear()
-        for plugin in self.pm.get_plugins():
-            name = self.pm.get_name(plugin) or repr(plugin)
+        # registration order (get_plugins() is a set): when two plugins claim one name, the
+        # first registered keeps it on every run, and the built-ins load before late hand-registered ones
+        for name, plugin in self.pm.list_name_plugin():
+            if plugin is None:  # a blocked name
+                continue
             impl = getattr(plugin, "offcore_register_backends", None)
             if impl is None:
                 continue
