@@ -1,8 +1,8 @@
 """What offcore moves (object kinds) and where it can put it (tiers).
 
-    >>> from offcore.kinds import Kind, Tier, TierSpec
-    >>> TierSpec(Tier.PINNED, capacity="8GiB", bandwidth="25GB/s").capacity
-    8589934592
+>>> from offcore.kinds import Kind, Tier, TierSpec
+>>> TierSpec(Tier.PINNED, capacity="8GiB", bandwidth="25GB/s").capacity
+8589934592
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The ledger: where bytes are, what was copied, and how long anyone waited.
 
-    >>> from offcore.ledger import Ledger
-    >>> from offcore.kinds import Kind, Tier, Direction
-    >>> ledger = Ledger()
-    >>> ledger.add(Tier.PINNED, Kind.ACTIVATION, 4096)
-    >>> ledger.record_copy(Direction.D2H, 4096, seconds=0.001)
-    >>> ledger.bytes(Tier.PINNED), ledger.peak(Tier.PINNED)
-    (4096, 4096)
+>>> from offcore.ledger import Ledger
+>>> from offcore.kinds import Kind, Tier, Direction
+>>> ledger = Ledger()
+>>> ledger.add(Tier.PINNED, Kind.ACTIVATION, 4096)
+>>> ledger.record_copy(Direction.D2H, 4096, seconds=0.001)
+>>> ledger.bytes(Tier.PINNED), ledger.peak(Tier.PINNED)
+(4096, 4096)
 """
 
 from __future__ import annotations
@@ -118,9 +118,7 @@ class Ledger:
         with self._lock:
             tiers = {t for t, _ in self._current} | set(self._tier_peak)
             return {
-                "bytes": {
-                    t.value: {k.value: v for (tt, k), v in self._current.items() if tt is t} for t in tiers
-                },
+                "bytes": {t.value: {k.value: v for (tt, k), v in self._current.items() if tt is t} for t in tiers},
                 "peak_bytes": {t.value: self._tier_peak[t] for t in tiers},
                 "copies": {
                     d.value: {"bytes": c.bytes, "seconds": c.seconds, "copies": c.copies, "bandwidth": c.bandwidth}
