@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from offcore.errors import ConfigurationError
@@ -139,7 +139,9 @@ class PrefetchPlan:
 
     ``use_times`` maps every key of the step (offloaded or not: each use is a trigger)
     to its predicted use, in seconds after backward starts; ``offloaded`` maps the keys
-    that need a copy to their bytes. At each trigger the binding calls
+    that need a copy to their bytes; ``readers`` (optional) maps an offloaded key to
+    every key that reads the same object (a storage saved several times): the object
+    is needed at the first of their uses. At each trigger the binding calls
     ``due(virtual_time(key, now))`` and starts the returned keys' copies in order,
     calling ``issued(key)`` for each; it stops early when its byte budget is full, and
     the remaining keys come again at the next trigger.
@@ -158,14 +160,21 @@ class PrefetchPlan:
         duration: Callable[[int], float],
         *,
         margin: float,
+        readers: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         self.use_times: dict[int, float] = dict(use_times)
         self.nbytes: dict[int, int] = dict(offloaded)
-        self.order: list[int] = sorted(self.nbytes, key=lambda k: (self.use_times.get(k, 0.0), k))
+        readers = readers or {}
+        # an object is needed at the first use of any key that reads it (a storage saved several times)
+        self.need: dict[int, float] = {}
+        for key in self.nbytes:
+            uses = [self.use_times[k] for k in readers.get(key, (key,)) if k in self.use_times]
+            self.need[key] = min(uses) if uses else self.use_times.get(key, 0.0)
+        self.order: list[int] = sorted(self.nbytes, key=lambda k: (self.need[k], k))
         self.latest_start: dict[int, float] = {}
         chain_start = math.inf
         for key in reversed(self.order):
-            finish = min(self.use_times.get(key, 0.0) - margin, chain_start)
+            finish = min(self.need[key] - margin, chain_start)
             start = finish - duration(self.nbytes[key])
             self.latest_start[key] = start
             chain_start = start
@@ -279,6 +288,16 @@ class Scheduler:
         offloaded: Mapping[int, int],
         duration: Callable[[int], float],
         margin: float | None = None,
+        readers: Mapping[int, Iterable[int]] | None = None,
     ) -> PrefetchPlan:
-        """A plan for the keys in ``offloaded`` (key → bytes); every key of ``step`` is a trigger."""
-        return PrefetchPlan(self.predict(step), offloaded, duration, margin=self.margin if margin is None else margin)
+        """A plan for the keys in ``offloaded`` (key → bytes); every key of ``step`` is a trigger.
+
+        ``readers`` as in :class:`PrefetchPlan`.
+        """
+        return PrefetchPlan(
+            self.predict(step),
+            offloaded,
+            duration,
+            margin=self.margin if margin is None else margin,
+            readers=readers,
+        )

@@ -40,6 +40,15 @@ How a saved tensor travels (every step uses the Backend protocol only):
 # keepers]); a mismatch raises SavedTensorModifiedError naming the tensor and the
 # backward op. For offloaded tensors the version is also checked when the D2H copy is
 # seen to land, to say whether the copy may have read modified data.
+
+# Note [Prefetch from the end of forward]
+# Backward first needs what forward saved last, and those copies are often still in
+# flight (or just landed) when forward ends. With deadline prefetch the plan is made
+# at the end of the region, not at backward's first unpack: copies that landed and are
+# due before backward's first use start reloading at once, and copies that land later
+# keep their device memory if the plan would reload them right away ("held", counted
+# against the prefetch budget like a reload). Everything else is released on landing
+# and reloaded by deadline. Without this, backward's first unpack would always stall.
 """
 
 from __future__ import annotations
@@ -228,6 +237,8 @@ class _Entry:
         "disposed",
         "prefetch_counted",
         "used",
+        "used_round",
+        "keys",
         "__weakref__",
     )
 
@@ -248,6 +259,8 @@ class _Entry:
         self.restored: torch.UntypedStorage | None = None
         self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
         self.used = False  # unpacked at least once
+        self.used_round = -1  # the last backward round that unpacked it
+        self.keys: list[int] = []  # pack keys of every record that reads this storage
         self.modified_in_flight = False
         self.landed = False
         self.held = False  # counted in held_elsewhere_bytes
@@ -375,6 +388,12 @@ class OffloadHandle:
                 self._counters.trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
             self._sample_peak()
             self.runtime.poll()
+        if exc_type is None:
+            # Note [Prefetch from the end of forward]: what backward needs first was saved
+            # last; starting the plan now keeps (or starts reloading) it before backward's
+            # first use instead of stalling on it.
+            self._make_plan()
+            self._prefetch_due(-math.inf)
 
     # -- module scope, parameters and names ----------------------------------------------
     def _register_module_hooks(self) -> None:
@@ -480,6 +499,7 @@ class OffloadHandle:
         fmt = self.device.format_of(tensor) if self._formats else None
         item = _Offloaded(entry, tensor, key, fmt)
         entry.items.append(weakref.ref(item))
+        entry.keys.append(key)
         entry.live += 1
         if entry.landed:
             release_storage(item.keeper)
@@ -589,7 +609,8 @@ class OffloadHandle:
         items = entry.live_items()
         if any(item.keeper._version != item.version for item in items):
             entry.modified_in_flight = True
-        if self._in_backward and not entry.all_unpacked(self._round) and self._hold_as_prefetch(entry):
+        upcoming = self._round if self._in_backward else self._round + 1
+        if self._plan is not None and not entry.all_unpacked(upcoming) and self._hold_as_prefetch(entry):
             return
         self._release_device(entry, items)
 
@@ -654,11 +675,21 @@ class OffloadHandle:
         except RuntimeError:  # not inside a backward pass (a saved tensor read by hand)
             self._in_backward = False
             return
-        if self.policy.prefetch == "deadline":
-            offloaded = {k: e.nbytes for k, e in self._by_key.items() if not e.disposed}
-            self._plan = self.scheduler.plan(
-                self._observation, offloaded, self.runtime.h2d_duration, margin=self.policy.margin
-            )
+        if self._plan is None:
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        if self.policy.prefetch != "deadline":
+            return
+        entries = [e for e in self._by_key.values() if not e.disposed]
+        self._plan = self.scheduler.plan(
+            self._observation,
+            {e.key: e.nbytes for e in entries},
+            self.runtime.h2d_duration,
+            margin=self.policy.margin,
+            readers={e.key: e.keys for e in entries},
+        )
+        self._vtime = -math.inf  # before backward's first use
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""
@@ -698,7 +729,7 @@ class OffloadHandle:
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
                 raise self._modified_error(packed.tensor, packed.version, packed.tensor._version, offloaded=False)
-            self._prefetch_due(key, now)
+            self._trigger(key, now)
             return packed.tensor
         return self._restore(packed, key, now)
 
@@ -732,6 +763,7 @@ class OffloadHandle:
         if packed.fmt is not None:
             out = self.device.restore_format(out, packed.fmt)
         entry.used = True
+        entry.used_round = self._round
         packed.unpacked_round = self._round
         if entry.all_unpacked(self._round):
             self._consumed(entry)
@@ -739,11 +771,11 @@ class OffloadHandle:
 
     def _device_storage(self, entry: _Entry, key: int, now: float) -> torch.UntypedStorage:
         """The storage backward should read, on the device and ordered for the compute stream."""
-        first_use = not any(item.unpacked_round == self._round for item in entry.live_items())
+        first_use = entry.used_round != self._round
         if self._plan is not None:
             self._plan.issued(key)
         if entry.restored is not None:
-            self._prefetch_due(key, now)
+            self._trigger(key, now)
             if first_use and entry.prefetch_counted:
                 self._stats.prefetch_hits += 1
             self._await_prefetch(entry)
@@ -752,14 +784,14 @@ class OffloadHandle:
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
         if live is not None:
-            self._prefetch_due(key, now)
+            self._trigger(key, now)
             if first_use:
                 self._stats.reused_live_bytes += entry.nbytes
             entry.restored = live
             return live
         # a miss: reload now; the whole copy is exposed and charged to this object
         storage = self._reload_now(entry)
-        self._prefetch_due(key, now)
+        self._trigger(key, now)
         return storage
 
     def _reload_now(self, entry: _Entry) -> torch.UntypedStorage:
@@ -847,11 +879,17 @@ class OffloadHandle:
             obj.drop_restored_copy()
 
     # -- prefetch ------------------------------------------------------------------------
-    def _prefetch_due(self, key: int, now: float) -> None:
+    def _trigger(self, key: int, now: float) -> None:
+        """An unpack at ``now`` (seconds into backward): start the reloads the plan says are due."""
+        plan = self._plan
+        if plan is not None and len(plan):
+            self._prefetch_due(plan.virtual_time(key, now))
+
+    def _prefetch_due(self, vtime: float) -> None:
         plan = self._plan
         if plan is None or not len(plan):
             return
-        self._vtime = vtime = plan.virtual_time(key, now)
+        self._vtime = vtime
         for k in plan.due(vtime):
             entry = self._by_key.get(k)
             if entry is not None and not entry.disposed and not entry.landed:

@@ -21,10 +21,10 @@ def dev(backend: Any, make_fake_device: Any) -> Any:
 
 def make_mlp(dev: Any, width: int = 128, depth: int = 3) -> Any:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    with dev:
+    with dev:  # built while the device is active: the fake device counts the parameters
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
         return nn.Sequential(*layers, nn.Linear(width, 1)).to(dev.torch_device)
 
 
@@ -54,7 +54,7 @@ def test_partial_backward_then_the_rest(dev: Any) -> None:
         with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
             h = trunk[:-1](x)
             loss_left, loss_right = left(h).square().mean(), right(h).square().mean()
-        settle(dev)
+            settle(dev)
         # only the left head's parameters: part of the graph runs, the right head's saves stay offloaded
         partial = torch.autograd.grad(loss_left, list(left.parameters()), retain_graph=True)
         (loss_left + loss_right).backward()
@@ -74,7 +74,7 @@ def test_retain_graph_allows_a_second_backward_from_the_host_copy(dev: Any) -> N
         expected = reference_grads(model, x, times=2)
         with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
             loss = model(x).square().mean()
-        settle(dev)
+            settle(dev)  # every copy landed and was released: backward reads the host copies
         loss.backward(retain_graph=True)
         first_reload = handle.stats().reloaded_bytes
         settle(dev)  # autograd freed what the first backward used: the second reloads from the host

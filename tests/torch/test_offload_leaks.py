@@ -35,7 +35,7 @@ def levels(dev: Any) -> dict[str, int]:
 
 def build(dev: Any) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
-    with dev:
+    with dev:  # built while the device is active: the fake device counts the parameters
         model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
         model = model.to(dev.torch_device)
         x = torch.randn(128, 128, device=dev.torch_device)

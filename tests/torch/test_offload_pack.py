@@ -21,18 +21,19 @@ def dev(backend: Any, make_fake_device: Any) -> Any:
     return sanitized_device(backend, make_fake_device, link="slow")
 
 
-def test_tensor_and_views_offload_one_storage_and_come_back_as_views_of_one_restore(dev: Any) -> None:
+@pytest.mark.parametrize("prefetch", ["deadline", "on_demand"])
+def test_tensor_and_views_offload_one_storage_and_come_back_as_views_of_one_restore(dev: Any, prefetch: str) -> None:
     Probe.seen.clear()
     with dev:
         x = torch.randn(64, 96, device=dev.torch_device, requires_grad=True)
-        with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
+        with offcore_torch.offload_activations(dev, min_bytes=1, prefetch=prefetch) as handle:
             a = x.exp()
             views = (a, a[1:, ::2], a.t(), a[3:40].view(37 * 2, 48), a[5])
             expected = [(v.shape, v.stride(), v.storage_offset(), v.dtype, v.device, v.clone()) for v in views]
             out = Probe.apply(*views)
+            settle(dev)  # the D2H copy landed and offcore dropped its device reference
         storage_bytes = a.untyped_storage().nbytes()
-        del a, views
-        settle(dev)  # the D2H copy landed and offcore dropped its device reference
+        del a, views  # the last references: the device copy dies, backward needs the host copy
         out.backward()
 
     (restored,) = Probe.seen

@@ -143,7 +143,7 @@ def test_teaching_model_gradients_match_analytic_and_finite_differences(dev: Any
     with dev:
         with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
             loss = teaching_loss(w, v, x, target)
-        settle(dev)  # every copy landed: backward must read the host copies
+            settle(dev)  # every copy landed and was released: backward must read the host copies
         loss.backward()
     stats = handle.stats()
     assert stats.offloaded_storages >= 2  # w @ x and tanh's output
