@@ -112,6 +112,7 @@ class Variant:
     optimizer: torch.optim.Optimizer | None = None
     step_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
@@ -171,6 +172,7 @@ def run_step(variant: Variant, work: Workload, step: int, *, record: bool) -> fl
         if record:
             variant.step_s.append(elapsed)
             variant.cpu_s.append(cpu)
+            variant.forward_s.append(forward_s)
             variant.peak_bytes.append(device.memory_stats().peak_allocated_bytes)
             variant.wait_s.append(wait_s)
             variant.offloaded.append(offloaded)
@@ -382,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, (title, link, targets) in scenarios.items():
         chosen = run_scenario(work, {"capacity": "8GiB", **link}, warmup=args.warmup, steps=args.steps)
         rows = summarise(chosen)
+        forward_in_run = statistics.median(chosen[0].forward_s)
         print(f"## {title}\n")
+        rate = link["d2h_bandwidth"]
+        if isinstance(rate, float):
+            print(
+                f"Keep-all forward in this run: {forward_in_run * 1e3:.1f} ms (calibration {forward_s * 1e3:.1f} ms); "
+                f"offloaded bytes / (bandwidth x forward) = {offloaded / (rate * forward_in_run):.2f}.\n"
+            )
         print(markdown_table(rows))
         print()
         checks = targets(rows)
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "link": {k: (str(v) if isinstance(v, str) else v) for k, v in link.items()},
             "rows": rows,
             "targets": checks,
+            "keep_all_forward_s": forward_in_run,
             "raw_step_s": {v.name: v.step_s for v in chosen},
         }
     if args.json:
