@@ -500,6 +500,7 @@ class OffloadHandle:
         item = _Offloaded(entry, tensor, key, fmt)
         entry.items.append(weakref.ref(item))
         entry.keys.append(key)
+        self._stats.offloaded_tensors += 1
         entry.live += 1
         if entry.landed:
             release_storage(item.keeper)

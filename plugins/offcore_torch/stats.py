@@ -42,7 +42,9 @@ class OffloadStats:
       bytes reloaded (or kept) ahead of use at once — at most ``prefetch_budget``
       unless a single storage is larger; ``reused_live_bytes``: storages still
       alive at use, returned without any copy.
-    - ``offloaded_storages``, ``saved_tensors`` (packed by the hooks), ``kept``
+    - ``offloaded_storages``, ``offloaded_tensors`` (saved tensors served by them: a
+      storage saved with its views counts once and several times),
+      ``saved_tensors`` (packed by the hooks), ``kept``
       (tensors not offloaded, by reason: ``parameter`` (a parameter or
       buffer of a module that ran, or a view of one), ``leaf`` (another tensor that
       requires grad), ``small``, ``not_on_device``, ``marked``, ``no_offload``,
@@ -68,6 +70,7 @@ class OffloadStats:
     peak_prefetched_bytes: int = 0
     reused_live_bytes: int = 0
     offloaded_storages: int = 0
+    offloaded_tensors: int = 0
     saved_tensors: int = 0
     kept: dict[str, int] = field(default_factory=dict)
 
