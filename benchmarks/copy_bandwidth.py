@@ -11,7 +11,7 @@ also measures the host's plain memcpy of each size (the *floor*) and marks every
 figure whose emulated time is below it as memcpy-bound: there the device is as fast
 as this machine allows, and the 10 % target cannot be met by any emulation.
 
-    python benchmarks/copy_bandwidth.py                           # 32 GiB/s and 8 GiB/s
+    python benchmarks/copy_bandwidth.py                           # 32, 8 and 4 GiB/s
     python benchmarks/copy_bandwidth.py --bandwidths 32GiB/s --json copy_bandwidth.json
 """
 
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +56,25 @@ def host_memcpy_ms(dev: Any, nbytes: int, repeats: int) -> float:
     return _median_ms(run, repeats)
 
 
+def host_memcpy_pair_ms(dev: Any, nbytes: int, repeats: int) -> float:
+    """Median milliseconds of two plain copies of ``nbytes`` run at once on two threads
+    (the floor of a D2H and an H2D together: they share the host's memory bandwidth)."""
+    pairs = [(_filled(dev, nbytes, Tier.PINNED), _filled(dev, nbytes, Tier.PINNED)) for _ in range(2)]
+    ops = ops_for(pairs[0][0])
+    assert ops is not None
+
+    def run() -> float:
+        threads = [threading.Thread(target=ops.copy, args=pair) for pair in pairs]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return (time.perf_counter() - start) * 1e3
+
+    return _median_ms(run, repeats)
+
+
 def _filled(dev: Any, nbytes: int, tier: Tier) -> Any:
     buffer = dev.allocate(nbytes, tier)
     buffer[:] = 1  # touch every page before timing
@@ -61,16 +82,21 @@ def _filled(dev: Any, nbytes: int, tier: Tier) -> Any:
 
 
 def copy_ms(dev: Any, direction: str, nbytes: int, repeats: int) -> float:
-    """Median event-timed milliseconds of one copy on a copy stream."""
+    """Median milliseconds of one copy on a copy stream, timed by events recorded around it."""
     device, host = _filled(dev, nbytes, Tier.DEVICE), _filled(dev, nbytes, Tier.PINNED)
     dst, src = (host, device) if direction == "d2h" else (device, host)
     stream = dev.new_stream(name=f"bench-{direction}")
 
     def run() -> float:
+        # Enqueue behind a gate, so the events time the copy on the stream, not how fast
+        # the host enqueues it and wakes the worker (as CUDA events on a busy stream do).
+        gate = threading.Event()
+        stream.launch_host_func(gate.wait)
         start, end = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
         start.record(stream)
         dev.copy_(dst, src, stream=stream)
         end.record(stream)
+        gate.set()
         end.synchronize()
         return start.elapsed_time(end)
 
@@ -125,7 +151,7 @@ def _print_row(row: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bandwidths", default="32GiB/s,8GiB/s", help="comma-separated link bandwidths")
+    parser.add_argument("--bandwidths", default="32GiB/s,8GiB/s,4GiB/s", help="comma-separated link bandwidths")
     parser.add_argument("--latency", default="10us", help="per-copy latency (default 10us)")
     parser.add_argument("--size", default="256MiB", help="size of the headline copy (default 256MiB)")
     parser.add_argument("--sweep", default="1MiB,4MiB,16MiB,64MiB,256MiB", help="comma-separated sweep sizes")
@@ -146,14 +172,18 @@ def main(argv: list[str] | None = None) -> int:
 
     probe = offcore.device("cpu", **options)
     floors = {n: host_memcpy_ms(probe, n, args.repeats) for n in sorted({headline_bytes, *sweep})}
+    pair_floor = host_memcpy_pair_ms(probe, headline_bytes, args.repeats)
     buffers = probe.options.buffers
     probe.close()
     del probe
     host_rate = headline_bytes / (floors[headline_bytes] / 1e3)
     print(f"fake device copy bandwidth ({buffers} buffers, latency {latency * 1e6:g} us, median of {args.repeats})")
     print(
-        f"host memcpy of {format_bytes(headline_bytes)}: {floors[headline_bytes]:.3f} ms ({format_bandwidth(host_rate)})"
+        f"host memcpy of {format_bytes(headline_bytes)}: {floors[headline_bytes]:.3f} ms "
+        f"({format_bandwidth(host_rate)}); two at once: {pair_floor:.3f} ms"
     )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {os.cpu_count()} CPUs, 1-minute load average {load:.2f} (other work skews every figure)")
 
     results: dict[str, Any] = {
         "buffers": buffers,
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "host_memcpy_ms": {str(n): ms for n, ms in floors.items()},
         "host_memcpy_bandwidth": host_rate,
+        "host_memcpy_pair_ms": pair_floor,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": load,
         "runs": [],
     }
     for bandwidth in bandwidths:
@@ -195,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             expected_ms = (one if duplex else 2 * one) * 1e3
             measured = both_directions_ms(link, headline_bytes, args.repeats)
             link.close()
-            row = _row("both", headline_bytes, expected_ms, measured, floors[headline_bytes])
+            row = _row("both", headline_bytes, expected_ms, measured, pair_floor)
             row["duplex"] = duplex
             concurrent.append(row)
             print(f"  D2H and H2D at once, {'duplex link' if duplex else 'shared link'}:", end="")
