@@ -44,6 +44,7 @@ the batch) and the gradients accumulate (gradient accumulation).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,12 +101,14 @@ class StepOutcome:
 
     ``loss`` is the step's loss, detached (with micro-batches: the weighted sum of
     their losses); ``handles`` the offload regions, one per micro-batch that
-    offloaded (``handle.stats()``, ``handle.write_trace(path)``).
+    offloaded (``handle.stats()``, ``handle.write_trace(path)``); ``phases`` the host
+    clock (``time.perf_counter``) spans ``("forward#k" | "backward#k", start, end)``.
     """
 
     loss: Tensor
     micro_losses: list[Tensor] = field(default_factory=list)
     handles: list[OffloadHandle] = field(default_factory=list)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
 
     def stats(self) -> list[Any]:
         """``stats()`` of every offload region of the step."""
@@ -288,20 +291,27 @@ class PlanExecutor:
         if not isinstance(batch, tuple):
             raise ConfigurationError(f"batch must be a tuple of tensors, got {type(batch).__name__}")
         outcome = StepOutcome(loss=torch.zeros(()))
+        clock = time.perf_counter
         if self.plan.microbatches == 1:
+            start = clock()
             with self._region() as handle:
                 loss = loss_fn(self.model, batch)
+            middle = clock()
             loss.backward()
+            outcome.phases += [("forward#0", start, middle), ("backward#0", middle, clock())]
             outcome.loss = loss.detach()
             outcome.micro_losses.append(outcome.loss)
             if handle is not None:
                 outcome.handles.append(handle)
             return outcome
         total: Tensor | None = None
-        for micro_batch, weight in split_batch(batch, self.plan.microbatches):
+        for index, (micro_batch, weight) in enumerate(split_batch(batch, self.plan.microbatches)):
+            start = clock()
             with self._region() as handle:
                 loss = loss_fn(self.model, micro_batch)
+            middle = clock()
             (loss * weight).backward()
+            outcome.phases += [(f"forward#{index}", start, middle), (f"backward#{index}", middle, clock())]
             part = loss.detach() * weight
             total = part if total is None else total + part
             outcome.micro_losses.append(loss.detach())

@@ -202,7 +202,11 @@ class StepMeasurement:
     - ``forward_s`` / ``backward_s`` / ``optimizer_s``: the whole step's phases;
       ``other_forward_s`` / ``other_backward_s``: the parts outside the layers.
     - ``param_bytes``; ``resident_bytes``: device bytes allocated when the step began;
-      ``other_saved_bytes``: saved outside any layer; ``peak_bytes``: the step's peak.
+      ``other_saved_bytes``: saved outside any layer; ``peak_bytes``: the peak of forward
+      and backward (what a plan changes); ``optimizer_peak_bytes``: the peak during the
+      optimizer step (parameters, gradients, optimizer state and its temporaries; no plan
+      changes it — a device must hold ``max(simulated peak, optimizer_peak_bytes)``, see
+      :meth:`predicted_peak`).
     - ``layer_calls``: how often each layer ran in forward (1 expected).
     """
 
@@ -216,6 +220,7 @@ class StepMeasurement:
     resident_bytes: int
     other_saved_bytes: int
     peak_bytes: int
+    optimizer_peak_bytes: int
     calibration_bytes: int
     link: LinkMeasurement | None = None
     layer_calls: tuple[int, ...] = field(default=())
@@ -236,21 +241,31 @@ class StepMeasurement:
         return self.other_saved_bytes + self.calibration_bytes
 
     def profile_for_microbatches(self, microbatches: int) -> StepProfile:
-        """The profile with its batch-dependent *other* bytes divided by ``microbatches``.
+        """The profile to predict a plan with ``microbatches`` > 1 on.
 
-        :meth:`StepProfile.split_microbatches` scales only the layers; the output head's
-        saved tensors shrink with the micro-batch too. Use this profile to predict a
-        plan with ``microbatches`` > 1.
+        :meth:`StepProfile.split_microbatches` scales only the layers. Two resident
+        terms change too: the output head's saved tensors shrink with the micro-batch
+        (batch-dependent *other* bytes divided by ``microbatches``), and the gradients
+        of earlier micro-batches stay on the device while later ones run
+        (``grad_bytes`` = the parameter bytes).
         """
         if microbatches == 1:
             return self.profile
         fixed = self.profile.other_bytes - self.per_sample_other_bytes
-        return replace(self.profile, other_bytes=max(0, fixed) + -(-self.per_sample_other_bytes // microbatches))
+        return replace(
+            self.profile,
+            other_bytes=max(0, fixed) + -(-self.per_sample_other_bytes // microbatches),
+            grad_bytes=self.param_bytes,
+        )
 
     def predict(self, plan: Plan, **kwargs: Any) -> Any:
         """``simulate`` the plan on the matching profile; returns (SimResult, predicted step seconds)."""
         result = simulate(self.profile_for_microbatches(plan.microbatches), plan, **kwargs)
         return result, result.step_time_s + self.other_compute_s
+
+    def predicted_peak(self, result: Any) -> int:
+        """The device peak of a simulated step plus the optimizer step: ``max(result.peak_bytes, optimizer peak)``."""
+        return max(int(result.peak_bytes), self.optimizer_peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready figures (the profile as :meth:`StepProfile.to_dict`)."""
@@ -265,6 +280,7 @@ class StepMeasurement:
             "resident_bytes": self.resident_bytes,
             "other_saved_bytes": self.other_saved_bytes,
             "peak_bytes": self.peak_bytes,
+            "optimizer_peak_bytes": self.optimizer_peak_bytes,
             "calibration_bytes": self.calibration_bytes,
             "link": None if self.link is None else self.link.to_dict(),
             "layer_calls": list(self.layer_calls),
@@ -462,6 +478,8 @@ def measure_step(
             loss.backward()
             del loss
             backward_end = marks.mark()
+            memory.restart()
+            step_peak = memory.step_peak  # forward and backward: what the layers' plan acts on
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -471,8 +489,8 @@ def measure_step(
                 handle.remove()
         device.synchronize()
         optimizer_end.synchronize()
-        memory.peak_since_restart()
-        peak = memory.step_peak
+        optimizer_peak = memory.peak_since_restart() if optimizer is not None else 0
+        peak = step_peak
 
     for record in records:
         if record.calls != 1:
@@ -554,6 +572,7 @@ def measure_step(
         resident_bytes=resident,
         other_saved_bytes=other_saved,
         peak_bytes=peak,
+        optimizer_peak_bytes=optimizer_peak,
         calibration_bytes=calibration,
         link=link_measurement,
         layer_calls=tuple(r.calls for r in records),

@@ -1,0 +1,788 @@
+"""Run ``offcore compare``: one fixed workload, several strategies, one device, measured side by side.
+
+The workflow (seed 004): fix the workload (model, dtype, batch, sequence length,
+warm-up, iterations, seed); run a keep-all *reference* on an unlimited-capacity device
+of the same backend and profile one warmed-up step (:mod:`offcore_torch.profiler`);
+choose the compared device (by default the CPU fake device with 70 % of the measured
+keep-all peak, so the baseline runs out of memory, and a PCIe-like link scaled to this
+machine's compute speed); then run every strategy through the
+:class:`~offcore_torch.executor.PlanExecutor` on that device and record its figures
+next to the simulator's prediction. :mod:`offcore.comparison` decides and reports.
+
+    >>> from offcore_torch.compare import CompareSettings, run_compare          # doctest: +SKIP
+    >>> comparison = run_compare(CompareSettings(iters=2, strategies=("baseline", "checkpoint")))  # doctest: +SKIP
+    >>> print(comparison.text())                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import offcore
+from offcore.comparison import STRATEGIES, Comparison, Gates, StrategyResult
+from offcore.errors import CapacityExceededError, ConfigurationError
+from offcore.sim import Action, Plan, StepProfile, plan, simulate, transformer_layer_profile
+from offcore.sim.profile import LayerProfile
+from offcore.units import format_bandwidth, format_bytes
+from offcore_torch.executor import PlanExecutor
+from offcore_torch.layers import find_layers
+from offcore_torch.models import GPTConfig, Workload, gpt_workload
+from offcore_torch.profiler import StepMeasurement, measure_link, measure_step
+from offcore_torch.testing import bit_identical
+
+__all__ = ["CompareSettings", "run_compare", "DTYPES", "pcie_like_bandwidths", "GPU_REFERENCE"]
+
+Progress = Callable[[int, str], None]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+"""The dtypes the built-in workload trains in (float16 lacks CPU kernels for parts of the model)."""
+
+
+@dataclass(frozen=True)
+class GpuReference:
+    """The machine the fake link imitates: a GPU with its achieved compute rate and its host link."""
+
+    name: str = "H200-class GPU (400 TFLOP/s achieved) on PCIe Gen5 (53 GB/s D2H, 35 GB/s H2D)"
+    flops_per_s: float = 400e12
+    d2h_bandwidth: float = 53e9
+    h2d_bandwidth: float = 35e9
+    layer: str = "LLaMA-7B layer at sequence 4096 (bf16, flash attention)"
+
+    def d2h_fraction(self) -> float:
+        """Share of one layer's saved bytes the D2H link moves during that layer's forward."""
+        layer = transformer_layer_profile(
+            batch=1, seq=4096, hidden=4096, heads=32, ffn=11008, flops_per_s=self.flops_per_s
+        )
+        return self.d2h_bandwidth * layer.forward_s / layer.saved_bytes
+
+
+GPU_REFERENCE = GpuReference()
+
+
+def pcie_like_bandwidths(
+    saved_bytes: float, forward_s: float, reference: GpuReference = GPU_REFERENCE
+) -> tuple[float, float, str]:
+    """D2H and H2D bandwidths that give this machine's layer the GPU reference's copy-to-compute ratio.
+
+    A PCIe Gen5 link next to an H200-class GPU moves about 44 % of a LLaMA-7B layer's
+    saved activations during that layer's forward; the fake link is set to move the same
+    share of *this* layer's saved bytes in *this* layer's measured forward time (H2D at
+    the reference's 35/53 of D2H). Returns ``(d2h, h2d, explanation)``.
+
+    >>> d2h, h2d, why = pcie_like_bandwidths(saved_bytes=4e6, forward_s=0.01)
+    >>> round(d2h / 1e6), round(h2d / d2h, 3)
+    (177, 0.66)
+    """
+    if not (saved_bytes > 0 and forward_s > 0):
+        raise ConfigurationError("scaling the link needs a layer with saved bytes and a positive forward time")
+    fraction = reference.d2h_fraction()
+    d2h = fraction * saved_bytes / forward_s
+    h2d = d2h * reference.h2d_bandwidth / reference.d2h_bandwidth
+    why = (
+        f"a {reference.name} moves {fraction:.0%} of a {reference.layer}'s saved activations during its forward; "
+        f"here one layer saves {format_bytes(int(saved_bytes))} in a {forward_s * 1e3:.1f} ms forward, so the fake "
+        f"link is set to D2H {format_bandwidth(d2h)}, H2D {format_bandwidth(h2d)}"
+    )
+    return d2h, h2d, why
+
+
+_OVERHEAD_STEPS = 3  # per run: one warm-up, two timed
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """The fixed workload, the strategies and the compared device (see ``offcore compare --help``)."""
+
+    backend: str = "cpu"
+    dtype: str = "float32"
+    batch: int = 8
+    seq_len: int = 64
+    layers: int = 4
+    d_model: int = 64
+    heads: int = 4
+    vocab: int = 256
+    dropout: float = 0.0
+    warmup: int = 1
+    iters: int = 3
+    seed: int = 0
+    lr: float = 1e-3
+    strategies: tuple[str, ...] = STRATEGIES
+    capacity: int | None = None
+    capacity_fraction: float = 0.7
+    d2h_bandwidth: float | None = None
+    h2d_bandwidth: float | None = None
+    latency_s: float = 10e-6
+    observe: bool = True
+    sanitize: bool = False
+    threads: int | None = None
+    budget_fraction: float | None = None
+    planner_headroom: float = 0.05
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+        for name in ("batch", "seq_len", "layers", "d_model", "heads", "vocab", "iters"):
+            positive(name)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigurationError(f"--warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigurationError(f"--dtype {self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
+        if self.d_model % self.heads:
+            raise ConfigurationError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
+        if self.layers < 2:
+            raise ConfigurationError(
+                f"--layers must be at least 2 (the plan acts on a stack of blocks), got {self.layers}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigurationError(f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if not 0.0 < self.capacity_fraction < 1.0:
+            raise ConfigurationError(f"the capacity fraction must be in (0, 1), got {self.capacity_fraction!r}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown or not self.strategies:
+            raise ConfigurationError(
+                f"unknown strategies {unknown or '(none given)'}: choose from {', '.join(STRATEGIES)}"
+            )
+        if self.budget_fraction is not None and not 0.0 < self.budget_fraction <= 1.0:
+            raise ConfigurationError(f"budget_fraction must be in (0, 1], got {self.budget_fraction!r}")
+        if not 0.0 <= self.planner_headroom < 0.5:
+            raise ConfigurationError(f"planner_headroom must be in [0, 0.5), got {self.planner_headroom!r}")
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ConfigurationError(f"--threads must be a positive integer, got {self.threads!r}")
+        if self.backend != "cpu" and (self.d2h_bandwidth is not None or self.h2d_bandwidth is not None):
+            raise ConfigurationError(
+                f"--d2h-bandwidth / --h2d-bandwidth set the fake device's emulated link; the {self.backend} backend "
+                "uses its hardware link (drop them)"
+            )
+
+    @property
+    def needs_overhead(self) -> bool:
+        """Whether the micro-batch overhead is measured (accumulation possible and used)."""
+        return self.batch % 2 == 0 and bool({"accumulate", "planned"} & set(self.strategies))
+
+    @property
+    def profile_steps(self) -> int:
+        """Steps of the reference phase: the reference run, the profiled step, the overhead runs."""
+        return self.warmup + self.iters + 1 + (2 * _OVERHEAD_STEPS if self.needs_overhead else 0)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def steps_per_strategy(self) -> int:
+        return self.warmup + self.iters + (1 if self.observe else 0)
+
+    def workload(self) -> dict[str, Any]:
+        return {
+            "model": "TinyGPT",
+            "layers": self.layers,
+            "d_model": self.d_model,
+            "heads": self.heads,
+            "vocab": self.vocab,
+            "dropout": self.dropout,
+            "dtype": self.dtype,
+            "batch": self.batch,
+            "seq_len": self.seq_len,
+            "warmup": self.warmup,
+            "iters": self.iters,
+            "seed": self.seed,
+            "optimizer": f"AdamW(lr={self.lr:g})",
+        }
+
+
+# ----------------------------------------------------------------------------- one run
+@dataclass
+class _Run:
+    """One training run's records (CPU copies)."""
+
+    losses: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    params: Tensor | None = None
+    step_times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    stats: list[list[Any]] = field(default_factory=list)
+    error: str | None = None
+    memory: list[tuple[float, int]] = field(default_factory=list)
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+    traces: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _MemorySampler:
+    """Samples the device's allocated bytes on a thread while a step runs (for the memory plot)."""
+
+    def __init__(self, device: Any, interval_s: float = 5e-4) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="offcore-compare-memory", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stats = self.device.memory_stats()
+            self.samples.append((time.perf_counter(), int(stats.get("allocated_bytes", 0) or 0)))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> _MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", copy=True) for t in tensors])
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, CapacityExceededError))
+
+
+def _train(
+    device: Any,
+    work: Workload,
+    settings: CompareSettings,
+    step_plan: Plan,
+    *,
+    observe: bool,
+    progress: Progress,
+    label: str,
+) -> _Run:
+    """Train ``warmup + iters`` (+1 observed) steps under ``step_plan``; an OOM ends the run early."""
+    run = _Run()
+    torch_device = torch.device(device.torch_device)
+    dtype = DTYPES[settings.dtype]
+    total = settings.warmup + settings.iters
+    steps = total + (1 if observe else 0)
+    done = 0
+    model = optimizer = None
+    try:
+        # Note: only the training work runs inside `with device:`; the CPU copies the comparison
+        # keeps (losses, gradients) are made outside it, or the fake device would count them.
+        with device:
+            model = work.build(settings.seed).to(device=torch_device, dtype=dtype)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+        params = [p for _, p in model.named_parameters()]
+        with PlanExecutor(model, step_plan, device, offload={"trace": observe}) as executor:
+            for step in range(steps):
+                observed = step == total
+                if observed:  # the parameters the comparison checks are those after the timed steps
+                    run.params = _flat(params)
+                with device:
+                    batch = work.make_batch(step % total if observed else step, torch_device)
+                device.synchronize()
+                device.reset_peak_memory_stats()
+                torch.manual_seed(settings.seed + step)
+                sampler = _MemorySampler(device) if observed else None
+                if sampler is not None:
+                    sampler.__enter__()
+                try:
+                    start = time.perf_counter()
+                    with device:
+                        outcome = executor.forward_backward(batch, work.loss)
+                        device.synchronize()
+                    backward_done = time.perf_counter()
+                    if not observed:
+                        run.losses.append(outcome.loss.detach().to("cpu", copy=True))
+                        run.grads.append(_flat([p.grad for p in params]))
+                    optimizer_start = time.perf_counter()
+                    with device:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        device.synchronize()
+                    end = time.perf_counter()
+                finally:
+                    if sampler is not None:
+                        sampler.__exit__()
+                seconds = (backward_done - start) + (end - optimizer_start)
+                peak = int(device.memory_stats().get("peak_allocated_bytes", 0) or 0)
+                if observed:
+                    run.memory = [(t - start, b) for t, b in sampler.samples] if sampler else []
+                    run.timeline = _timeline(outcome, start, optimizer_start, end)
+                    run.traces = [h.trace_dict() for h in outcome.handles]
+                elif step >= settings.warmup:
+                    run.step_times.append(seconds)
+                    run.peaks.append(peak)
+                    run.stats.append(outcome.stats())
+                del outcome, batch
+                done += 1
+                progress(1, label)
+        if not observe:
+            run.params = _flat(params)
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        # keep the message only: the traceback's frames hold the step's tensors
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        run.error = ". ".join(message.split(". ")[:2]).rstrip(".")[:300]
+    finally:
+        del model, optimizer
+        gc.collect()
+        try:
+            device.synchronize()
+        except Exception:  # a failed copy already reported through the OOM
+            pass
+        if steps - done:
+            progress(steps - done, label)
+    return run
+
+
+def _timeline(outcome: Any, start: float, optimizer_start: float, end: float) -> list[tuple[str, str, float, float]]:
+    """Compute phases (host clock) and the offload regions' copies and waits, relative to ``start``."""
+    spans: list[tuple[str, str, float, float]] = []
+    for name, begin, finish in outcome.phases:
+        spans.append(("compute", name, begin - start, finish - start))
+    spans.append(("compute", "optimizer", optimizer_start - start, end - start))
+    forward_starts = [begin for name, begin, _ in outcome.phases if name.startswith("forward")]
+    for handle, origin in zip(outcome.handles, forward_starts, strict=False):
+        # the region's trace starts at its forward (its first event), which is where the phase began
+        for event in handle.trace_dict()["traceEvents"]:
+            if event.get("ph") != "X" or event.get("cat") == "compute":
+                continue
+            begin = origin - start + event["ts"] / 1e6
+            spans.append((event.get("cat", ""), event["name"], begin, begin + event.get("dur", 0.0) / 1e6))
+    return spans
+
+
+# ----------------------------------------------------------------------------- plans
+def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -> StepProfile:
+    """The profile at ``factor`` × the batch: layer times and bytes and the per-sample other bytes scale."""
+    layers = [
+        LayerProfile(
+            layer.name,
+            layer.forward_s * factor,
+            layer.backward_s * factor,
+            math.ceil(layer.saved_bytes * factor),
+            recompute_s=layer.recompute_time * factor,
+            working_bytes=math.ceil(layer.working_bytes * factor),
+            input_bytes=math.ceil(layer.input_bytes * factor),
+        )
+        for layer in profile.layers
+    ]
+    per_sample = measurement.per_sample_other_bytes
+    fixed = max(0, profile.other_bytes - per_sample)
+    return replace(profile, layers=layers, other_bytes=fixed + math.ceil(per_sample * factor), batch_size=1)
+
+
+def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Plan, batch: int) -> int:
+    """The largest batch whose predicted peak fits the capacity under ``step_plan`` (0: not even 1)."""
+    capacity = profile.capacity_bytes
+    if capacity is None:
+        return 0
+    micro = replace(step_plan, microbatches=1, layer_names=None)
+    if measurement.optimizer_peak_bytes > capacity:
+        return 0
+    # with accumulation the earlier micro-batches' gradients stay resident
+    grads = measurement.param_bytes if step_plan.microbatches > 1 else 0
+
+    def fits(size: int) -> bool:
+        scaled = replace(_scaled(profile, measurement, size / batch), grad_bytes=grads)
+        return simulate(scaled, micro, record_events=False).peak_bytes <= capacity
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= 4096 * batch and fits(high):
+        low, high = high, high * 2
+    if high > 4096 * batch:
+        return low * step_plan.microbatches
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low * step_plan.microbatches
+
+
+def _plans(
+    settings: CompareSettings, profile: StepProfile, measurement: StepMeasurement, budget: int, overhead: float
+) -> dict[str, tuple[Plan | None, str]]:
+    """The plan of each strategy and how it was chosen (``None`` when the strategy cannot run)."""
+    n = profile.n_layers
+    names = profile.layer_names
+    plans: dict[str, tuple[Plan | None, str]] = {
+        "baseline": (Plan.keep_all(n, layer_names=names), "keep every activation on the device"),
+        "checkpoint": (
+            Plan.uniform(n, Action.RECOMPUTE, layer_names=names),
+            "recompute every layer in backward (torch.utils.checkpoint per layer)",
+        ),
+        "offload": (Plan.uniform(n, Action.OFFLOAD, layer_names=names), "offload every layer's saved activations"),
+    }
+    half = (n + 1) // 2
+    plans["hybrid"] = (
+        Plan([Action.OFFLOAD] * half + [Action.RECOMPUTE] * (n - half), layer_names=names),
+        f"offload the first {half} layers (their reloads have the most time before backward needs them), "
+        "recompute the rest",
+    )
+    divisors = [m for m in range(2, settings.batch + 1) if settings.batch % m == 0]
+    if not divisors:
+        plans["accumulate"] = (None, "batch 1 cannot be split into micro-batches")
+    else:
+        chosen, why = divisors[-1], "no micro-batch count fits the budget: the most micro-batches"
+        for m in divisors:
+            candidate = Plan.keep_all(n, microbatches=m, layer_names=names)
+            peak = measurement.predicted_peak(
+                simulate(measurement.profile_for_microbatches(m).with_link(capacity_bytes=budget), candidate)
+            )
+            if peak <= budget:
+                chosen, why = m, f"the fewest micro-batches whose predicted peak ({format_bytes(peak)}) fits the budget"
+                break
+        plans["accumulate"] = (
+            Plan.keep_all(n, microbatches=chosen, layer_names=names),
+            f"keep all, {chosen} micro-batches of {settings.batch // chosen}: {why}",
+        )
+    if "planned" in settings.strategies:
+        try:
+            # Note [Planner headroom]: the simulator sees the layers' lifetimes, not every allocator
+            # transient, so the planner aims a little below the budget.
+            target = int(budget * (1.0 - settings.planner_headroom))
+            if measurement.optimizer_peak_bytes > target:
+                raise CapacityExceededError(
+                    f"the optimizer step alone peaks at {format_bytes(measurement.optimizer_peak_bytes)}, above "
+                    f"{format_bytes(target)}; no activation plan changes that"
+                )
+            result = _plan_best(profile, measurement, target, settings.batch, overhead)
+            plans["planned"] = (
+                result.plan,
+                f"offcore.sim.plan under {format_bytes(target)} ({settings.planner_headroom:.0%} below the budget): predicted {result.predicted.step_time_s * 1e3:.1f} ms "
+                f"of layer compute and copies, peak {format_bytes(result.predicted.peak_bytes)} "
+                f"({result.method}, {result.evaluated} plans simulated)",
+            )
+        except CapacityExceededError as exc:
+            plans["planned"] = (None, f"the planner found no plan within the budget: {exc}")
+    return plans
+
+
+def _plan_best(profile: StepProfile, measurement: StepMeasurement, target: int, batch: int, overhead: float) -> Any:
+    """The planner's fastest plan, searched once without and once with gradient accumulation.
+
+    With accumulation the gradients of earlier micro-batches stay resident, which the
+    planner's linear micro-batch split does not add by itself: that search runs on a
+    profile whose ``grad_bytes`` holds them.
+    """
+    results, errors = [], []
+    splits = [m for m in (2, 4, 8) if batch % m == 0]
+    searches = [(profile, [1])] + ([(replace(profile, grad_bytes=measurement.param_bytes), splits)] if splits else [])
+    for searched, counts in searches:
+        try:
+            results.append(
+                plan(searched, target, lower_bound=False, microbatches=counts, microbatch_overhead_s=overhead)
+            )
+        except CapacityExceededError as exc:
+            errors.append(exc)
+    if not results:
+        raise errors[0]
+    return min(results, key=lambda r: r.predicted.step_time_s)
+
+
+# ----------------------------------------------------------------------------- equality
+def _compare_runs(run: _Run, reference: _Run) -> tuple[bool, float | None, float | None]:
+    """(bit-identical everywhere, max |Δloss|, max relative gradient difference) of two runs."""
+    if not run.losses or len(run.losses) != len(reference.losses):
+        return False, None, None
+    identical = all(bit_identical(a, b) for a, b in zip(run.losses, reference.losses, strict=True))
+    identical = identical and all(bit_identical(a, b) for a, b in zip(run.grads, reference.grads, strict=True))
+    if run.params is not None and reference.params is not None:
+        identical = identical and bit_identical(run.params, reference.params)
+    loss_delta = max(abs(float(a) - float(b)) for a, b in zip(run.losses, reference.losses, strict=True))
+    grad_diff = 0.0
+    for a, b in zip(run.grads, reference.grads, strict=True):
+        norm = float(b.double().norm())
+        grad_diff = max(grad_diff, float((a.double() - b.double()).norm()) / norm if norm else 0.0)
+    return identical, loss_delta, grad_diff
+
+
+# ----------------------------------------------------------------------------- main
+def _make_device(settings: CompareSettings, **options: Any) -> Any:
+    if settings.backend == "cpu":
+        options.setdefault("sanitize", settings.sanitize)
+        return offcore.device("cpu", **options)
+    options.pop("d2h_bandwidth", None)
+    options.pop("h2d_bandwidth", None)
+    options.pop("latency", None)
+    return offcore.device(settings.backend, **options)
+
+
+def _profile(device: Any, work: Workload, settings: CompareSettings) -> StepMeasurement:
+    """Warm a fresh model up (kernels, optimizer state), then profile one step (no link: it is measured later)."""
+    torch_device = torch.device(device.torch_device)
+    with device:
+        model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+        for step in range(max(1, settings.warmup)):
+            work.loss(model, work.make_batch(step, torch_device)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        batch = work.make_batch(0, torch_device)
+        torch.manual_seed(settings.seed)
+        return measure_step(
+            model,
+            lambda: work.loss(model, batch),
+            device,
+            layers=find_layers(model),
+            optimizer=optimizer,
+            link=False,
+            batch_size=settings.batch,
+        )
+
+
+def _microbatch_overhead(device: Any, work: Workload, settings: CompareSettings, report: Progress) -> float:
+    """Seconds each extra micro-step costs: keep-all with 2 micro-batches minus with 1 (fastest of 2 steps each).
+
+    The simulator splits a step's compute linearly; real micro-steps also pay fixed costs
+    (kernel launches, Python, the loss and head per micro-batch), which this measures.
+    """
+    quick = replace(settings, warmup=1, iters=_OVERHEAD_STEPS - 1)
+    n = settings.layers
+    one = _train(device, work, quick, Plan.keep_all(n), observe=False, progress=report, label="overhead")
+    two = _train(
+        device, work, quick, Plan.keep_all(n, microbatches=2), observe=False, progress=report, label="overhead"
+    )
+    if one.error or two.error or not one.step_times or not two.step_times:
+        return 0.0
+    return max(0.0, min(two.step_times) - min(one.step_times))
+
+
+def run_compare(
+    settings: CompareSettings,
+    *,
+    gates: Gates | None = None,
+    progress: Progress | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Comparison:
+    """Run the whole comparison (see the module doc) and return its :class:`~offcore.comparison.Comparison`.
+
+    ``progress(steps, label)`` is called as training steps complete (for a progress
+    bar); ``log(line)`` with each decision made along the way. An out-of-memory error
+    in one strategy is recorded as its status; the others still run.
+    """
+    threads = settings.threads if settings.threads is not None else (1 if settings.backend == "cpu" else None)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        # The fake device computes on the calling thread next to its copy threads; one intra-op
+        # thread keeps step times stable (several spin against each other on a busy host).
+        torch.set_num_threads(threads)
+    try:
+        return _run_compare(settings, gates or Gates(), progress, log, threads or previous_threads)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_compare(
+    settings: CompareSettings,
+    gates: Gates,
+    progress: Progress | None,
+    log: Callable[[str], None] | None,
+    threads: int,
+) -> Comparison:
+    report = progress or (lambda steps, label: None)
+    say = log or (lambda line: None)
+    notes: list[str] = []
+
+    def note(line: str) -> None:
+        notes.append(line)
+        say(line)
+
+    config = GPTConfig(
+        vocab_size=settings.vocab,
+        d_model=settings.d_model,
+        n_heads=settings.heads,
+        n_layers=settings.layers,
+        seq_len=settings.seq_len,
+        dropout=settings.dropout,
+    )
+    work = gpt_workload(config, batch_size=settings.batch, data_seed=settings.seed)
+
+    # 1. reference run and profile on an unlimited-capacity device of the same backend
+    unlimited = _make_device(settings, capacity="1TiB", d2h_bandwidth="inf", h2d_bandwidth="inf", latency=0)
+    try:
+        reference = _train(
+            unlimited, work, settings, Plan.keep_all(settings.layers), observe=False, progress=report, label="reference"
+        )
+        if reference.error is not None:
+            raise CapacityExceededError(
+                f"the keep-all reference ran out of memory on the whole {settings.backend} device: "
+                f"{reference.error}. Shrink the workload (--batch, --seq-len, --layers, --d-model)."
+            )
+        measurement = _profile(unlimited, work, settings)
+        report(1, "profile")
+        overhead = _microbatch_overhead(unlimited, work, settings, report) if settings.needs_overhead else 0.0
+    finally:
+        if hasattr(unlimited, "close"):
+            unlimited.close()
+    base = measurement.profile
+    keep_all_peak = measurement.peak_bytes
+    mean_saved = sum(layer.saved_bytes for layer in base.layers) / base.n_layers
+    mean_forward = base.forward_s / base.n_layers
+    note(
+        f"profile: {base.n_layers} layers, {format_bytes(int(mean_saved))} saved and {mean_forward * 1e3:.1f} ms "
+        f"forward per layer; keep-all peak {format_bytes(keep_all_peak)} "
+        f"(parameters {format_bytes(measurement.param_bytes)}, resident at step start "
+        f"{format_bytes(measurement.resident_bytes)}); the optimizer step peaks at "
+        f"{format_bytes(measurement.optimizer_peak_bytes)}"
+    )
+
+    # 2. the compared device
+    if settings.capacity is not None:
+        capacity = settings.capacity
+        note(f"capacity: {format_bytes(capacity)} (--capacity)")
+    else:
+        # Note [Default capacity]: the resident state (parameters, optimizer state, the batch)
+        # does not shrink under any strategy; the activation part of the keep-all peak does.
+        # Keep the resident bytes and a fraction of the rest, so the baseline cannot fit and
+        # the strategies are judged on the memory they can save, whatever the model's size.
+        resident = min(measurement.resident_bytes, keep_all_peak)
+        capacity = resident + int(settings.capacity_fraction * (keep_all_peak - resident))
+        where = "the fake device" if settings.backend == "cpu" else f"a cap on the {settings.backend} device"
+        note(
+            f"capacity: {format_bytes(capacity)} ({where}) = resident {format_bytes(resident)} + "
+            f"{settings.capacity_fraction:.0%} of the keep-all step's {format_bytes(keep_all_peak - resident)} "
+            "above it, so the baseline does not fit and the strategies have to earn their memory"
+        )
+        optimizer_floor = int(measurement.optimizer_peak_bytes * (1.0 + settings.planner_headroom)) + 1
+        if optimizer_floor > capacity:
+            capacity = optimizer_floor
+            note(
+                f"capacity raised to {format_bytes(capacity)}: the optimizer step alone peaks at "
+                f"{format_bytes(measurement.optimizer_peak_bytes)} (parameters, gradients, optimizer state and "
+                "its temporaries), which no activation strategy changes"
+                + ("; the baseline fits at this capacity" if capacity >= keep_all_peak else "")
+            )
+    options: dict[str, Any] = {"capacity": capacity}
+    if settings.backend == "cpu":
+        d2h, h2d, why = pcie_like_bandwidths(mean_saved, mean_forward)
+        if settings.d2h_bandwidth is not None or settings.h2d_bandwidth is not None:
+            d2h = settings.d2h_bandwidth if settings.d2h_bandwidth is not None else d2h
+            h2d = settings.h2d_bandwidth if settings.h2d_bandwidth is not None else h2d
+            why = f"fake link from the command line: D2H {format_bandwidth(d2h)}, H2D {format_bandwidth(h2d)}"
+        note(f"link: {why}; latency {settings.latency_s * 1e6:g} us per copy")
+        options.update(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=settings.latency_s)
+    device = _make_device(settings, **options)
+    try:
+        with device:
+            link = measure_link(device, repeats=2)
+        profile = base.with_link(**link.as_profile_fields(), capacity_bytes=capacity)
+        measurement = replace(measurement, profile=profile, link=link)
+        note(
+            f"measured link: D2H {format_bandwidth(link.d2h_bandwidth)}, H2D {format_bandwidth(link.h2d_bandwidth)}, "
+            f"latency {link.latency_s * 1e6:.0f} us, {'duplex' if link.duplex else 'one shared link'}"
+        )
+        if gates.memory_budget is not None:
+            budget = gates.memory_budget
+        elif settings.budget_fraction is not None:
+            budget = int(settings.budget_fraction * keep_all_peak)
+            note(f"planning budget: {format_bytes(budget)} = {settings.budget_fraction:.0%} of the keep-all peak")
+        else:
+            budget = capacity
+        plans = _plans(settings, profile, measurement, budget, overhead)
+        if settings.needs_overhead:
+            note(f"micro-batch overhead: {overhead * 1e3:.1f} ms per extra micro-step (measured, given to the planner)")
+
+        # 3. every strategy on the compared device
+        baseline_run: _Run | None = None
+        results: list[StrategyResult] = []
+        runs: dict[str, _Run] = {}
+        for name in STRATEGIES:
+            if name not in settings.strategies:
+                continue
+            step_plan, why = plans[name]
+            result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
+            if step_plan is None:
+                result.status, result.error = "skipped", why
+                report(settings.steps_per_strategy, name)
+                results.append(result)
+                continue
+            result.plan = step_plan.describe()
+            result.plan_dict = step_plan.to_dict()
+            predicted, predicted_s = measurement.predict(step_plan, microbatch_overhead_s=overhead)
+            result.predicted_step_s = predicted_s
+            result.predicted_peak_bytes = measurement.predicted_peak(predicted)
+            result.predicted_wait_s = predicted.exposed_wait_s
+            result.predicted_memory = list(zip(predicted.memory_times, predicted.memory_bytes, strict=True))
+            result.predicted_timeline = [(e.stream, e.name, e.start, e.end) for e in predicted.events]
+            result.max_batch = _max_batch(profile, measurement, step_plan, settings.batch)
+            run = _train(device, work, settings, step_plan, observe=settings.observe, progress=report, label=name)
+            runs[name] = run
+            if run.error is not None:
+                result.status = "oom"
+                result.error = run.error
+                say(f"{name}: out of memory ({result.error})")
+            else:
+                _fill(result, run)
+            if name == "baseline" and result.ok:
+                baseline_run = run
+            results.append(result)
+    finally:
+        if hasattr(device, "close"):
+            device.close()
+
+    # 4. equality with the baseline (or the unlimited reference when it could not run)
+    target = baseline_run or reference
+    reference_label = (
+        "baseline"
+        if baseline_run is not None
+        else f"reference run (keep all on an unlimited-capacity {settings.backend} device; the baseline did not fit)"
+    )
+    for result in results:
+        run = runs.get(result.name)
+        if run is None or not result.ok:
+            continue
+        identical, loss_delta, grad_diff = _compare_runs(run, target)
+        result.bit_identical, result.loss_delta, result.grad_rel_diff = identical, loss_delta, grad_diff
+        result.compared_with = "baseline" if baseline_run is not None else "reference run"
+        if result.plan_dict and result.plan_dict.get("microbatches", 1) > 1 and not identical:
+            result.equality_note = (
+                "gradient accumulation sums micro-batch gradients: equal to the full batch only up to "
+                "floating-point summation order" + (" (and dropout draws other masks)" if settings.dropout else "")
+            )
+    device_info = {
+        "backend": settings.backend,
+        "capacity_bytes": capacity,
+        "d2h_bandwidth": profile.d2h_bandwidth,
+        "h2d_bandwidth": profile.h2d_bandwidth,
+        "latency_s": profile.latency_s,
+        "duplex": profile.duplex,
+    }
+    return Comparison(
+        workload={**settings.workload(), "torch_threads": threads},
+        device=device_info,
+        results=results,
+        gates=gates,
+        reference=reference_label,
+        notes=notes,
+        profile=measurement.to_dict(),
+        plugin_traces={name: run.traces for name, run in runs.items() if run.traces},
+    )
+
+
+def _fill(result: StrategyResult, run: _Run) -> None:
+    result.status = "ok"
+    result.step_times_s = list(run.step_times)
+    result.peak_device_bytes = max(run.peaks) if run.peaks else None
+    stats = [s for step in run.stats for s in step]
+    result.peak_pinned_bytes = max((s.peak_pinned_bytes for s in stats), default=0)
+    result.peak_pageable_bytes = max((s.peak_pageable_bytes for s in stats), default=0)
+    per_step_copies = [sum(s.offloaded_bytes + s.reloaded_bytes for s in step) for step in run.stats]
+    result.copied_bytes = max(per_step_copies, default=0)
+    waits = sorted(sum(s.exposed_wait_s for s in step) for step in run.stats)
+    result.exposed_wait_s = waits[len(waits) // 2] if waits else 0.0
+    result.losses = [float(loss) for loss in run.losses]
+    result.memory_series = list(run.memory)
+    result.timeline = list(run.timeline)

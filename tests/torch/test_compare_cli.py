@@ -1,0 +1,130 @@
+"""``offcore compare`` end to end, in-process, on a tiny workload (a few seconds per run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from offcore.cli import main  # noqa: E402
+from offcore.comparison import STRATEGIES  # noqa: E402
+
+TINY = ["--batch", "4", "--seq-len", "32", "--layers", "3", "--d-model", "64", "--heads", "2", "--vocab", "32"]
+FAST = ["--warmup", "0", "--iters", "2", "--quiet"]
+
+
+def compare(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+    out = tmp_path / "report"
+    return main(["compare", *TINY, *FAST, "--out", str(out), *extra]), out
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One default comparison (every strategy, capacity 70 % of the keep-all peak), shared by the tests below."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("compare") / "report"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main(["compare", *TINY, *FAST, "--out", str(out)])
+    return {"status": status, "stdout": stdout.getvalue(), "out": out}
+
+
+def test_the_table_has_every_strategy_and_the_baseline_runs_out_of_memory(default_run: dict[str, Any]) -> None:
+    assert default_run["status"] == 0
+    lines = default_run["stdout"].splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    rows = {line.split()[0]: line.split()[1] for line in lines[header + 2 : header + 2 + len(STRATEGIES)]}
+    assert list(rows) == list(STRATEGIES)
+    assert rows["baseline"] == "OOM"
+    assert rows["checkpoint"] == "ok"
+    assert "vs base" not in lines[header], "never a speedup against a baseline that did not run"
+    assert "max batch" in lines[header]
+    text = default_run["stdout"]
+    assert "scale gained" in text and "reference run (keep all on an unlimited-capacity cpu device" in text
+    assert "capacity:" in text and "link:" in text, "what was chosen and why is printed"
+    for strategy in STRATEGIES:
+        assert f"  {strategy}: " in text, f"a decision for {strategy}"
+    assert "baseline: reject — out of device memory" in text
+
+
+def test_reports_are_written(default_run: dict[str, Any]) -> None:
+    out: Path = default_run["out"]
+    report = json.loads((out / "compare.json").read_text())
+    assert [s["name"] for s in report["strategies"]] == list(STRATEGIES)
+    by_name = {s["name"]: s for s in report["strategies"]}
+    assert by_name["baseline"]["status"] == "oom"
+    assert by_name["checkpoint"]["bit_identical"] is True, "recompute changes no number"
+    assert by_name["checkpoint"]["memory_series"], "the observed step's memory was sampled"
+    assert by_name["checkpoint"]["predicted_step_s"] > 0
+    assert {d["verdict"] for d in report["decisions"]} <= {"accept", "tune", "reject"}
+    assert report["device"]["capacity_bytes"] < report["profile"]["peak_bytes"]
+    markdown = (out / "compare.md").read_text()
+    assert "| baseline | OOM |" in markdown and "## Decisions" in markdown
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(e.get("cat") == "d2h" for e in trace["traceEvents"]), "the offloading strategies' copies are traced"
+    assert json.loads((out / "predicted-trace.json").read_text())["traceEvents"]
+    assert list(out.glob("trace-offload-offload*.json")), "the activation plugin's own trace"
+    from offcore.plots import matplotlib_available
+
+    if matplotlib_available():
+        for image in ("memory.png", "timeline.png"):
+            assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_baseline_that_fits_is_the_reference_and_the_time_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import offcore.plots
+
+    monkeypatch.setattr(offcore.plots, "matplotlib_available", lambda: False)
+    status, out = compare(
+        tmp_path, "--capacity", "1GiB", "--strategies", "baseline,checkpoint", "--max-loss-delta", "0"
+    )
+    assert status == 0
+    text = capsys.readouterr().out
+    assert "plots skipped: matplotlib is not installed" in text
+    assert "vs base" in text and "vs the baseline" in text
+    report = json.loads((out / "compare.json").read_text())
+    assert [s["name"] for s in report["strategies"]] == ["baseline", "checkpoint"]
+    assert all(s["status"] == "ok" and s["bit_identical"] for s in report["strategies"])
+    assert report["decisions"][1]["verdict"] in ("accept", "tune")
+    assert not (out / "memory.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--strategies", "baseline,fastest"], "unknown fastest"),
+        (["--batch", "0"], "--batch must be a positive integer"),
+        (["--d-model", "30", "--heads", "4"], "divisible by --heads"),
+        (["--capacity", "-1"], "capacity"),
+        (["--dtype", "float8"], "float8"),
+        (["--max-loss-delta", "-1"], "max_loss_delta"),
+        (["--memory-budget", "lots"], "--memory-budget"),
+        (["--d2h-bandwidth", "fast"], "--d2h-bandwidth"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    arguments: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["compare", *arguments, "--quiet", "--out", str(tmp_path / "never")])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert error.startswith("offcore compare: error:") and message in error
+    assert not (tmp_path / "never").exists()
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import sys; from offcore.cli import build_parser; build_parser(); "
+        "sys.exit(1 if 'torch' in sys.modules or 'matplotlib' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
