@@ -79,6 +79,7 @@ from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
+    internal_ops,
     is_offloadable_kind,
     is_parameter_like,
     raw_bytes,
@@ -129,18 +130,14 @@ def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
     return tensor
 
 
-def _profiling() -> bool:
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+_NO_RANGE = contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _range(name: str) -> Iterator[None]:
+def _range(name: str) -> contextlib.AbstractContextManager[Any]:
     """A ``torch.profiler.record_function`` range, only while a profiler runs (free otherwise)."""
-    if _profiling():
-        with torch.profiler.record_function(name):
-            yield
-    else:
-        yield
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def _current_op() -> str:
@@ -183,7 +180,13 @@ class _Kept:
     def __init__(self, tensor: torch.Tensor, key: int) -> None:
         # detach(): a saved *output* holding its own grad_fn would form a reference cycle
         # autograd cannot collect. The alias shares the version counter.
-        self.tensor = tensor.detach()
+        if tensor.grad_fn is None:
+            self.tensor = tensor  # a leaf: holding it forms no cycle
+        elif is_offloadable_kind(tensor):
+            with internal_ops():
+                self.tensor = tensor.detach()
+        else:
+            self.tensor = tensor.detach()
         self.version = tensor._version
         self.key = key
 
@@ -343,7 +346,7 @@ class OffloadHandle:
         self._peak_final: int | None = None
         self._capacity = 0
         self._formats = Capability.PRIVATE_FORMATS in frozenset(getattr(device, "capabilities", ()))
-        self._pageable: dict[int, Any] = {}
+        self._tracing = policy.trace
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> OffloadHandle:
@@ -367,8 +370,7 @@ class OffloadHandle:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self.active = True
-        with self.runtime.lock:
-            self.runtime.regions.add(self)
+        self.runtime.add_region(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -534,14 +536,17 @@ class OffloadHandle:
     def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
         """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
         pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
+        tier = Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
         try:
-            buffer = pool.acquire(nbytes)
-            return buffer, buffer.view, Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
+            with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
+                buffer = pool.acquire(nbytes)
+            return buffer, buffer.view, tier
         except CapacityExceededError:
             self.runtime.poll()  # buffers whose copies just landed may come back
             try:
-                buffer = pool.acquire(nbytes)
-                return buffer, buffer.view, Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
+                with internal_ops():
+                    buffer = pool.acquire(nbytes)
+                return buffer, buffer.view, tier
             except CapacityExceededError:
                 pass
         self._stats.fallbacks += 1
@@ -566,20 +571,23 @@ class OffloadHandle:
         entry.src = raw_bytes(storage, tensor.device)
         device, runtime = self.device, self.runtime
         stream = runtime.d2h_stream
+        timed = runtime.timing and runtime.sample(Direction.D2H, always=self._tracing)
         with _range("offcore::d2h"):
             stream.wait_event(device.current_stream().record_event())  # the producer, read now
-            start, issued = runtime.begin_timing(device, stream)
+            if timed:
+                start, issued = runtime.begin_timing(device, stream)
             done = device.copy_(host_view, entry.src, stream=stream)
-            runtime.end_timing(
-                device,
-                stream,
-                start,
-                issued,
-                nbytes=nbytes,
-                direction=Direction.D2H,
-                label=entry.name,
-                counters=self._counters,
-            )
+            if timed:
+                runtime.end_timing(
+                    device,
+                    stream,
+                    start,
+                    issued,
+                    nbytes=nbytes,
+                    direction=Direction.D2H,
+                    label=entry.name,
+                    counters=self._counters,
+                )
         entry.obj.start_offload(done, tier)
         with self._lock:
             self._by_storage[entry.skey] = entry
@@ -920,21 +928,24 @@ class OffloadHandle:
                 return False
             raise
         stream = runtime.h2d_stream
+        timed = runtime.timing and runtime.sample(Direction.H2D, always=self._tracing)
         with _range("offcore::h2d"):
             # the new buffer may reuse memory the compute stream used until now
             stream.wait_event(device.current_stream().record_event())
-            start, issued = runtime.begin_timing(device, stream)
+            if timed:
+                start, issued = runtime.begin_timing(device, stream)
             done = device.copy_(dst, entry.host_view, stream=stream)
-            runtime.end_timing(
-                device,
-                stream,
-                start,
-                issued,
-                nbytes=entry.nbytes,
-                direction=Direction.H2D,
-                label=entry.name,
-                counters=self._counters,
-            )
+            if timed:
+                runtime.end_timing(
+                    device,
+                    stream,
+                    start,
+                    issued,
+                    nbytes=entry.nbytes,
+                    direction=Direction.H2D,
+                    label=entry.name,
+                    counters=self._counters,
+                )
         entry.obj.start_prefetch(done)
         storage = dst.untyped_storage()
         entry.restored = storage

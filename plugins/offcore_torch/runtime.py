@@ -97,7 +97,8 @@ class DeviceRuntime:
         self._deferred: list[tuple[Any, Callable[[], None]]] = []
         self._timed: dict[Any, collections.deque[_Timed]] = {}  # per stream: brackets end in order
         self._track_end: dict[str, float] = collections.defaultdict(float)
-        self.regions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._regions: list[weakref.ref[Any]] = []
+        self._timed_copies: dict[Direction, int] = collections.defaultdict(int)
 
     # -- host pools --------------------------------------------------------------------
     def pool(self, device: Any, budget: int, pinned: bool) -> HostBufferPool:
@@ -138,10 +139,26 @@ class DeviceRuntime:
                 self._deferred = waiting
             for _, release in ready:
                 release()
-        if any(self._timed.values()):
-            self._resolve_timed()
-        for region in list(self.regions):
+        for queue in self._timed.values():
+            if queue and queue[0].end.query():
+                self._resolve_timed()
+                break
+        regions = self._regions
+        for ref in regions:
+            region = ref()
+            if region is None:
+                self._regions = [r for r in regions if r() is not None]
+                break
             region._poll_copies()
+
+    def add_region(self, region: Any) -> None:
+        """Poll ``region``'s device-to-host copies at every poll while it lives."""
+        with self.lock:
+            self._regions = [r for r in self._regions if r() is not None] + [weakref.ref(region)]
+
+    def remove_region(self, region: Any) -> None:
+        with self.lock:
+            self._regions = [r for r in self._regions if r() is not None and r() is not region]
 
     def synchronize(self, *, wait: bool = True) -> None:
         """Wait for every copy offcore has in flight on this device, then run every pending release."""
@@ -159,6 +176,16 @@ class DeviceRuntime:
                 return
 
     # -- timing ------------------------------------------------------------------------
+    def sample(self, direction: Direction, *, always: bool = False) -> bool:
+        """Whether to time the next copy in ``direction``: the first 32, then one in 8 (or ``always``).
+
+        Timing costs two events per copy; the link estimate and the per-region
+        bandwidth figures need a sample, not every copy.
+        """
+        count = self._timed_copies[direction]
+        self._timed_copies[direction] = count + 1
+        return always or count < 32 or count % 8 == 0
+
     def begin_timing(self, device: Any, stream: Any) -> tuple[Any, float]:
         """Record a timing start event on ``stream`` (None without event timing) and the host time."""
         start = None

@@ -25,16 +25,28 @@ storage offset and dtype.
 # TensorImpl's version counter and does not bump it. The keeper then costs no device
 # memory and still reports every later in-place modification of the saved tensor's
 # family (``keeper._version``).
+
+# Note [Metadata ops bypass dispatch modes]
+# offcore's own tensor operations on the hot path — ``detach()`` aliases, zero-byte
+# tensors, ``set_`` onto a storage, ``.data`` swaps, slices of a host-pool block —
+# allocate no memory and compute nothing. They run under ``torch._C._DisableTorchDispatch``
+# (``internal_ops()``), so a Python dispatch mode (the CPU fake device's memory
+# tracker, a user's debugging mode) neither sees nor slows them: under a tracking mode
+# one such op costs tens of microseconds, and pack/unpack run once per saved tensor.
+# Memory offcore really allocates goes through ``Backend.allocate``, which accounts for
+# it itself. Never run an op that allocates or computes under ``internal_ops()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = [
+    "internal_ops",
     "TensorMeta",
     "storage_key",
     "raw_bytes",
@@ -44,6 +56,15 @@ __all__ = [
     "is_parameter_like",
     "MARK_ATTRIBUTE",
 ]
+
+_DISABLE_DISPATCH = getattr(torch._C, "_DisableTorchDispatch", None)
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def internal_ops() -> contextlib.AbstractContextManager[Any]:
+    """A context for offcore's metadata-only ops (Note [Metadata ops bypass dispatch modes])."""
+    return _DISABLE_DISPATCH() if _DISABLE_DISPATCH is not None else contextlib.nullcontext()
+
 
 MARK_ATTRIBUTE = "_offcore_offload"
 """Attribute set on a storage's Python object by :func:`offcore_torch.mark` (True/False)."""
@@ -60,7 +81,8 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A one-dimensional ``uint8`` tensor over every byte of ``storage`` (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    with internal_ops():
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,10 @@ class TensorMeta:
 
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         """A tensor over ``storage`` with exactly this shape, stride, storage offset and dtype."""
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
+        with internal_ops():
+            return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                storage, self.offset, self.shape, self.stride
+            )
 
     def describe(self) -> str:
         dims = "x".join(str(d) for d in self.shape) or "scalar"
@@ -90,12 +115,18 @@ class TensorMeta:
 
 def version_keeper(tensor: torch.Tensor) -> torch.Tensor:
     """A ``detach()`` alias sharing ``tensor``'s version counter (Note [Version keepers])."""
-    return tensor.detach()
+    with internal_ops():
+        return tensor.detach()
 
 
 def release_storage(keeper: torch.Tensor) -> None:
     """Let ``keeper`` stop holding its storage while keeping its version counter (Note [Version keepers])."""
-    keeper.data = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+    key = (keeper.dtype, keeper.device)
+    with internal_ops():
+        empty = _EMPTY.get(key)
+        if empty is None:
+            empty = _EMPTY[key] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+        keeper.data = empty
 
 
 def is_offloadable_kind(tensor: torch.Tensor) -> bool:
