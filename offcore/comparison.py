@@ -44,6 +44,12 @@ __all__ = [
 STRATEGIES: tuple[str, ...] = ("baseline", "accumulate", "checkpoint", "offload", "hybrid", "planned")
 """The strategies ``offcore compare`` knows, in the order it runs and prints them."""
 
+LEGEND = (
+    "step ms: median of the timed steps; wait ms: compute time spent waiting for reloads; "
+    "U = compute / (compute + wait); pred ms: the simulator's step time from the profiled step; "
+    "err: measured / predicted - 1; max batch: the largest batch that fits the capacity"
+)
+
 EXPOSED_WAIT_TUNE_FRACTION = 0.10
 """A strategy whose copies leave more than this share of its step waiting is marked *tune*."""
 
@@ -58,6 +64,9 @@ class StrategyResult:
     on the measured profile. ``bit_identical`` compares every loss, gradient and final
     parameter with ``compared_with``; ``loss_delta`` is the largest absolute loss
     difference and ``grad_rel_diff`` the largest relative gradient difference (norm).
+    ``max_batch`` is the largest batch that fits the capacity, extrapolated from the
+    measured peak (bytes above the resident state grow linearly with the batch);
+    ``predicted_max_batch`` the simulator's answer for the same plan.
     """
 
     name: str
@@ -83,6 +92,7 @@ class StrategyResult:
     predicted_peak_bytes: int | None = None
     predicted_wait_s: float | None = None
     max_batch: int | None = None
+    predicted_max_batch: int | None = None
     memory_series: list[tuple[float, int]] = field(default_factory=list)
     predicted_memory: list[tuple[float, int]] = field(default_factory=list)
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
@@ -354,10 +364,17 @@ class Comparison:
                 )
                 lines.append(
                     f"  {r.name}: runs batch {self.workload.get('batch')} with {_bytes(headroom)} headroom; "
-                    f"predicted to fit up to batch {r.max_batch or '-'}{gained}"
+                    f"fits up to batch {r.max_batch or '-'}{gained} (simulator: {r.predicted_max_batch or '-'})"
                 )
             if base_batch is not None:
-                lines.append(f"  baseline (keep all): predicted to fit up to batch {base_batch or 0}")
+                lines.append(
+                    f"  baseline (keep all): fits up to batch {base_batch or 0} "
+                    f"(simulator: {baseline.predicted_max_batch or '-'})"
+                )
+            lines.append(
+                "  (max batch: extrapolated from each measured peak, the bytes above the resident state growing "
+                "linearly with the batch; the baseline's from the reference run)"
+            )
         elif baseline is not None and baseline.ok and baseline.step_s:
             for r in self.results:
                 if r.ok and r.name != "baseline" and r.step_s:
@@ -410,6 +427,7 @@ class Comparison:
         headers, rows = self.table()
         parts = [*self.notes, "", format_table(headers, rows), ""]
         parts.append(f"equal: bit-identical losses, gradients and parameters vs the {self.reference}")
+        parts.append(LEGEND)
         parts.append("")
         parts.append("decisions " + self._gate_text() + ":")
         parts.extend(f"  {d.line()}" for d in self.decisions)
@@ -448,7 +466,7 @@ class Comparison:
         lines.append("|" + "|".join("---" for _ in headers) + "|")
         lines.extend("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows)
         lines.append("")
-        lines.append(f"`equal`: bit-identical losses, gradients and parameters vs the {self.reference}.")
+        lines.append(f"`equal`: bit-identical losses, gradients and parameters vs the {self.reference}. {LEGEND}")
         lines.append("")
         lines.append("| strategy | plan | how it was chosen |")
         lines.append("|---|---|---|")

@@ -125,6 +125,13 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Gates]:
         raise ConfigurationError(
             f"--strategies: unknown {', '.join(unknown) or '(empty)'}; choose from {','.join(STRATEGIES)}"
         )
+    from offcore.registry import backends
+
+    known = sorted(info.name for info in backends())
+    if args.backend not in known:
+        raise ConfigurationError(
+            f"--backend {args.backend!r} is not a registered backend; choose one of {', '.join(known)}"
+        )
     try:
         from offcore_torch.compare import CompareSettings
     except ImportError as exc:  # torch missing

@@ -39,7 +39,17 @@ from offcore_torch.models import GPTConfig, Workload, gpt_workload
 from offcore_torch.profiler import StepMeasurement, measure_link, measure_step
 from offcore_torch.testing import bit_identical
 
-__all__ = ["CompareSettings", "run_compare", "DTYPES", "pcie_like_bandwidths", "GPU_REFERENCE"]
+__all__ = [
+    "CompareSettings",
+    "run_compare",
+    "DTYPES",
+    "pcie_like_bandwidths",
+    "GPU_REFERENCE",
+    "build_workload",
+    "profile_workload",
+    "measure_microbatch_overhead",
+    "strategy_plans",
+]
 
 Progress = Callable[[int, str], None]
 
@@ -88,9 +98,9 @@ def pcie_like_bandwidths(
     d2h = fraction * saved_bytes / forward_s
     h2d = d2h * reference.h2d_bandwidth / reference.d2h_bandwidth
     why = (
-        f"a {reference.name} moves {fraction:.0%} of a {reference.layer}'s saved activations during its forward; "
-        f"here one layer saves {format_bytes(int(saved_bytes))} in a {forward_s * 1e3:.1f} ms forward, so the fake "
-        f"link is set to D2H {format_bandwidth(d2h)}, H2D {format_bandwidth(h2d)}"
+        f"next to an {reference.name}, the link copies {fraction:.0%} of what a {reference.layer} saves in the time "
+        f"of that layer's forward; here a layer saves {format_bytes(int(saved_bytes))} in a {forward_s * 1e3:.1f} ms "
+        f"forward, so the fake link gets the same ratio: D2H {format_bandwidth(d2h)}, H2D {format_bandwidth(h2d)}"
     )
     return d2h, h2d, why
 
@@ -380,6 +390,21 @@ def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -
     return replace(profile, layers=layers, other_bytes=fixed + math.ceil(per_sample * factor), batch_size=1)
 
 
+def _extrapolated_batch(batch: int, capacity: int, measurement: StepMeasurement, peak: int | None) -> int | None:
+    """The largest batch that fits ``capacity`` if the bytes above the resident state grow linearly with the batch.
+
+    Extrapolated from a measured ``peak`` at ``batch``; the optimizer step's peak is a
+    floor no batch size lowers. ``None`` when nothing above the resident state was seen.
+    """
+    if peak is None or measurement.optimizer_peak_bytes > capacity:
+        return 0 if peak is not None else None
+    resident = measurement.resident_bytes
+    above = peak - resident
+    if above <= 0:
+        return None
+    return max(0, int(batch * (capacity - resident) / above))
+
+
 def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Plan, batch: int) -> int:
     """The largest batch whose predicted peak fits the capacity under ``step_plan`` (0: not even 1)."""
     capacity = profile.capacity_bytes
@@ -411,7 +436,7 @@ def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Pl
     return low * step_plan.microbatches
 
 
-def _plans(
+def strategy_plans(
     settings: CompareSettings, profile: StepProfile, measurement: StepMeasurement, budget: int, overhead: float
 ) -> dict[str, tuple[Plan | None, str]]:
     """The plan of each strategy and how it was chosen (``None`` when the strategy cannot run)."""
@@ -520,7 +545,20 @@ def _make_device(settings: CompareSettings, **options: Any) -> Any:
     return offcore.device(settings.backend, **options)
 
 
-def _profile(device: Any, work: Workload, settings: CompareSettings) -> StepMeasurement:
+def build_workload(settings: CompareSettings) -> Workload:
+    """The fixed TinyGPT workload of ``settings`` (model builder, batches, loss)."""
+    config = GPTConfig(
+        vocab_size=settings.vocab,
+        d_model=settings.d_model,
+        n_heads=settings.heads,
+        n_layers=settings.layers,
+        seq_len=settings.seq_len,
+        dropout=settings.dropout,
+    )
+    return gpt_workload(config, batch_size=settings.batch, data_seed=settings.seed)
+
+
+def profile_workload(device: Any, work: Workload, settings: CompareSettings) -> StepMeasurement:
     """Warm a fresh model up (kernels, optimizer state), then profile one step (no link: it is measured later)."""
     torch_device = torch.device(device.torch_device)
     with device:
@@ -543,7 +581,7 @@ def _profile(device: Any, work: Workload, settings: CompareSettings) -> StepMeas
         )
 
 
-def _microbatch_overhead(device: Any, work: Workload, settings: CompareSettings, report: Progress) -> float:
+def measure_microbatch_overhead(device: Any, work: Workload, settings: CompareSettings, report: Progress) -> float:
     """Seconds each extra micro-step costs: keep-all with 2 micro-batches minus with 1 (fastest of 2 steps each).
 
     The simulator splits a step's compute linearly; real micro-steps also pay fixed costs
@@ -600,15 +638,7 @@ def _run_compare(
         notes.append(line)
         say(line)
 
-    config = GPTConfig(
-        vocab_size=settings.vocab,
-        d_model=settings.d_model,
-        n_heads=settings.heads,
-        n_layers=settings.layers,
-        seq_len=settings.seq_len,
-        dropout=settings.dropout,
-    )
-    work = gpt_workload(config, batch_size=settings.batch, data_seed=settings.seed)
+    work = build_workload(settings)
 
     # 1. reference run and profile on an unlimited-capacity device of the same backend
     unlimited = _make_device(settings, capacity="1TiB", d2h_bandwidth="inf", h2d_bandwidth="inf", latency=0)
@@ -621,9 +651,9 @@ def _run_compare(
                 f"the keep-all reference ran out of memory on the whole {settings.backend} device: "
                 f"{reference.error}. Shrink the workload (--batch, --seq-len, --layers, --d-model)."
             )
-        measurement = _profile(unlimited, work, settings)
+        measurement = profile_workload(unlimited, work, settings)
         report(1, "profile")
-        overhead = _microbatch_overhead(unlimited, work, settings, report) if settings.needs_overhead else 0.0
+        overhead = measure_microbatch_overhead(unlimited, work, settings, report) if settings.needs_overhead else 0.0
     finally:
         if hasattr(unlimited, "close"):
             unlimited.close()
@@ -691,7 +721,7 @@ def _run_compare(
             note(f"planning budget: {format_bytes(budget)} = {settings.budget_fraction:.0%} of the keep-all peak")
         else:
             budget = capacity
-        plans = _plans(settings, profile, measurement, budget, overhead)
+        plans = strategy_plans(settings, profile, measurement, budget, overhead)
         if settings.needs_overhead:
             note(f"micro-batch overhead: {overhead * 1e3:.1f} ms per extra micro-step (measured, given to the planner)")
 
@@ -717,7 +747,8 @@ def _run_compare(
             result.predicted_wait_s = predicted.exposed_wait_s
             result.predicted_memory = list(zip(predicted.memory_times, predicted.memory_bytes, strict=True))
             result.predicted_timeline = [(e.stream, e.name, e.start, e.end) for e in predicted.events]
-            result.max_batch = _max_batch(profile, measurement, step_plan, settings.batch)
+            result.predicted_max_batch = _max_batch(profile, measurement, step_plan, settings.batch)
+            result.max_batch = result.predicted_max_batch
             run = _train(device, work, settings, step_plan, observe=settings.observe, progress=report, label=name)
             runs[name] = run
             if run.error is not None:
@@ -726,6 +757,9 @@ def _run_compare(
                 say(f"{name}: out of memory ({result.error})")
             else:
                 _fill(result, run)
+                result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, result.peak_device_bytes)
+            if name == "baseline" and not result.ok:  # the reference measured its keep-all peak
+                result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, measurement.peak_bytes)
             if name == "baseline" and result.ok:
                 baseline_run = run
             results.append(result)

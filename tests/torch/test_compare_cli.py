@@ -110,6 +110,8 @@ def test_a_baseline_that_fits_is_the_reference_and_the_time_reference(
         (["--max-loss-delta", "-1"], "max_loss_delta"),
         (["--memory-budget", "lots"], "--memory-budget"),
         (["--d2h-bandwidth", "fast"], "--d2h-bandwidth"),
+        (["--backend", "tpu"], "not a registered backend"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(
