@@ -90,7 +90,7 @@ def pcie_like_bandwidths(
 
     >>> d2h, h2d, why = pcie_like_bandwidths(saved_bytes=4e6, forward_s=0.01)
     >>> round(d2h / 1e6), round(h2d / d2h, 3)
-    (177, 0.66)
+    (176, 0.66)
     """
     if not (saved_bytes > 0 and forward_s > 0):
         raise ConfigurationError("scaling the link needs a layer with saved bytes and a positive forward time")
