@@ -18,6 +18,8 @@ import offcore_torch  # noqa: E402
 from offload_helpers import pool_used_bytes, sanitized_device, settle  # noqa: E402
 from torch import nn  # noqa: E402
 
+import offcore  # noqa: E402
+
 
 @pytest.fixture
 def dev(backend: Any, make_fake_device: Any) -> Any:
@@ -72,8 +74,20 @@ def partial_backward(dev: Any, model: nn.Module, x: Any, **policy: Any) -> None:
     del loss, h
 
 
+def backward_raises(dev: Any, model: nn.Module, x: Any, **policy: Any) -> None:
+    with offcore_torch.offload_activations(dev, min_bytes=1, **policy):
+        loss = model(x).square().mean()
+    with torch.no_grad():
+        model[2].weight.add_(0.0)  # bumps the version: backward raises mid-way
+    with pytest.raises(offcore.SavedTensorModifiedError):
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    del loss
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     "full_step": full_step,
+    "backward_raises": backward_raises,
     "forward_only": forward_only,
     "forward_raises": forward_raises,
     "partial_backward": partial_backward,
