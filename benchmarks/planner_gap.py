@@ -156,6 +156,7 @@ def gpu_rows(fractions: list[float]) -> list[dict[str, Any]]:
                     method="greedy",
                     microbatches=(1,),
                     checkpoint_intervals=(1, 2) if per_block == 2 else (1, 2, 4),
+                    lower_bound_time_limit_s=30.0,
                 )
                 seconds = time.perf_counter() - started
                 rows.append(
@@ -176,6 +177,9 @@ def gpu_rows(fractions: list[float]) -> list[dict[str, Any]]:
                         "hybrid_plan": hybrid.plan.describe(),
                         "hybrid_faster_by": 1 - hybrid.predicted.step_time_s / full.step_time_s,
                         "lower_bound_s": hybrid.lower_bound_s,
+                        "best_possible_faster_by": None
+                        if hybrid.lower_bound_s is None
+                        else 1 - hybrid.lower_bound_s / full.step_time_s,
                         "planner_seconds": seconds,
                     }
                 )
@@ -193,9 +197,7 @@ def print_gap(rows: list[dict[str, Any]], exact: bool) -> dict[str, Any]:
     print("|" + "---|" * 8)
     for row in rows:
         if row["status"] != "ok":
-            print(
-                f"| {row['instance']} | {row['budget_fraction']:.0%} | no plan fits ({row['note']}) | | | | | |"
-            )
+            print(f"| {row['instance']} | {row['budget_fraction']:.0%} | no plan fits ({row['note']}) | | | | | |")
             continue
         print(
             f"| {row['instance']} | {row['budget_fraction']:.0%} | {fmt_ms(row['greedy_s'])} | "
@@ -225,9 +227,7 @@ def print_gap(rows: list[dict[str, Any]], exact: bool) -> dict[str, Any]:
         if exact:
             item["greedy_over_exact_max"] = max(r["greedy_over_exact"] for r in group)
             item["exact_over_bound_max"] = max(r["exact_over_bound"] for r in group)
-            line += (
-                f"; greedy/exact max {item['greedy_over_exact_max']:.4f}; exact/LB max {item['exact_over_bound_max']:.3f}"
-            )
+            line += f"; greedy/exact max {item['greedy_over_exact_max']:.4f}; exact/LB max {item['exact_over_bound_max']:.3f}"
         summary[f"{fraction:.2f}"] = item
         print(line)
     return summary
@@ -237,9 +237,9 @@ def print_gpu(rows: list[dict[str, Any]]) -> None:
     print("\n## LLaMA-7B-shaped stack, H200-class compute, PCIe Gen5 53/35 GB/s (simulated)\n")
     print(
         "| seq | units | achieved | keep-all ms (peak GB) | full recompute ms (peak GB) | "
-        "planned hybrid ms (peak GB) | keep/offload/recompute | hybrid faster by |"
+        "planned hybrid ms (peak GB) | keep/offload/recompute | hybrid faster by | bound ms | no plan faster by more than |"
     )
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 10)
     for row in rows:
         counts = row["hybrid_counts"]
         print(
@@ -247,7 +247,9 @@ def print_gpu(rows: list[dict[str, Any]]) -> None:
             f"{row['keep_all_s'] * 1e3:.1f} ({row['keep_all_peak_bytes'] / 1e9:.1f}) | "
             f"{row['full_recompute_s'] * 1e3:.1f} ({row['full_recompute_peak_bytes'] / 1e9:.1f}) | "
             f"{row['hybrid_s'] * 1e3:.1f} ({row['hybrid_peak_bytes'] / 1e9:.1f}) | "
-            f"{counts['keep']}/{counts['offload']}/{counts['recompute']} | {row['hybrid_faster_by']:.1%} |"
+            f"{counts['keep']}/{counts['offload']}/{counts['recompute']} | {row['hybrid_faster_by']:.1%} | "
+            f"{fmt_ms(row['lower_bound_s'])} | "
+            f"{'—' if row['best_possible_faster_by'] is None else format(row['best_possible_faster_by'], '.1%')} |"
         )
 
 

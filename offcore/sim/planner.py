@@ -7,7 +7,8 @@ time and device peak); the planner returns the fastest plan whose peak fits the 
 
 Two methods:
 
-- ``"greedy"`` (any size): from several starts (all keep, all offload, all recompute),
+- ``"greedy"`` (any size): from several starts (all keep, all offload, all recompute,
+  and periodic offload/recompute mixes such as ``OOR`` repeated),
   descend until the peak fits by repeatedly taking the move with the best
   Δtime / Δbytes (bytes = drop of the peak plus the drop of the bytes-above-budget
   integral over the step, so moves that shave the peak's shoulders count too; a move that
@@ -253,6 +254,14 @@ def _greedy(evaluate: _Evaluator, n: int, options: _Options, budget: int) -> _Sc
     """Best feasible score over several starts (all keep, all offload, all recompute)."""
     base = Plan([options.allowed[0]] * n, checkpoint_interval=options.intervals[0], prefetch=options.prefetch[0])
     starts = [replace(base, actions=(action,) * n) for action in options.allowed]
+    if Action.OFFLOAD in options.allowed and Action.RECOMPUTE in options.allowed:
+        # periodic offload/recompute mixes: local optima of uniform stacks that single moves
+        # from the uniform starts do not reach
+        for pattern in ("OR", "OOR", "ORR", "OOOR", "OORR", "ORRR"):
+            period = [Action.OFFLOAD if c == "O" else Action.RECOMPUTE for c in pattern]
+            actions = tuple(period[i % len(period)] for i in range(n))
+            if len(set(actions)) > 1:
+                starts.append(replace(base, actions=actions))
     best: _Score | None = None
     for start in starts:
         score = _descend(start, evaluate, options, budget)
@@ -335,6 +344,7 @@ def _run(
     prefetch_budgets: Iterable[int | str | None] | None,
     pair_moves: bool | Literal["auto"],
     lower_bound: bool,
+    lower_bound_time_limit_s: float,
     exact_max_layers: int,
 ) -> PlanResult:
     if not isinstance(profile, StepProfile):
@@ -362,7 +372,7 @@ def _run(
             "(raise exact_max_layers, or use method='greedy')"
         )
     use_exhaustive = method == "exhaustive" or (method == "auto" and n <= min(8, exact_max_layers))
-    pairs = (n <= 12) if pair_moves == "auto" else bool(pair_moves)
+    pairs = (n <= 32) if pair_moves == "auto" else bool(pair_moves)
 
     best: _Score | None = None
     best_m = 1
@@ -415,6 +425,7 @@ def _run(
                 microbatches=_microbatch_candidates(profile, microbatches),
                 microbatch_overhead_s=overhead,
                 allowed_actions=allowed,
+                time_limit_s=lower_bound_time_limit_s,
             )
         except ConfigurationError:
             bound = None  # scipy missing
@@ -445,6 +456,7 @@ def plan(
     prefetch_budgets: Iterable[int | str | None] | None = None,
     pair_moves: bool | Literal["auto"] = "auto",
     lower_bound: bool = True,
+    lower_bound_time_limit_s: float = 10.0,
     exact_max_layers: int = 10,
 ) -> PlanResult:
     """Plan keep / offload / recompute per layer so the step fits ``budget_bytes`` and runs fastest.
@@ -465,8 +477,9 @@ def plan(
         prefetch_mode, prefetch_margin_s, prefetch_budgets: prefetch policy candidates
             (default: deadline prefetch, no margin, budgets of none and 1, 2, 4 × the
             largest layer).
-        pair_moves: also try pairs of moves in the local search (``"auto"``: ≤ 12 layers).
-        lower_bound: compute the instance's analytic lower bound (needs scipy).
+        pair_moves: also try pairs of moves in the local search (``"auto"``: ≤ 32 layers).
+        lower_bound: compute the instance's analytic lower bound (needs scipy), giving the
+            MILP at most ``lower_bound_time_limit_s`` (then its proven bound is used).
 
     Raises:
         ConfigurationError: bad arguments (negative or zero budget, unknown action, ...).
@@ -490,6 +503,7 @@ def plan(
         prefetch_budgets=prefetch_budgets,
         pair_moves=pair_moves,
         lower_bound=lower_bound,
+        lower_bound_time_limit_s=lower_bound_time_limit_s,
         exact_max_layers=exact_max_layers,
     )
 

@@ -330,8 +330,22 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     inputs = [layer.input_bytes for layer in layers]
     prefetch = plan.prefetch
 
-    # memory events: (time, order, delta); order 0 = free, 1 = allocate (frees first at equal times)
-    memory: list[tuple[float, int, int]] = []
+    # Memory events: (time, rank, delta). Events at equal times are applied in causal order:
+    # compute step q allocates at rank 2q and frees at rank 2q + 1; a copy's event is ranked
+    # right after the compute step that caused it, or, when it has no cause at that instant,
+    # a D2H free goes first and an H2D allocation goes before the next compute step not yet
+    # placed. So a layer that takes no time still holds its bytes, and a buffer freed at the
+    # instant another is allocated is not counted twice.
+    memory: list[tuple[float, float, int]] = []
+
+    def allocate(time: float, nbytes: int, rank: float) -> None:
+        if nbytes:
+            memory.append((time, rank, nbytes))
+
+    def free(time: float, nbytes: int, rank: float) -> None:
+        if nbytes:
+            memory.append((time, rank, -nbytes))
+
     events: list[TimelineEvent] = []
     segment_of: dict[int, tuple[int, int]] = {}
     for first, last in plan.segments():
@@ -347,9 +361,8 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
             held = inputs[i] if segment_of[i][0] == i else 0
         else:
             held = saved[i]
-        memory.append((start, 1, held + work[i]))
-        if work[i]:
-            memory.append((end, 0, -work[i]))
+        allocate(start, held + work[i], 2 * i)
+        free(end, work[i], 2 * i + 1)
         if record_events:
             events.append(TimelineEvent("compute", f"forward:{names[i]}", start, end, "forward", names[i]))
         forward_end[i] = end
@@ -403,13 +416,15 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     backward_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
     waits: dict[str, float] = {}
+    backward_step: dict[int, int] = {}
     task_next = 0
     compute_clock = forward_done
     recompute_total = 0.0
+    step = n  # compute steps 0..n-1 were the forward layers
 
     def advance_to(limit: int) -> None:
         """Run backward tasks with index < limit (their H2D copies are already scheduled)."""
-        nonlocal task_next, compute_clock, recompute_total
+        nonlocal task_next, compute_clock, recompute_total, step
         clock = compute_clock
         index = task_next
         while index < limit:
@@ -418,9 +433,9 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
                 first, last = segment_of[i]
                 for layer in range(first, last + 1):
                     start, end = clock, clock + rec[layer]
-                    memory.append((start, 1, saved[layer] + work[layer]))
-                    if work[layer]:
-                        memory.append((end, 0, -work[layer]))
+                    allocate(start, saved[layer] + work[layer], 2 * step)
+                    free(end, work[layer], 2 * step + 1)
+                    step += 1
                     if record_events:
                         events.append(
                             TimelineEvent("compute", f"recompute:{names[layer]}", start, end, "recompute", names[layer])
@@ -438,11 +453,13 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
                             )
                         clock = arrival
                 start, end = clock, clock + duration
-                memory.append((start, 1, work[i]))
+                allocate(start, work[i], 2 * step)
                 freed = work[i] + saved[i]
                 if actions[i] is Action.RECOMPUTE and segment_of[i][0] == i:
                     freed += inputs[i]
-                memory.append((end, 0, -freed))
+                free(end, freed, 2 * step + 1)
+                backward_step[i] = step
+                step += 1
                 if record_events:
                     events.append(TimelineEvent("compute", f"backward:{names[i]}", start, end, "backward", names[i]))
                 backward_end[i] = end
@@ -451,15 +468,20 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
         task_next = index
         compute_clock = clock
 
+    reload_rank: dict[int, float] = {}
+    reload_ready_at: dict[int, float] = {}
+
     def reload_ready(k: int, d2h_end: Mapping[int, float]) -> float | None:
         """When reload k may start, or None while its D2H is not scheduled yet."""
         i = reload_order[k]
         if i not in d2h_end:
             return None
         ready = d2h_end[i]
+        causes: list[tuple[float, float]] = []  # (time, rank) of compute ends that gate the reload
         if prefetch.mode == "on_demand":
             advance_to(backward_task[i])
             ready = max(ready, compute_clock)
+            causes.append((compute_clock, 2 * step - 0.5))
         else:
             ready = max(ready, wanted_start[i])
         released = release[k]
@@ -467,6 +489,10 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
             j = reload_order[released]
             advance_to(backward_task[j] + 1)
             ready = max(ready, backward_end[j])
+            causes.append((backward_end[j], 2 * backward_step[j] + 1.5))
+        ranks = [rank for time, rank in causes if time == ready]
+        reload_rank[i] = max(ranks) if ranks else 2 * step - 0.5
+        reload_ready_at[i] = ready
         return ready
 
     d2h_end: dict[int, float] = {}
@@ -475,7 +501,7 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     def run_d2h(i: int, start: float) -> float:
         end = start + d2h_time[i]
         d2h_end[i] = end
-        memory.append((end, 0, -saved[i]))
+        free(end, saved[i], 2 * i + 1.5 if end == forward_end[i] else -1.0)
         busy["d2h"] += d2h_time[i]
         if record_events:
             events.append(TimelineEvent("d2h", f"d2h:{names[i]}", start, end, "d2h", names[i]))
@@ -484,7 +510,7 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     def run_h2d(i: int, start: float) -> float:
         end = start + h2d_time[i]
         h2d_end[i] = end
-        memory.append((start, 1, saved[i]))
+        allocate(start, saved[i], reload_rank[i] if start == reload_ready_at[i] else 2 * step - 0.5)
         busy["h2d"] += h2d_time[i]
         if record_events:
             events.append(TimelineEvent("h2d", f"h2d:{names[i]}", start, end, "h2d", names[i]))
@@ -525,19 +551,24 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     static = profile.static_bytes
     times: list[float] = [0.0]
     levels: list[int] = [static]
-    level = static
+    level = peak = static
+    peak_time = 0.0
+    last_sign = 0
     for time, _, delta in memory:
         level += delta
-        if time == times[-1]:
+        if level > peak:
+            peak, peak_time = level, time
+        sign = 1 if delta > 0 else -1
+        # one point per run of same-direction changes at one instant: spikes of zero width stay visible
+        if time == times[-1] and (sign == last_sign or len(times) == 1):
             levels[-1] = level
         else:
             times.append(time)
             levels.append(level)
+        last_sign = sign
     if times[-1] < step_time:
         times.append(step_time)
         levels.append(level)
-    peak = max(levels)
-    peak_time = times[levels.index(peak)]
 
     if record_events:
         events.sort(key=lambda e: (e.start, e.stream))
