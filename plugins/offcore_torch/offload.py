@@ -152,6 +152,12 @@ def _current_op() -> str:
         return type(node).__name__
 
 
+def _graph_task_id() -> int:
+    """Autograd's id of the backward pass running now (-1 outside backward or when torch does not tell)."""
+    getter = getattr(torch._C, "_current_graph_task_id", None)
+    return int(getter()) if getter is not None else -1
+
+
 def _inside_checkpoint() -> bool:
     """True when the innermost saved-tensor hooks are torch.utils.checkpoint's (forward or recompute)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -337,6 +343,7 @@ class OffloadHandle:
         self._plan: PrefetchPlan | None = None
         self._outstanding = 0  # prefetched bytes not yet handed to autograd
         self._vtime = 0.0  # the prefetch plan's clock at the last trigger
+        self._graph_task = -1  # the autograd graph task of the current backward round
         self._ledger = Ledger()
         self._counters = CopyCounters(trace=TraceRecorder(process_name="offcore_torch") if policy.trace else None)
         self._stats = OffloadStats()
@@ -675,6 +682,7 @@ class OffloadHandle:
 
     # -- unpack --------------------------------------------------------------------------
     def _begin_backward(self) -> None:
+        self._graph_task = _graph_task_id()
         self._round += 1
         self._in_backward = True
         self._t_backward = time.perf_counter()
@@ -729,8 +737,13 @@ class OffloadHandle:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         self.runtime.poll()
-        if torch._C._current_autograd_node() is not None and not self._in_backward:
-            self._begin_backward()
+        if torch._C._current_autograd_node() is not None:
+            if not self._in_backward:
+                self._begin_backward()
+            elif _graph_task_id() != self._graph_task:
+                # the backward pass that began the round raised, so its end callback never ran
+                self._end_backward()
+                self._begin_backward()
         now = time.perf_counter() - self._t_backward
         key = packed.key
         if self._in_backward and self._round == 0:

@@ -164,3 +164,20 @@ def test_graph_with_checkpoint_and_offload_nested_both_ways_over_steps(dev: Any)
             opt.step()
             opt.zero_grad()
         assert torch.isfinite(loss)
+
+
+def test_a_backward_that_raised_does_not_poison_the_next_one(dev: Any) -> None:
+    with dev:
+        model = make_mlp(dev)
+        x = torch.randn(64, 128, device=dev.torch_device)
+        expected = reference_grads(model, x)
+        with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
+            loss = model(x).square().mean()
+        hook = model[-1].weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("stop")))
+        with pytest.raises(RuntimeError, match="stop"):
+            loss.backward(retain_graph=True)
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+        loss.backward()  # a new backward pass over the retained graph: a new round
+        assert_equal_grads(grads_of(model), expected)
+    assert handle._round == 1
