@@ -354,6 +354,7 @@ class OffloadHandle:
         self._capacity = 0
         self._formats = Capability.PRIVATE_FORMATS in frozenset(getattr(device, "capabilities", ()))
         self._tracing = policy.trace
+        self._timed_per_direction: collections.Counter[Direction] = collections.Counter()
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> OffloadHandle:
@@ -578,7 +579,7 @@ class OffloadHandle:
         entry.src = raw_bytes(storage, tensor.device)
         device, runtime = self.device, self.runtime
         stream = runtime.d2h_stream
-        timed = runtime.timing and runtime.sample(Direction.D2H, always=self._tracing)
+        timed = runtime.timing and runtime.sample(Direction.D2H, always=self._must_time(Direction.D2H))
         with _range("offcore::d2h"):
             stream.wait_event(device.current_stream().record_event())  # the producer, read now
             if timed:
@@ -645,6 +646,12 @@ class OffloadHandle:
     def _within_budget(self, nbytes: int) -> bool:
         budget = self.policy.prefetch_budget
         return self._outstanding + nbytes <= budget or (self._outstanding == 0 and budget > 0)
+
+    def _must_time(self, direction: Direction) -> bool:
+        """Time every copy when tracing, and each region's first few per direction (its bandwidth figure)."""
+        count = self._timed_per_direction[direction]
+        self._timed_per_direction[direction] = count + 1
+        return self._tracing or count < 4
 
     def _count_prefetch(self, entry: _Entry) -> None:
         entry.prefetch_counted = True
@@ -941,7 +948,7 @@ class OffloadHandle:
                 return False
             raise
         stream = runtime.h2d_stream
-        timed = runtime.timing and runtime.sample(Direction.H2D, always=self._tracing)
+        timed = runtime.timing and runtime.sample(Direction.H2D, always=self._must_time(Direction.H2D))
         with _range("offcore::h2d"):
             # the new buffer may reuse memory the compute stream used until now
             stream.wait_event(device.current_stream().record_event())
