@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     settings, gates = settings_from_args(args)
     from offcore_torch.compare import run_compare
 
-    total = settings.profile_steps + len(settings.strategies) * settings.steps_per_strategy
+    total = settings.total_steps
     progress = _Progress(total, bool(args.quiet))
     try:
         comparison = run_compare(settings, gates=gates, progress=progress, log=progress.log)

@@ -47,6 +47,7 @@ __all__ = [
     "GPU_REFERENCE",
     "build_workload",
     "profile_workload",
+    "WorkloadProfiler",
     "measure_microbatch_overhead",
     "strategy_plans",
 ]
@@ -187,6 +188,12 @@ class CompareSettings:
     def profile_steps(self) -> int:
         """Steps of the reference phase: the reference run, the profiled step, the overhead runs."""
         return self.warmup + self.iters + 1 + (2 * _OVERHEAD_STEPS if self.needs_overhead else 0)
+
+    @property
+    def total_steps(self) -> int:
+        """Every training step the comparison runs (for a progress bar)."""
+        reprofile = 1 if self.backend == "cpu" else 0
+        return self.profile_steps + len(self.strategies) * (self.steps_per_strategy + reprofile)
 
     @property
     def tokens_per_step(self) -> int:
@@ -558,27 +565,45 @@ def build_workload(settings: CompareSettings) -> Workload:
     return gpt_workload(config, batch_size=settings.batch, data_seed=settings.seed)
 
 
+class WorkloadProfiler:
+    """A warmed-up keep-all copy of the workload (kernels and optimizer state ready) that profiles a step on demand.
+
+    ``offcore compare`` profiles once to plan, and again right before each strategy
+    runs (on the fake device), so each prediction comes from a step measured under the
+    same host load as the steps it is compared with.
+    """
+
+    def __init__(self, device: Any, work: Workload, settings: CompareSettings) -> None:
+        self.device, self.work, self.settings = device, work, settings
+        self.torch_device = torch.device(device.torch_device)
+        with device:
+            self.model = work.build(settings.seed).to(device=self.torch_device, dtype=DTYPES[settings.dtype])
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr)
+            for step in range(max(1, settings.warmup)):
+                work.loss(self.model, work.make_batch(step, self.torch_device)).backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.batch = work.make_batch(0, self.torch_device)
+
+    def measure(self, **options: Any) -> StepMeasurement:
+        """One profiled step (:func:`offcore_torch.profiler.measure_step`; ``options`` pass through, default no link)."""
+        options.setdefault("link", False)
+        torch.manual_seed(self.settings.seed)
+        with self.device:
+            return measure_step(
+                self.model,
+                lambda: self.work.loss(self.model, self.batch),
+                self.device,
+                layers=find_layers(self.model),
+                optimizer=self.optimizer,
+                batch_size=self.settings.batch,
+                **options,
+            )
+
+
 def profile_workload(device: Any, work: Workload, settings: CompareSettings) -> StepMeasurement:
     """Warm a fresh model up (kernels, optimizer state), then profile one step (no link: it is measured later)."""
-    torch_device = torch.device(device.torch_device)
-    with device:
-        model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
-        for step in range(max(1, settings.warmup)):
-            work.loss(model, work.make_batch(step, torch_device)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        batch = work.make_batch(0, torch_device)
-        torch.manual_seed(settings.seed)
-        return measure_step(
-            model,
-            lambda: work.loss(model, batch),
-            device,
-            layers=find_layers(model),
-            optimizer=optimizer,
-            link=False,
-            batch_size=settings.batch,
-        )
+    return WorkloadProfiler(device, work, settings).measure()
 
 
 def measure_microbatch_overhead(device: Any, work: Workload, settings: CompareSettings, report: Progress) -> float:
@@ -642,6 +667,10 @@ def _run_compare(
 
     # 1. reference run and profile on an unlimited-capacity device of the same backend
     unlimited = _make_device(settings, capacity="1TiB", d2h_bandwidth="inf", h2d_bandwidth="inf", latency=0)
+    # On the fake device the profiler stays to re-profile before each strategy (two fake devices
+    # coexist freely); a real device's capacity cap is process-wide, so there the one profile serves.
+    reprofile = settings.backend == "cpu"
+    profiler: WorkloadProfiler | None = None
     try:
         reference = _train(
             unlimited, work, settings, Plan.keep_all(settings.layers), observe=False, progress=report, label="reference"
@@ -651,12 +680,15 @@ def _run_compare(
                 f"the keep-all reference ran out of memory on the whole {settings.backend} device: "
                 f"{reference.error}. Shrink the workload (--batch, --seq-len, --layers, --d-model)."
             )
-        measurement = profile_workload(unlimited, work, settings)
+        profiler = WorkloadProfiler(unlimited, work, settings)
+        measurement = profiler.measure()
         report(1, "profile")
         overhead = measure_microbatch_overhead(unlimited, work, settings, report) if settings.needs_overhead else 0.0
     finally:
-        if hasattr(unlimited, "close"):
-            unlimited.close()
+        if not reprofile:
+            profiler = None
+            if hasattr(unlimited, "close"):
+                unlimited.close()
     base = measurement.profile
     keep_all_peak = measurement.peak_bytes
     mean_saved = sum(layer.saved_bytes for layer in base.layers) / base.n_layers
@@ -736,12 +768,16 @@ def _run_compare(
             result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
             if step_plan is None:
                 result.status, result.error = "skipped", why
-                report(settings.steps_per_strategy, name)
+                report(settings.steps_per_strategy + (1 if reprofile else 0), name)
                 results.append(result)
                 continue
             result.plan = step_plan.describe()
             result.plan_dict = step_plan.to_dict()
             predicted, predicted_s = measurement.predict(step_plan, microbatch_overhead_s=overhead)
+            if profiler is not None:  # the time prediction from a step profiled just now
+                fresh = profiler.measure(link=link, capacity_bytes=capacity)
+                predicted_s = fresh.predict(step_plan, microbatch_overhead_s=overhead)[1]
+                report(1, "profile")
             result.predicted_step_s = predicted_s
             result.predicted_peak_bytes = measurement.predicted_peak(predicted)
             result.predicted_wait_s = predicted.exposed_wait_s
@@ -766,6 +802,9 @@ def _run_compare(
     finally:
         if hasattr(device, "close"):
             device.close()
+        if reprofile and hasattr(unlimited, "close"):
+            del profiler
+            unlimited.close()
 
     # 4. equality with the baseline (or the unlimited reference when it could not run)
     target = baseline_run or reference
