@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,7 +107,7 @@ def pcie_like_bandwidths(
     return d2h, h2d, why
 
 
-_OVERHEAD_STEPS = 3  # per run: one warm-up, two timed
+_OVERHEAD_PAIRS = 3  # timed pairs of (1, 2 micro-batches) steps, after one warm-up pair
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class CompareSettings:
     @property
     def profile_steps(self) -> int:
         """Steps of the reference phase: the reference run, the profiled step, the overhead runs."""
-        return self.warmup + self.iters + 1 + (2 * _OVERHEAD_STEPS if self.needs_overhead else 0)
+        return self.warmup + self.iters + 1 + (2 * (_OVERHEAD_PAIRS + 1) if self.needs_overhead else 0)
 
     @property
     def total_steps(self) -> int:
@@ -607,20 +608,44 @@ def profile_workload(device: Any, work: Workload, settings: CompareSettings) -> 
 
 
 def measure_microbatch_overhead(device: Any, work: Workload, settings: CompareSettings, report: Progress) -> float:
-    """Seconds each extra micro-step costs: keep-all with 2 micro-batches minus with 1 (fastest of 2 steps each).
+    """Seconds each extra micro-step costs: the median paired difference of 2-micro-batch and 1-micro-batch steps.
 
     The simulator splits a step's compute linearly; real micro-steps also pay fixed costs
-    (kernel launches, Python, the loss and head per micro-batch), which this measures.
+    (kernel launches, Python, the head and loss per micro-batch), which this measures.
+    Two warmed-up copies of the workload take turns (one step each, ``_OVERHEAD_PAIRS``
+    times), so a change of host load hits both sides of each difference alike.
     """
-    quick = replace(settings, warmup=1, iters=_OVERHEAD_STEPS - 1)
     n = settings.layers
-    one = _train(device, work, quick, Plan.keep_all(n), observe=False, progress=report, label="overhead")
-    two = _train(
-        device, work, quick, Plan.keep_all(n, microbatches=2), observe=False, progress=report, label="overhead"
-    )
-    if one.error or two.error or not one.step_times or not two.step_times:
-        return 0.0
-    return max(0.0, min(two.step_times) - min(one.step_times))
+    torch_device = torch.device(device.torch_device)
+    dtype = DTYPES[settings.dtype]
+    runners = []
+    for microbatches in (1, 2):
+        with device:
+            model = work.build(settings.seed).to(device=torch_device, dtype=dtype)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+        executor = PlanExecutor(model, Plan.keep_all(n, microbatches=microbatches), device)
+        runners.append((model, optimizer, executor))
+
+    def step(index: int, number: int) -> float:
+        _, optimizer, executor = runners[index]
+        with device:
+            batch = work.make_batch(number, torch_device)
+        device.synchronize()
+        start = time.perf_counter()
+        with device, executor:
+            executor.forward_backward(batch, work.loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            device.synchronize()
+        report(1, "overhead")
+        return time.perf_counter() - start
+
+    differences = []
+    for number in range(_OVERHEAD_PAIRS + 1):  # the first pair warms up
+        one, two = step(0, number), step(1, number)
+        if number:
+            differences.append(two - one)
+    return max(0.0, statistics.median(differences))
 
 
 def run_compare(
