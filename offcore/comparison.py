@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from offcore.errors import ConfigurationError
-from offcore.units import format_bytes
+from offcore.units import format_bandwidth, format_bytes
 
 __all__ = [
     "STRATEGIES",
@@ -455,7 +455,7 @@ class Comparison:
         lines.append("")
         lines.append("## Device")
         lines.append("")
-        lines.extend(f"- {key}: `{value}`" for key, value in self.device.items())
+        lines.extend(f"- {key}: `{_device_value(key, value)}`" for key, value in self.device.items())
         if self.notes:
             lines.append("")
             lines.extend(f"> {note}" if note else ">" for note in self.notes)
@@ -486,6 +486,18 @@ class Comparison:
             lines.append(f"![{image}]({image})")
         lines.append("")
         return "\n".join(lines)
+
+
+def _device_value(key: str, value: Any) -> str:
+    """Human units for the device facts (bytes, bandwidths, latency)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key.endswith("_bytes"):
+            return format_bytes(int(value))
+        if key.endswith("_bandwidth"):
+            return format_bandwidth(float(value)) if math.isfinite(value) else "unlimited"
+        if key.endswith("_s"):
+            return f"{value * 1e6:.0f} us"
+    return str(value)
 
 
 def _finite(value: Any) -> Any:
