@@ -158,7 +158,7 @@ def _print_row(row: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bandwidths", default="32GiB/s,8GiB/s,4GiB/s", help="comma-separated link bandwidths")
-    parser.add_argument("--latency", default="10us", help="per-copy latency (default 10us)")
+    parser.add_argument("--latency", default="0", help="per-copy latency (default 0: expected = bytes / bandwidth)")
     parser.add_argument("--size", default="256MiB", help="size of the headline copy (default 256MiB)")
     parser.add_argument("--sweep", default="1MiB,4MiB,16MiB,64MiB,256MiB", help="comma-separated sweep sizes")
     parser.add_argument("--repeats", type=int, default=7, help="runs per figure; the median is reported")
