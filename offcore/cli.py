@@ -39,6 +39,10 @@ def build_parser(commands: Iterable[ModuleType] | None = None) -> argparse.Argum
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in discover() if commands is None else commands:
         module.register(subparsers)
+    if commands is None:  # plugins add theirs (``offcore compare`` comes from the PyTorch binding)
+        from offcore.registry import plugin_manager
+
+        plugin_manager().hook.offcore_register_commands(subparsers=subparsers)
     return parser
 
 

@@ -45,6 +45,19 @@ def offcore_register_backends(register: Callable[..., None]) -> None:
 
 
 @hookspec
+def offcore_register_commands(subparsers: Any) -> None:
+    """Add subcommands to the ``offcore`` command line.
+
+    ``subparsers`` is the ``argparse`` sub-parser action; add a parser with
+    ``subparsers.add_parser(name, ...)`` and ``set_defaults(run=fn)`` where ``fn(args)``
+    returns the exit status. Framework bindings use this to add commands the core
+    cannot run itself (``offcore compare`` comes from the PyTorch binding). Plugins
+    providing only commands register under the entry-point group ``offcore.plugins``.
+    Keep module-level imports light: the parser is built on every ``offcore`` call.
+    """
+
+
+@hookspec
 def offcore_configure_backend(name: str, options: dict[str, Any]) -> None:
     """Inspect or amend the keyword options before backend ``name`` is instantiated.
 

@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "offcore.backends"
+PLUGIN_ENTRY_POINT_GROUP = "offcore.plugins"
 
 _INSTALL_HINTS = {
     "cuda": "install a CUDA build of torch (see the README's 'Choosing a torch build') on a machine with an NVIDIA GPU",
@@ -135,7 +136,11 @@ class _Registry:
             self._loaded = True
             if os.environ.get("OFFCORE_BACKEND_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off"):
                 blocked = {n.strip() for n in os.environ.get("OFFCORE_BACKEND_BLOCK", "").split(",") if n.strip()}
-                for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                entry_points = [
+                    *metadata.entry_points(group=ENTRY_POINT_GROUP),
+                    *metadata.entry_points(group=PLUGIN_ENTRY_POINT_GROUP),
+                ]
+                for ep in entry_points:
                     if ep.name in blocked or self.pm.has_plugin(ep.name) or self.pm.is_blocked(ep.name):
                         continue
                     try:

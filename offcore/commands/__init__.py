@@ -1,6 +1,6 @@
 """Subcommands of the ``offcore`` command line, one module each.
 
-To add a subcommand, drop a module here (``offcore/commands/compare.py``) with::
+To add a core subcommand, drop a module here (``offcore/commands/backends.py``) with::
 
     def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         parser = subparsers.add_parser("compare", help="...", description="...")
@@ -14,7 +14,9 @@ To add a subcommand, drop a module here (``offcore/commands/compare.py``) with::
 :func:`discover` finds it; nothing else needs editing. Keep module-level imports
 light (no torch, matplotlib, ...): every subcommand module is imported to build the
 parser, so import heavy libraries inside ``run``. Shared output helpers (tables,
-JSON) are in :mod:`offcore.commands._output`.
+JSON) are in :mod:`offcore.commands._output`. Commands that need a framework come
+from plugins through the ``offcore_register_commands`` hook (``offcore compare`` is
+the PyTorch binding's).
 """
 
 from __future__ import annotations
