@@ -257,7 +257,8 @@ def _greedy(evaluate: _Evaluator, n: int, options: _Options, budget: int) -> _Sc
     if Action.OFFLOAD in options.allowed and Action.RECOMPUTE in options.allowed:
         # periodic offload/recompute mixes: local optima of uniform stacks that single moves
         # from the uniform starts do not reach
-        for pattern in ("OR", "OOR", "ORR", "OOOR", "OORR", "ORRR"):
+        patterns = ["O" * k + "R" for k in range(1, 6)] + ["ORR", "OORR", "ORRR"]
+        for pattern in patterns:
             period = [Action.OFFLOAD if c == "O" else Action.RECOMPUTE for c in pattern]
             actions = tuple(period[i % len(period)] for i in range(n))
             if len(set(actions)) > 1:
