@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -89,7 +90,8 @@ class FakeDevice:
         self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
         self._compute = ComputeStream()
         self._streams: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
-        self._copy_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=_COPY_LOG_LIMIT)
+        # (stream, direction, bytes, enqueued, start, end, jitter) per copy: a ring of tuples
+        self._copy_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_COPY_LOG_LIMIT)
         self._local = threading.local()  # .depth of `with dev:` on this thread
         self._ops: BufferOps = NUMPY_OPS
         self._tracker: Any = None
@@ -334,23 +336,20 @@ class FakeDevice:
             raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
         direction = self.direction(dst, src)
         jitter = self._sanitizer.draw_jitter() if self._link.crosses_link(direction) else 0.0
-        enqueued = time.perf_counter()
-
-        def run_copy() -> None:
-            self._run_copy(ops, dst, src, direction, nbytes, jitter, stream_name, enqueued)
-
-        if stream is self._compute:
-            stream_name = self._compute.name
+        compute = self._compute
+        if stream is compute:
             with self._untracked():
-                run_copy()
-            return self._compute.record_event(FakeEvent(self._compute, enable_timing=True))
+                self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter())
+            return compute.record_event(FakeEvent(compute, enable_timing=True))
         if not isinstance(stream, WorkerStream) or stream not in self._streams:
             raise ConfigurationError(
                 f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
             )
-        stream_name = stream.name
-        stream.launch_host_func(run_copy)
-        return stream.record_event(FakeEvent(self._compute, enable_timing=True))
+        # one work item runs the copy and completes the event (one hand-off to the worker per copy)
+        run = functools.partial(
+            self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter()
+        )
+        return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
 
     def _run_copy(
         self,
@@ -365,19 +364,10 @@ class FakeDevice:
     ) -> None:
         if self._sanitizer.enabled:  # Note [What the sanitizer poisons, and when], point 1
             ops.poison(dst)
-        start, end = self._link.transfer(direction, nbytes, lambda: ops.copy(dst, src), extra_delay=jitter)
+        start, end = self._link.transfer(direction, nbytes, functools.partial(ops.copy, dst, src), extra_delay=jitter)
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        self._copy_log.append(
-            {
-                "stream": stream_name,
-                "direction": direction.value,
-                "bytes": nbytes,
-                "enqueued": enqueued,
-                "start": start,
-                "end": end,
-                "emulated_seconds": self._link.duration(direction, nbytes) + jitter,
-            }
-        )
+        # a tuple per copy; copy_log() builds the dicts only when asked
+        self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, jitter))
 
     def copy_log(self) -> list[dict[str, Any]]:
         """Every completed copy, oldest first (the last 100,000), for traces.
@@ -385,7 +375,19 @@ class FakeDevice:
         Each entry: ``stream``, ``direction`` (``"d2h"``...), ``bytes``, ``enqueued``,
         ``start``, ``end`` (``time.perf_counter()`` seconds) and ``emulated_seconds``.
         """
-        return list(self._copy_log)
+        duration = self._link.duration
+        return [
+            {
+                "stream": stream_name,
+                "direction": direction.value,
+                "bytes": nbytes,
+                "enqueued": enqueued,
+                "start": start,
+                "end": end,
+                "emulated_seconds": duration(direction, nbytes) + jitter,
+            }
+            for stream_name, direction, nbytes, enqueued, start, end, jitter in list(self._copy_log)
+        ]
 
     def clear_copy_log(self) -> None:
         self._copy_log.clear()

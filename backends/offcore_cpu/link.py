@@ -21,28 +21,57 @@ large copies; ``benchmarks/copy_bandwidth.py`` prints the host floor next to eac
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from offcore.kinds import Direction
 
-__all__ = ["Link", "sleep_until"]
+__all__ = ["Link", "sleep_until", "reduce_timer_slack"]
 
-_SLEEP_OVERSHOOT = 1e-4  # time.sleep() wakes ~50-100 us late (Linux timer slack); spin the rest
+_PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
+_prctl: Any = None  # libc prctl, False where unavailable
 
 
 def sleep_until(deadline: float) -> None:
-    """Wait until ``time.perf_counter() >= deadline``: sleep (GIL released), then spin briefly.
+    """Wait until ``time.perf_counter() >= deadline`` without holding the GIL.
 
-    The final spin (at most ~0.1 ms) keeps the GIL: releasing it there (``sleep(0)``)
-    costs the same timer slack the spin avoids.
+    Only ``time.sleep`` is used (it releases the GIL), never a spin: a spinning copy
+    worker steals the compute thread's interpreter time. A sleep wakes up to a timer
+    slack late (about 50-100 us by default on Linux; the fake device's worker threads
+    lower their slack to 1 ns with :func:`reduce_timer_slack`, leaving the kernel's
+    wake-up latency, tens of microseconds). The loop only repeats if a sleep returned
+    early, so a copy never lands before its emulated time.
     """
     remaining = deadline - time.perf_counter()
-    if remaining > 2 * _SLEEP_OVERSHOOT:
-        time.sleep(remaining - _SLEEP_OVERSHOOT)
-    while time.perf_counter() < deadline:
-        pass
+    while remaining > 0:
+        time.sleep(remaining)
+        remaining = deadline - time.perf_counter()
+
+
+def reduce_timer_slack() -> bool:
+    """Ask Linux to wake the calling thread's sleeps on time (timer slack 1 ns); False elsewhere.
+
+    The slack is per thread (``prctl(PR_SET_TIMERSLACK)``) and inherited by threads the
+    caller starts later; the fake device calls this on its copy workers only.
+    """
+    global _prctl
+    if _prctl is None:
+        _prctl = False
+        if sys.platform.startswith("linux"):
+            try:
+                _prctl = ctypes.CDLL(None, use_errno=True).prctl
+            except (OSError, AttributeError):
+                _prctl = False
+    if _prctl is False:
+        return False
+    try:
+        return bool(_prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0)
+    except Exception:  # pragma: no cover - a libc without prctl
+        return False
 
 
 class Link:
@@ -80,14 +109,20 @@ class Link:
         """Run ``memcpy`` as a transfer on the link; returns its (start, end) ``perf_counter`` times.
 
         ``extra_delay`` (the sanitizer's jitter) postpones the landing of the data.
+        Waiting is :func:`sleep_until` (GIL released), never a spin.
         """
-        with self.channel(direction):
+        channel = self._channels.get(direction)
+        if channel is None:  # H2H, D2D: only the memcpy
             start = time.perf_counter()
-            if self.crosses_link(direction):
-                sleep_until(start + self.latency + extra_delay)
-                memcpy()
-                sleep_until(start + extra_delay + self.duration(direction, nbytes))
-            else:
+            if extra_delay > 0:
                 sleep_until(start + extra_delay)
-                memcpy()
+            memcpy()
+            return start, time.perf_counter()
+        with channel:
+            start = time.perf_counter()
+            first_byte = self.latency + extra_delay
+            if first_byte > 0:
+                sleep_until(start + first_byte)
+            memcpy()
+            sleep_until(start + first_byte + nbytes / self.bandwidth[direction])  # nbytes / inf == 0.0
             return start, time.perf_counter()

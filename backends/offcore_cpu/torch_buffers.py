@@ -40,8 +40,14 @@ class TorchBuffers:
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    @torch.no_grad()
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.requires_grad or src.requires_grad:
+            with torch.no_grad():
+                self._copy(dst, src)
+        else:  # raw byte buffers: no autograd to switch off (no_grad costs more than the copy setup)
+            self._copy(dst, src)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.shape == src.shape and dst.dtype == src.dtype:
             dst.copy_(src)
         elif dst.is_contiguous():
