@@ -108,11 +108,20 @@ def ops_for(buffer: Any) -> BufferOps | None:
 
     torch is never imported here: a tensor can only exist once torch has been imported.
     """
+    global _torch_tensor, _torch_ops
     if isinstance(buffer, np.ndarray):
         return NUMPY_OPS
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(buffer, torch.Tensor):
+    if _torch_tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
         from offcore_cpu.torch_buffers import TORCH_OPS
 
-        return TORCH_OPS
+        _torch_tensor, _torch_ops = torch.Tensor, TORCH_OPS
+    if isinstance(buffer, _torch_tensor):
+        return _torch_ops
     return None
+
+
+_torch_tensor: Any = None  # torch.Tensor once torch has been imported (looked up once)
+_torch_ops: Any = None

@@ -270,6 +270,9 @@ def _serve(state: _WorkerState) -> None:
         except BaseException as exc:  # kept for the next synchronize(): Note [Failures on a worker stream]
             state.fail(exc)
         finally:
+            # drop the item before blocking on the queue again: a copy's closure holds its
+            # buffers, and an idle worker must not keep device memory alive
+            del item
             with state.lock:
                 state.pending -= 1
 
