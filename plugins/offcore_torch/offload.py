@@ -202,11 +202,11 @@ class _Offloaded:
 
     __slots__ = ("entry", "keeper", "version", "meta", "key", "fmt", "unpacked_round", "__weakref__")
 
-    def __init__(self, entry: _Entry, tensor: torch.Tensor, key: int, fmt: Any) -> None:
+    def __init__(self, entry: _Entry, tensor: torch.Tensor, key: int, fmt: Any, meta: TensorMeta | None = None) -> None:
         self.entry = entry
         self.keeper = version_keeper(tensor)
         self.version = tensor._version
-        self.meta = TensorMeta.of(tensor)
+        self.meta = meta if meta is not None else TensorMeta.of(tensor)
         self.key = key
         self.fmt = fmt
         self.unpacked_round = -1
@@ -352,7 +352,10 @@ class OffloadHandle:
         self._peak_baseline = 0
         self._peak_final: int | None = None
         self._capacity = 0
-        self._formats = Capability.PRIVATE_FORMATS in frozenset(getattr(device, "capabilities", ()))
+        capabilities = frozenset(getattr(device, "capabilities", ()))
+        self._formats = Capability.PRIVATE_FORMATS in capabilities
+        self._sanitize = Capability.SANITIZER in capabilities
+        self._host_pool: Any = None  # the runtime's pool for this policy, looked up once
         self._tracing = policy.trace
         self._timed_per_direction: collections.Counter[Direction] = collections.Counter()
 
@@ -500,14 +503,15 @@ class OffloadHandle:
                 return self._keep(tensor, key, "small")
             if self.policy.watermark is not None and not self._under_pressure():
                 return self._keep(tensor, key, "watermark")
-        entry = self._offload(storage, tensor, key)
+        meta = TensorMeta.of(tensor)
+        entry = self._offload(storage, tensor, key, meta)
         if entry is None:
             return self._keep(tensor, key, "host_budget")
-        return self._record(entry, tensor, key)
+        return self._record(entry, tensor, key, meta)
 
-    def _record(self, entry: _Entry, tensor: torch.Tensor, key: int) -> _Offloaded:
+    def _record(self, entry: _Entry, tensor: torch.Tensor, key: int, meta: TensorMeta | None = None) -> _Offloaded:
         fmt = self.device.format_of(tensor) if self._formats else None
-        item = _Offloaded(entry, tensor, key, fmt)
+        item = _Offloaded(entry, tensor, key, fmt, meta)
         entry.items.append(weakref.ref(item))
         entry.keys.append(key)
         self._stats.offloaded_tensors += 1
@@ -541,9 +545,15 @@ class OffloadHandle:
             self._pressure = True
         return self._pressure
 
+    def _pool(self) -> Any:
+        pool = self._host_pool
+        if pool is None:
+            pool = self._host_pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
+        return pool
+
     def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
         """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
-        pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
+        pool = self._pool()
         tier = Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
         try:
             with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
@@ -566,14 +576,16 @@ class OffloadHandle:
             return None
         return None, view, Tier.PAGEABLE
 
-    def _offload(self, storage: torch.UntypedStorage, tensor: torch.Tensor, key: int) -> _Entry | None:
+    def _offload(
+        self, storage: torch.UntypedStorage, tensor: torch.Tensor, key: int, meta: TensorMeta
+    ) -> _Entry | None:
         nbytes = int(storage.nbytes())
         host = self._acquire_host(nbytes)
         if host is None:
             return None
         buffer, host_view, tier = host
         where = self._module_stack[-1] if self._module_stack else "forward"
-        entry = _Entry(self, key, f"#{key} {where} {TensorMeta.of(tensor).describe()}", storage)
+        entry = _Entry(self, key, f"#{key} {where} {meta.describe()}", storage)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         entry.src = raw_bytes(storage, tensor.device)
@@ -903,7 +915,7 @@ class OffloadHandle:
                     obj.finish_prefetch(stream_waited=True)
                     obj.drop_restored_copy()
 
-            self.runtime.defer(event, finish)
+            self.runtime.defer(event, finish, stream=self.runtime.h2d_stream)
         elif obj.state is State.RESTORED:
             obj.drop_restored_copy()
 
@@ -997,15 +1009,16 @@ class OffloadHandle:
             self._hold_until_used.remove(entry)
         self._uncount_prefetch(entry)
         obj = entry.obj
-        pending = obj.h2d_event if obj.state is State.PREFETCHING else None
+        runtime = self.runtime
+        pending, stream = (obj.h2d_event, runtime.h2d_stream) if obj.state is State.PREFETCHING else (None, None)
         if obj.state is State.OFFLOADING:
-            pending = obj.d2h_event
+            pending, stream = obj.d2h_event, runtime.d2h_stream
         host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
         entry.host = entry.host_view = entry.src = entry.restored = None
         tier = obj.host_tier or Tier.PINNED
         ledger, runtime, device = self._ledger, self.runtime, self.device
-        pool = runtime.pool(device, self.policy.host_budget, self.policy.pinned) if host is not None else None
-        sanitize = Capability.SANITIZER in frozenset(getattr(device, "capabilities", ()))
+        pool = self._pool() if host is not None else None
+        sanitize = self._sanitize
 
         def release(
             host: Any = host, host_view: Any = host_view, src: Any = src, restored: Any = restored, obj: Any = obj
@@ -1018,7 +1031,7 @@ class OffloadHandle:
             if obj.state is not State.RELEASED:
                 obj.release()
 
-        runtime.defer(pending, release)
+        runtime.defer(pending, release, stream=stream)
 
     # -- figures -------------------------------------------------------------------------
     def _peak_now(self) -> int:

@@ -13,6 +13,14 @@ unchanged on the fake device, CUDA and NPU.
     >>> rt = runtime_for(offcore.device("cpu"))                    # doctest: +SKIP
     >>> rt.d2h_link.bandwidth is None                              # doctest: +SKIP
     True
+
+# Note [Deferred releases in stream order]
+# A release (a host buffer back to its pool, a device buffer dropped) waits for the event
+# of the copy touching it. Work on one stream completes in order, so the releases
+# deferred on one stream are kept in a FIFO and each poll checks only from the oldest
+# until the first that is still pending: a poll at every pack and unpack costs O(ready),
+# not O(deferred). A release deferred after a younger one on the same stream (an older
+# copy's event) runs no earlier than that younger copy lands: later, never too early.
 """
 
 from __future__ import annotations
@@ -94,7 +102,9 @@ class DeviceRuntime:
         self.timing = Capability.EVENT_TIMING in frozenset(getattr(device, "capabilities", ()))
         self.lock = threading.RLock()
         self._pools: dict[tuple[int, bool], HostBufferPool] = {}
-        self._deferred: list[tuple[Any, Callable[[], None]]] = []
+        # releases waiting for an event, one FIFO per stream (Note [Deferred releases in stream order])
+        self._deferred: dict[Any, collections.deque[tuple[Any, Callable[[], None]]]] = {}
+        self._deferred_total = 0
         self._timed: dict[Any, collections.deque[_Timed]] = {}  # per stream: brackets end in order
         self._track_end: dict[str, float] = collections.defaultdict(float)
         self._regions: list[weakref.ref[Any]] = []
@@ -116,28 +126,49 @@ class DeviceRuntime:
             return list(self._pools.values())
 
     # -- releases waiting for copies ---------------------------------------------------
-    def defer(self, event: Any, release: Callable[[], None]) -> None:
-        """Run ``release()`` once ``event`` has completed (now, if it has)."""
+    def defer(self, event: Any, release: Callable[[], None], *, stream: Any = None) -> None:
+        """Run ``release()`` once ``event`` has completed (now, if it has).
+
+        ``stream``: the stream ``event`` was recorded on, when known. Releases deferred on
+        one stream are checked oldest first and the check stops at the first pending one
+        (Note [Deferred releases in stream order]); without a stream every poll checks it.
+        """
         if event is None or event.query():
             release()
             return
+        key = None if stream is None else _stream_key(stream)
         with self.lock:
-            self._deferred.append((event, release))
+            queue = self._deferred.get(key)
+            if queue is None:
+                queue = self._deferred[key] = collections.deque()
+            queue.append((event, release))
+            self._deferred_total += 1
 
     @property
     def deferred_count(self) -> int:
-        return len(self._deferred)
+        return self._deferred_total
+
+    def _ready_releases(self) -> list[Callable[[], None]]:
+        ready: list[Callable[[], None]] = []
+        with self.lock:
+            for key, queue in self._deferred.items():
+                if key is None:  # no stream order known: check each
+                    for _ in range(len(queue)):
+                        item = queue.popleft()
+                        if item[0].query():
+                            ready.append(item[1])
+                        else:
+                            queue.append(item)
+                    continue
+                while queue and queue[0][0].query():
+                    ready.append(queue.popleft()[1])
+            self._deferred_total -= len(ready)
+        return ready
 
     def poll(self) -> None:
         """Run the releases whose copies landed and time the copies that finished. Cheap when idle."""
-        if self._deferred:
-            with self.lock:
-                ready: list[tuple[Any, Callable[[], None]]] = []
-                waiting: list[tuple[Any, Callable[[], None]]] = []
-                for item in self._deferred:
-                    (ready if item[0].query() else waiting).append(item)
-                self._deferred = waiting
-            for _, release in ready:
+        if self._deferred_total:
+            for release in self._ready_releases():
                 release()
         for queue in self._timed.values():
             if queue and queue[0].end.query():
@@ -164,7 +195,7 @@ class DeviceRuntime:
         """Wait for every copy offcore has in flight on this device, then run every pending release."""
         while True:
             with self.lock:
-                pending = list(self._deferred)
+                pending = [item for queue in self._deferred.values() for item in queue]
             if wait:
                 for event, _ in pending:
                     event.synchronize()
@@ -172,7 +203,7 @@ class DeviceRuntime:
                     for item in list(queue):
                         item.end.synchronize()
             self.poll()
-            if not wait or not self._deferred:
+            if not wait or not self._deferred_total:
                 return
 
     # -- timing ------------------------------------------------------------------------
