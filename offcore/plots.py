@@ -64,10 +64,18 @@ def plot_memory(results: Sequence[StrategyResult], path: str | os.PathLike[str],
     for ax, result in zip(axes[:, 0], shown, strict=False):
         if result.memory_series:
             t, b = zip(*result.memory_series, strict=True)
-            ax.plot([x * 1e3 for x in t], [y / 2**20 for y in b], lw=1.2, label="measured")
+            ax.plot([x * 1e3 for x in t], [y / 2**20 for y in b], lw=1.2, color="C0", label="measured")
         if result.predicted_memory:
             t, b = zip(*result.predicted_memory, strict=True)
-            ax.step([x * 1e3 for x in t], [y / 2**20 for y in b], where="post", ls="--", lw=1.0, label="predicted")
+            ax.step(
+                [x * 1e3 for x in t],
+                [y / 2**20 for y in b],
+                where="post",
+                ls="--",
+                lw=1.0,
+                color="C1",
+                label="predicted",
+            )
         if capacity:
             ax.axhline(capacity / 2**20, color="red", lw=0.8, ls=":", label="capacity")
         status = "" if result.ok else f" ({result.status.upper()})"
@@ -76,7 +84,11 @@ def plot_memory(results: Sequence[StrategyResult], path: str | os.PathLike[str],
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time in step (ms)")
     if shown:
-        axes[0, 0].legend(fontsize=7, loc="upper right")
+        handles: dict[str, Any] = {}
+        for ax in axes[:, 0]:  # one legend for every line style used in any panel
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(label, handle)
+        axes[0, 0].legend(list(handles.values()), list(handles), fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -109,6 +121,10 @@ def plot_timeline(results: Sequence[StrategyResult], path: str | os.PathLike[str
         ax.set_title(title, fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time in step (ms)")
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=colour, label=label) for label, colour in _COLOURS.items()]
+    fig.legend(handles=legend, loc="upper center", ncol=len(legend), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
