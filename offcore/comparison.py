@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from offcore.errors import ConfigurationError
+from offcore.jsonable import finite
 from offcore.units import format_bandwidth, format_bytes
 
 __all__ = [
@@ -418,7 +419,7 @@ class Comparison:
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON (non-finite numbers as ``null``)."""
-        return json.dumps(_finite(self.to_dict()), indent=2)
+        return json.dumps(finite(self.to_dict()), indent=2)
 
     def text(self) -> str:
         """The printed report: notes, the table, decisions, scale and recommendation."""
@@ -498,13 +499,3 @@ def _device_value(key: str, value: Any) -> str:
         if key.endswith("_s"):
             return f"{value * 1e6:.0f} us"
     return str(value)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from offcore.jsonable import finite
+
 __all__ = ["format_table", "write_json", "format_rate"]
 
 
@@ -28,18 +30,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def write_json(data: Any, stream: TextIO) -> None:
     """Indented JSON (non-finite floats as ``null``) and a newline."""
-    stream.write(json.dumps(_finite(data), indent=2, sort_keys=False))
+    stream.write(json.dumps(finite(data), indent=2, sort_keys=False))
     stream.write("\n")
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def format_rate(bytes_per_second: float | None) -> str:
