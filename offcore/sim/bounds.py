@@ -20,6 +20,10 @@
 #      never overlap (Note [Copies of one step never overlap] in simulator.py). With no
 #      compute at all this is the bytes there and back over their bandwidths, e.g.
 #      10 × 256 MiB over 32 GiB/s: 156.25 ms.
+#      With ``StepProfile.reuse_in_flight`` any offloaded layer may skip its reload (Note
+#      [Reuse of device copies still in flight] in simulator.py), so only the D2H queue
+#      is bounded: T ≥ F(i) + Σ_{j≥i} d_j (the step ends when its last copy landed), and no
+#      reload is counted as an exposed wait in the MILP.
 #
 # For an *instance* (any plan that fits a device budget) the planner needs a bound that
 # holds for every feasible plan. :func:`instance_lower_bound` minimises T over the
@@ -84,6 +88,9 @@ def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
     tail = _tails(profile, plan)
     d = [profile.transfer_s(layers[j].saved_bytes, "d2h") for j in offloaded]
     h = [profile.transfer_s(layers[j].saved_bytes, "h2d") for j in offloaded]
+    if profile.reuse_in_flight:  # a reload may be skipped: bound the D2H queue alone
+        h = [0.0] * len(h)
+        tail = [0.0] * len(tail)
     best = compute
     count = len(offloaded)
     # Note [Copies of one step never overlap]: every H2D starts after the last D2H ended,
@@ -131,6 +138,9 @@ def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval:
     compute = f.sum() + b.sum() + recomputed.sum(axis=1)
     forward_end = np.cumsum(f)
     tail = np.cumsum(b) + _shifted_cumsum(recomputed, max_interval - 1)
+    if profile.reuse_in_flight:  # a reload may be skipped: bound the D2H queue alone
+        h = np.zeros_like(h)
+        tail = np.zeros_like(tail)
     offloaded = codes == 1
 
     def suffix(values: np.ndarray) -> np.ndarray:
@@ -248,6 +258,9 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     x = np.array([layer.input_bytes for layer in layers], dtype=float)
     d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
     h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
+    reuse = profile.reuse_in_flight  # a reload may be skipped: no exposed reload, D2H queue alone
+    if reuse:
+        h = np.zeros_like(h)
     static = float(profile.static_bytes)
     if np.any(static + s + w > budget):  # a layer's own backward needs its saved bytes and working set
         return math.inf
@@ -308,7 +321,7 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
             row[off + j] = -(d[j] + h[j]) / time_scale
         for j in range(0, i - kmax + 2):
             row[rec + j] = -r[j] / time_scale
-        add(row, float(forward_end[i] + backward_prefix[i]) / time_scale, math.inf)
+        add(row, float(forward_end[i] + (0.0 if reuse else backward_prefix[i])) / time_scale, math.inf)
     # (3) memory at the end of each forward: kept, checkpoints, offloaded but not yet copied out
     for i in range(n):
         row: dict[int, float] = {}

@@ -66,6 +66,11 @@ class LayerProfile:
             input is what stays on device (the checkpoint), from the forward until the
             layer's backward; with a checkpoint interval ``K`` only the first layer of
             each segment keeps it.
+        offload_overhead_s: host time the offloading runtime spends on the compute
+            stream for this layer when it is offloaded (packing its saved tensors in
+            forward, unpacking them in backward: Python, pool, events), charged half to
+            its forward and half to its backward. 0 by default; the PyTorch profiler
+            measures it.
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -78,6 +83,7 @@ class LayerProfile:
     recompute_s: float | None = None
     working_bytes: int = 0
     input_bytes: int = 0
+    offload_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -87,6 +93,11 @@ class LayerProfile:
         set_(self, "backward_s", _seconds(self.backward_s, f"backward_s of layer {self.name!r}"))
         recompute = self.forward_s if self.recompute_s is None else self.recompute_s
         set_(self, "recompute_s", _seconds(recompute, f"recompute_s of layer {self.name!r}"))
+        set_(
+            self,
+            "offload_overhead_s",
+            _seconds(self.offload_overhead_s, f"offload_overhead_s of layer {self.name!r}"),
+        )
         for attribute in ("saved_bytes", "working_bytes", "input_bytes"):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
@@ -115,6 +126,13 @@ class StepProfile:
             queues); ``False`` for one shared link that serialises them.
         capacity_bytes: device capacity; ``None`` for unlimited.
         batch_size: samples per step; gradient accumulation splits it into micro-batches.
+        reuse_in_flight: ``True`` when the runtime uses a device copy in place instead
+            of reloading it while that copy still exists, as ``offcore_torch`` does
+            (Note [Reuse of device copies still in flight] in simulator.py): backward
+            reaching a layer before its D2H landed reads the device copy (no H2D, no
+            wait), and a D2H landing after forward ended when its reload is already
+            due keeps its device copy. ``False`` (the default) models a runtime that
+            always reloads; the analytic lower bounds are tightest then.
 
     >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
     >>> p.static_bytes, p.compute_s
@@ -131,6 +149,7 @@ class StepProfile:
     duplex: bool = True
     capacity_bytes: int | None = None
     batch_size: int = 1
+    reuse_in_flight: bool = False
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -158,6 +177,8 @@ class StepProfile:
             set_(self, "capacity_bytes", parse_size(self.capacity_bytes, what="capacity_bytes"))
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigurationError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if not isinstance(self.reuse_in_flight, bool):
+            raise ConfigurationError(f"reuse_in_flight must be True or False, got {self.reuse_in_flight!r}")
 
     # --- derived figures -------------------------------------------------------------
 
@@ -203,7 +224,7 @@ class StepProfile:
 
     def with_link(self, **changes: Any) -> StepProfile:
         """A copy with other link or capacity settings, e.g. ``with_link(h2d_bandwidth="64GB/s")``."""
-        allowed = {"d2h_bandwidth", "h2d_bandwidth", "latency_s", "duplex", "capacity_bytes"}
+        allowed = {"d2h_bandwidth", "h2d_bandwidth", "latency_s", "duplex", "capacity_bytes", "reuse_in_flight"}
         unknown = set(changes) - allowed
         if unknown:
             raise ConfigurationError(f"with_link() accepts {sorted(allowed)}, not {sorted(unknown)}")
@@ -241,6 +262,7 @@ class StepProfile:
                 recompute_s=layer.recompute_time * scale,
                 working_bytes=-(-layer.working_bytes // microbatches),
                 input_bytes=-(-layer.input_bytes // microbatches),
+                offload_overhead_s=layer.offload_overhead_s,  # per saved tensor, not per sample
             )
             for layer in self.layers
         ]
@@ -266,6 +288,7 @@ class StepProfile:
             "duplex": self.duplex,
             "capacity_bytes": self.capacity_bytes,
             "batch_size": self.batch_size,
+            "reuse_in_flight": self.reuse_in_flight,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -291,6 +314,7 @@ class StepProfile:
             "duplex",
             "capacity_bytes",
             "batch_size",
+            "reuse_in_flight",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

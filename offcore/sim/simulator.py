@@ -79,6 +79,23 @@ __all__ = [
 # At equal times frees are applied before allocations. The executor and the activation
 # plugin must keep these lifetimes for the prediction to hold.
 
+# Note [Reuse of device copies still in flight]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A device copy may be freed only after its D2H completed (offcore/objects.py, Note [When
+# may a device copy be freed?]); until then it is still there, and offcore_torch uses it
+# rather than reloading (offload.py, Note [Prefetch from the end of forward]). With
+# ``StepProfile.reuse_in_flight`` the simulator does the same for an offloaded layer whose
+# D2H lands after the end of forward:
+#   - backward reaches the layer before its D2H landed: the device copy is used in place;
+#   - its D2H lands when the prefetch policy would already start its reload (deadline or
+#     lead; within the prefetch budget): the copy is kept, as the plugin "holds" it.
+# Either way its bytes stay on the device from its forward to the end of its backward or
+# the landing of its D2H, whichever is later (offcore holds the source of a copy in flight);
+# there is no H2D and no wait; its D2H still occupies the link, and
+# the step ends when the last copy has landed (a wait charged to that layer when compute
+# finishes first). A D2H that lands before forward ends is released and reloaded as usual.
+# Without ``reuse_in_flight`` every offloaded layer is reloaded after its D2H.
+
 # Note [Copies of one step never overlap]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # D2H copies run in forward order and H2D copies in backward order, so the first reload
@@ -140,10 +157,12 @@ class SimResult:
     h2d_bytes: int
     capacity_bytes: int | None
     events: tuple[TimelineEvent, ...] = field(default=(), repr=False)
+    reused_bytes: int = 0
+    """Offloaded bytes used in place instead of reloaded (Note [Reuse of device copies still in flight])."""
 
     @property
     def compute_s(self) -> float:
-        """Time the compute stream is busy: forward + backward + recompute (+ micro-step overhead)."""
+        """Time the compute stream is busy: forward + backward + recompute (+ offload and micro-step overhead)."""
         return self.forward_s + self.backward_s + self.recompute_s + self.overhead_s
 
     @property
@@ -194,6 +213,7 @@ class SimResult:
             "activation_peak_bytes": self.activation_peak_bytes,
             "d2h_bytes": self.d2h_bytes,
             "h2d_bytes": self.h2d_bytes,
+            "reused_bytes": self.reused_bytes,
             "d2h_busy_s": self.d2h_busy_s,
             "h2d_busy_s": self.h2d_busy_s,
             "oom": self.oom,
@@ -300,7 +320,7 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         forward_s=count * micro.forward_s,
         backward_s=count * micro.backward_s,
         recompute_s=count * micro.recompute_s,
-        overhead_s=(count - 1) * overhead_s,
+        overhead_s=count * micro.overhead_s + (count - 1) * overhead_s,
         exposed_wait_s=count * micro.exposed_wait_s,
         wait_by_layer={name: count * wait for name, wait in micro.wait_by_layer.items()},
         static_bytes=micro.static_bytes,
@@ -314,6 +334,7 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         h2d_bytes=count * micro.h2d_bytes,
         capacity_bytes=capacity,
         events=tuple(events),
+        reused_bytes=count * micro.reused_bytes,
     )
 
 
@@ -322,8 +343,12 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     n = len(layers)
     names = profile.layer_names
     actions = plan.actions
-    fwd = [layer.forward_s for layer in layers]
-    bwd = [layer.backward_s for layer in layers]
+    # offload overhead (host work of the runtime) runs on the compute stream: half in forward, half in backward
+    half_overhead = [
+        layer.offload_overhead_s / 2 if actions[i] is Action.OFFLOAD else 0.0 for i, layer in enumerate(layers)
+    ]
+    fwd = [layer.forward_s + extra for layer, extra in zip(layers, half_overhead, strict=True)]
+    bwd = [layer.backward_s + extra for layer, extra in zip(layers, half_overhead, strict=True)]
     rec = [layer.recompute_time for layer in layers]
     saved = [layer.saved_bytes for layer in layers]
     work = [layer.working_bytes for layer in layers]
@@ -386,6 +411,8 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
         clock += duration
 
     offloaded = [i for i in range(n) if actions[i] is Action.OFFLOAD]
+    reuse = profile.reuse_in_flight
+    reused: set[int] = set()  # Note [Reuse of device copies still in flight]
     d2h_time = {i: profile.transfer_s(saved[i], "d2h") for i in offloaded}
     h2d_time = {i: profile.transfer_s(saved[i], "h2d") for i in offloaded}
     reload_order = offloaded[::-1]  # backward consumes the last layer first
@@ -443,7 +470,7 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
                     clock = end
                 recompute_total += duration
             else:
-                if actions[i] is Action.OFFLOAD:
+                if actions[i] is Action.OFFLOAD and i not in reused:
                     arrival = h2d_end[i]
                     if arrival > clock:
                         waits[names[i]] = arrival - clock
@@ -454,7 +481,7 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
                         clock = arrival
                 start, end = clock, clock + duration
                 allocate(start, work[i], 2 * step)
-                freed = work[i] + saved[i]
+                freed = work[i] + (0 if i in reused else saved[i])  # a reused copy: freed when its D2H lands
                 if actions[i] is Action.RECOMPUTE and segment_of[i][0] == i:
                     freed += inputs[i]
                 free(end, freed, 2 * step + 1)
@@ -496,12 +523,23 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
         return ready
 
     d2h_end: dict[int, float] = {}
+    d2h_free: dict[int, tuple[float, float]] = {}  # applied at the end, unless the copy was reused
     busy = {"d2h": 0.0, "h2d": 0.0}
+
+    def reused_in_place(k: int, ready: float) -> bool:
+        """Note [Reuse of device copies still in flight]: is reload k's device copy kept instead?"""
+        i = reload_order[k]
+        landed = d2h_end[i]
+        if not reuse or landed <= forward_done or ready != landed:
+            return False
+        if prefetch.mode == "on_demand":
+            return landed > compute_clock  # reload_ready ran compute up to this layer's backward
+        return True
 
     def run_d2h(i: int, start: float) -> float:
         end = start + d2h_time[i]
         d2h_end[i] = end
-        free(end, saved[i], 2 * i + 1.5 if end == forward_end[i] else -1.0)
+        d2h_free[i] = (end, 2 * i + 1.5 if end == forward_end[i] else -1.0)
         busy["d2h"] += d2h_time[i]
         if record_events:
             events.append(TimelineEvent("d2h", f"d2h:{names[i]}", start, end, "d2h", names[i]))
@@ -524,6 +562,9 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
         for k, i in enumerate(reload_order):
             ready = reload_ready(k, d2h_end)
             assert ready is not None
+            if reused_in_place(k, ready):
+                reused.add(i)
+                continue
             link_free = run_h2d(i, max(ready, link_free))
     else:
         # one shared link: serve the head of each queue in order of readiness (D2H on ties)
@@ -535,6 +576,10 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
             if next_h2d < len(reload_order):
                 candidate = reload_ready(next_h2d, d2h_end)
                 if candidate is not None:
+                    if reused_in_place(next_h2d, candidate):
+                        reused.add(reload_order[next_h2d])
+                        next_h2d += 1
+                        continue
                     ready_h2d = candidate
             if ready_d2h <= ready_h2d:
                 link_free = run_d2h(offloaded[next_d2h], max(ready_d2h, link_free))
@@ -544,7 +589,23 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
                 next_h2d += 1
 
     advance_to(len(tasks))
+    for i, (time, rank) in d2h_free.items():
+        if i not in reused:
+            free(time, saved[i], rank)
+        elif time > backward_end[i]:  # the copy outlives its backward: freed when the D2H lands
+            free(time, saved[i], -1.0)
+        else:
+            free(backward_end[i], saved[i], 2 * backward_step[i] + 1)
     step_time = compute_clock
+    if d2h_end:
+        last = max(d2h_end, key=lambda i: d2h_end[i])
+        if d2h_end[last] > step_time:  # only a reused copy's D2H can outlast compute: the step drains it
+            waits[names[last]] = waits.get(names[last], 0.0) + d2h_end[last] - step_time
+            if record_events:
+                events.append(
+                    TimelineEvent("compute", f"wait:{names[last]}", step_time, d2h_end[last], "wait", names[last])
+                )
+            step_time = d2h_end[last]
 
     # ---- device bytes over time -------------------------------------------------------
     memory.sort(key=lambda item: (item[0], item[1]))
@@ -573,13 +634,14 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
     if record_events:
         events.sort(key=lambda e: (e.start, e.stream))
     offloaded_bytes = sum(saved[i] for i in offloaded)
+    reused_bytes = sum(saved[i] for i in reused)
     return SimResult(
         plan=plan,
         step_time_s=step_time,
-        forward_s=math.fsum(fwd),
-        backward_s=math.fsum(bwd),
+        forward_s=math.fsum(layer.forward_s for layer in layers),
+        backward_s=math.fsum(layer.backward_s for layer in layers),
         recompute_s=recompute_total,
-        overhead_s=0.0,
+        overhead_s=2 * math.fsum(half_overhead),
         exposed_wait_s=math.fsum(waits.values()),
         wait_by_layer=waits,
         static_bytes=static,
@@ -590,7 +652,8 @@ def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> Sim
         d2h_busy_s=busy["d2h"],
         h2d_busy_s=busy["h2d"],
         d2h_bytes=offloaded_bytes,
-        h2d_bytes=offloaded_bytes,
+        h2d_bytes=offloaded_bytes - reused_bytes,
         capacity_bytes=profile.capacity_bytes,
         events=tuple(events),
+        reused_bytes=reused_bytes,
     )

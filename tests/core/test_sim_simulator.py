@@ -76,17 +76,88 @@ def test_offloaded_bytes_are_freed_only_when_their_d2h_completes():
     assert result.memory_at(h2d.start) == 100 * MB
 
 
-def test_a_reload_never_starts_before_its_d2h_has_completed():
-    # D2H takes 10 s, far beyond the rest of the step: the reload waits for it
-    profile = StepProfile(
-        [LayerProfile("l0", 0.0, 1.0, 10), LayerProfile("l1", 0.0, 1.0, 0)],
-        d2h_bandwidth=1.0,
-        h2d_bandwidth=10.0,
-    )
-    result = simulate(profile, Plan(["offload", "keep"]))
+def test_backward_uses_a_device_copy_whose_d2h_has_not_landed_in_place():
+    """Note [Reuse of device copies still in flight] (mirrors Note [When may a device copy be freed?]).
+
+    l0's D2H takes 10 s, far beyond the rest of the step. Its device copy cannot be freed
+    before that copy lands, so when backward reaches l0 at t = 1 the bytes are still on
+    the device: the runtime (``reuse_in_flight=True``, as offcore_torch) reads them in
+    place, with no reload and no wait for a reload. The step still ends only when the
+    D2H has landed (the device is synchronised), so the rest of the copy is charged to l0
+    as a wait, and the device bytes, the copy's source, are freed then. A runtime that always reloads (the default model) waits for the D2H, then
+    for the H2D.
+    """
+    layers = [LayerProfile("l0", 0.0, 1.0, 10), LayerProfile("l1", 0.0, 1.0, 0)]
+    strict = StepProfile(layers, d2h_bandwidth=1.0, h2d_bandwidth=10.0)
+    result = simulate(strict, Plan(["offload", "keep"]))
     assert only(events_of(result, "h2d")).start == only(events_of(result, "d2h")).end == 10.0
     assert result.step_time_s == 12.0
     assert result.wait_by_layer == {"l0": pytest.approx(10.0)}
+    assert result.reused_bytes == 0 and result.h2d_bytes == 10
+
+    reusing = simulate(strict.with_link(reuse_in_flight=True), Plan(["offload", "keep"]))
+    assert events_of(reusing, "h2d") == []
+    assert reusing.h2d_bytes == 0 and reusing.reused_bytes == 10 and reusing.d2h_bytes == 10
+    backward = only(events_of(reusing, "backward", "l0"))
+    assert (backward.start, backward.end) == (1.0, 2.0)  # no wait before it: the device copy is used
+    assert reusing.memory_at(5.0) == 10  # backward ended, but the copy's source lives until it lands
+    assert reusing.memory_at(10.0) == 0
+    assert reusing.step_time_s == 10.0 and reusing.wait_by_layer == {"l0": pytest.approx(8.0)}  # the D2H drains
+
+
+def test_a_d2h_landing_before_forward_ends_is_reloaded_even_with_reuse():
+    # l0's 1 s D2H lands at 1.5, before forward ends at 2.5: it is released and reloaded by deadline
+    profile = StepProfile(
+        [LayerProfile("l0", 0.5, 1.0, 100 * MB), LayerProfile("l1", 2.0, 1.0, 0)],
+        d2h_bandwidth=100 * MB,
+        h2d_bandwidth=100 * MB,
+        reuse_in_flight=True,
+    )
+    result = simulate(profile, Plan(["offload", "keep"]))
+    assert result.reused_bytes == 0
+    assert only(events_of(result, "h2d")).start == pytest.approx(2.5)
+    assert result.memory_at(2.0) == 0
+
+
+def test_a_d2h_landing_after_forward_when_its_reload_is_due_keeps_the_device_copy():
+    # the last layer's D2H (2 s) lands at 4 during l2's 3 s backward; deadline wants l1 back at 5 - 2 = 3 < 4
+    profile = StepProfile(
+        [LayerProfile("l0", 1.0, 1.0, 0), LayerProfile("l1", 1.0, 1.0, 2), LayerProfile("l2", 0.0, 3.0, 0)],
+        d2h_bandwidth=1.0,
+        h2d_bandwidth=1.0,
+        reuse_in_flight=True,
+    )
+    result = simulate(profile, Plan(["keep", "offload", "keep"]))
+    assert only(events_of(result, "d2h")).end == 4.0
+    assert events_of(result, "h2d") == [] and result.reused_bytes == 2
+    assert result.exposed_wait_s == 0.0 and result.step_time_s == 7.0
+    # a later deadline (l2's backward longer) releases it on landing and reloads it in time
+    later = replace_layer(profile, 2, LayerProfile("l2", 0.0, 6.0, 0))
+    relaxed = simulate(later, Plan(["keep", "offload", "keep"]))
+    assert relaxed.reused_bytes == 0 and only(events_of(relaxed, "h2d")).start == pytest.approx(6.0)
+    assert relaxed.memory_at(5.0) == 0
+
+
+def replace_layer(profile, index, layer):
+    layers = list(profile.layers)
+    layers[index] = layer
+    return StepProfile(
+        layers,
+        d2h_bandwidth=profile.d2h_bandwidth,
+        h2d_bandwidth=profile.h2d_bandwidth,
+        reuse_in_flight=profile.reuse_in_flight,
+    )
+
+
+def test_offload_overhead_is_charged_to_the_compute_stream_of_offloaded_layers():
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 8, offload_overhead_s=0.5) for i in range(2)]
+    profile = StepProfile(layers)  # an unlimited link: only the overhead costs time
+    assert simulate(profile, Plan.keep_all(2)).step_time_s == 6.0
+    result = simulate(profile, Plan(["offload", "keep"]))
+    assert result.step_time_s == 6.5 and result.overhead_s == 0.5 and result.compute_s == 6.5
+    forward = only(events_of(result, "forward", "l0"))
+    backward = only(events_of(result, "backward", "l0"))
+    assert forward.duration == 1.25 and backward.duration == 2.25
 
 
 def test_on_demand_starts_the_copy_when_backward_reaches_the_layer():
@@ -307,6 +378,25 @@ def test_within_one_step_every_reload_starts_after_every_d2h(data):
         assert min(e.start for e in h2d) >= max(e.end for e in d2h)
     other = simulate(profile.with_link(duplex=not profile.duplex), plan)
     assert other.step_time_s == result.step_time_s and other.peak_bytes == result.peak_bytes
+
+
+@PROPERTY
+@given(st.data())
+def test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound(data):
+    profile = data.draw(profiles())
+    plan = data.draw(plans(profile.n_layers))
+    strict = simulate(profile, plan)
+    reusing_profile = profile.with_link(reuse_in_flight=True)
+    reusing = simulate(reusing_profile, plan)
+    assert reusing.step_time_s <= strict.step_time_s * (1 + 1e-9) + 1e-15
+    assert reusing.step_time_s >= plan_lower_bound(reusing_profile, plan) * (1 - 1e-9) - 1e-15
+    assert reusing.step_time_s == pytest.approx(reusing.compute_s + reusing.exposed_wait_s, rel=1e-9, abs=1e-15)
+    assert reusing.memory_bytes[-1] == profile.static_bytes
+    assert reusing.h2d_bytes + reusing.reused_bytes == reusing.d2h_bytes
+    d2h = {e.layer: e for e in events_of(reusing, "d2h")}
+    for h2d in events_of(reusing, "h2d"):
+        assert h2d.start >= d2h[h2d.layer].end
+        assert only(events_of(reusing, "backward", h2d.layer)).start >= h2d.end
 
 
 @PROPERTY
