@@ -152,10 +152,13 @@ def _current_op() -> str:
         return type(node).__name__
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_current_autograd_node = torch._C._current_autograd_node
+
+
 def _graph_task_id() -> int:
     """Autograd's id of the backward pass running now (-1 outside backward or when torch does not tell)."""
-    getter = getattr(torch._C, "_current_graph_task_id", None)
-    return int(getter()) if getter is not None else -1
+    return int(_GRAPH_TASK_ID()) if _GRAPH_TASK_ID is not None else -1
 
 
 def _inside_checkpoint() -> bool:
@@ -226,7 +229,9 @@ class _Entry:
     __slots__ = (
         "region",
         "key",
-        "name",
+        "where",
+        "meta",
+        "_name",
         "nbytes",
         "obj",
         "skey",
@@ -251,14 +256,25 @@ class _Entry:
         "__weakref__",
     )
 
-    def __init__(self, region: OffloadHandle, key: int, name: str, storage: torch.UntypedStorage) -> None:
+    def __init__(
+        self,
+        region: OffloadHandle,
+        key: int,
+        where: str,
+        meta: TensorMeta,
+        storage: torch.UntypedStorage,
+        nbytes: int,
+        skey: int,
+    ) -> None:
         self.region = region
         self.key = key
-        self.name = name
-        self.nbytes = int(storage.nbytes())
-        self.obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=self.nbytes, name=name)
-        self.skey = storage_key(storage)
-        self.storage_ref: weakref.ref[torch.UntypedStorage] = weakref.ref(storage, _storage_death_callback(self))
+        self.where = where
+        self.meta = meta
+        self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
+        self.nbytes = nbytes
+        self.obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=nbytes, name=f"#{key} {where}")
+        self.skey = skey
+        self.storage_ref: weakref.ref[torch.UntypedStorage] = _StorageRef(storage, self)
         self.src: torch.Tensor | None = None
         self.host: Any = None
         self.host_view: torch.Tensor | None = None
@@ -277,6 +293,14 @@ class _Entry:
         self.disposed = False
         self.prefetch_counted = False
 
+    @property
+    def name(self) -> str:
+        """``#<save index> <module> <shape> <dtype>``: how stats, waits and traces name this storage."""
+        name = self._name
+        if name is None:
+            name = self._name = f"#{self.key} {self.where} {self.meta.describe()}"
+        return name
+
     def live_items(self) -> list[_Offloaded]:
         return [item for ref in self.items if (item := ref()) is not None]
 
@@ -285,20 +309,31 @@ class _Entry:
         return all(item.unpacked_round == round_ for item in self.live_items())
 
 
-def _storage_death_callback(entry: _Entry) -> Any:
-    """A weakref callback that reaches ``entry`` weakly (no entry -> weakref -> callback -> entry cycle)."""
-    entry_ref = weakref.ref(entry)
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to an offloaded storage that tells its entry when the storage dies.
 
-    def died(_ref: Any) -> None:
-        # Note [When may a device copy be freed?], point (2): bytes count as freed only here.
-        found = entry_ref()
-        if found is not None:
-            try:
-                found.region._storage_died(found)
-            except Exception:  # pragma: no cover - weakref callbacks must not raise
-                pass
+    The entry is reached weakly (no entry -> weakref -> entry cycle); one shared callback,
+    no closure per storage.
+    """
 
-    return died
+    __slots__ = ("entry_ref",)
+
+    def __new__(cls, storage: torch.UntypedStorage, entry: _Entry) -> _StorageRef:
+        return super().__new__(cls, storage, _storage_died)
+
+    def __init__(self, storage: torch.UntypedStorage, entry: _Entry) -> None:
+        super().__init__(storage, _storage_died)
+        self.entry_ref = weakref.ref(entry)
+
+
+def _storage_died(ref: _StorageRef) -> None:
+    # Note [When may a device copy be freed?], point (2): bytes count as freed only here.
+    found = ref.entry_ref()
+    if found is not None:
+        try:
+            found.region._storage_died(found)
+        except Exception:  # pragma: no cover - weakref callbacks must not raise
+            pass
 
 
 # ------------------------------------------------------------------------------- region
@@ -358,6 +393,10 @@ class OffloadHandle:
         self._host_pool: Any = None  # the runtime's pool for this policy, looked up once
         self._tracing = policy.trace
         self._timed_per_direction: collections.Counter[Direction] = collections.Counter()
+        # the policy's per-tensor decisions that never change, taken once
+        self._min_bytes = policy.min_bytes
+        self._scoped = policy.modules is not None
+        self._watermark = policy.watermark is not None
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> OffloadHandle:
@@ -463,23 +502,25 @@ class OffloadHandle:
         return _Kept(tensor, key)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        # Once per saved tensor: attribute look-ups are hoisted and the policy's constant
+        # decisions were taken in __init__ (_min_bytes, _scoped, _watermark).
         key = self._next_key
-        self._next_key += 1
-        now = time.perf_counter()
-        self._observation.pack_times[key] = now - self._t_enter
+        self._next_key = key + 1
+        self._observation.pack_times[key] = time.perf_counter() - self._t_enter
         self._stats.saved_tensors += 1
         self.runtime.poll()
 
-        if torch._C._current_autograd_node() is not None:
+        if _current_autograd_node() is not None:
             return self._keep(tensor, key, "during_backward")
         if getattr(_local, "suspended", 0):
             return self._keep(tensor, key, "no_offload")
         if not is_offloadable_kind(tensor):
             return self._keep(tensor, key, "unsupported")
         storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
+        nbytes = storage.nbytes()
+        if nbytes == 0:
             return self._keep(tensor, key, "empty")
-        skey = storage_key(storage)
+        skey = storage._cdata  # storage_key(storage), inlined
         if skey in self._param_keys:
             return self._keep(tensor, key, "parameter")
         if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
@@ -497,14 +538,14 @@ class OffloadHandle:
         if marked is None:
             if self._exclude_depth:
                 return self._keep(tensor, key, "excluded")
-            if self.policy.modules is not None and not self._scope_depth:
+            if self._scoped and not self._scope_depth:
                 return self._keep(tensor, key, "outside_modules")
-            if storage.nbytes() < self.policy.min_bytes:
+            if nbytes < self._min_bytes:
                 return self._keep(tensor, key, "small")
-            if self.policy.watermark is not None and not self._under_pressure():
+            if self._watermark and not self._under_pressure():
                 return self._keep(tensor, key, "watermark")
         meta = TensorMeta.of(tensor)
-        entry = self._offload(storage, tensor, key, meta)
+        entry = self._offload(storage, nbytes, skey, tensor, key, meta)
         if entry is None:
             return self._keep(tensor, key, "host_budget")
         return self._record(entry, tensor, key, meta)
@@ -577,21 +618,20 @@ class OffloadHandle:
         return None, view, Tier.PAGEABLE
 
     def _offload(
-        self, storage: torch.UntypedStorage, tensor: torch.Tensor, key: int, meta: TensorMeta
+        self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
     ) -> _Entry | None:
-        nbytes = int(storage.nbytes())
         host = self._acquire_host(nbytes)
         if host is None:
             return None
         buffer, host_view, tier = host
         where = self._module_stack[-1] if self._module_stack else "forward"
-        entry = _Entry(self, key, f"#{key} {where} {meta.describe()}", storage)
+        entry = _Entry(self, key, where, meta, storage, nbytes, skey)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         entry.src = raw_bytes(storage, tensor.device)
         device, runtime = self.device, self.runtime
         stream = runtime.d2h_stream
-        timed = runtime.timing and runtime.sample(Direction.D2H, always=self._must_time(Direction.D2H))
+        timed = runtime.timing and self._timed_copy(Direction.D2H)
         with _range("offcore::d2h"):
             stream.wait_event(device.current_stream().record_event())  # the producer, read now
             if timed:
@@ -659,11 +699,15 @@ class OffloadHandle:
         budget = self.policy.prefetch_budget
         return self._outstanding + nbytes <= budget or (self._outstanding == 0 and budget > 0)
 
-    def _must_time(self, direction: Direction) -> bool:
-        """Time every copy when tracing, and each region's first few per direction (its bandwidth figure)."""
+    def _timed_copy(self, direction: Direction) -> bool:
+        """Whether to bracket the next copy with timing events.
+
+        Every copy when tracing, each region's first few per direction (its bandwidth
+        figure), and otherwise the runtime's sample (:meth:`DeviceRuntime.sample`).
+        """
         count = self._timed_per_direction[direction]
         self._timed_per_direction[direction] = count + 1
-        return self._tracing or count < 4
+        return self.runtime.sample(direction, always=self._tracing or count < 4)
 
     def _count_prefetch(self, entry: _Entry) -> None:
         entry.prefetch_counted = True
@@ -756,10 +800,10 @@ class OffloadHandle:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         self.runtime.poll()
-        if torch._C._current_autograd_node() is not None:
+        if _current_autograd_node() is not None:
             if not self._in_backward:
                 self._begin_backward()
-            elif _graph_task_id() != self._graph_task:
+            elif (_GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1) != self._graph_task:
                 # the backward pass that began the round raised, so its end callback never ran
                 self._end_backward()
                 self._begin_backward()
@@ -806,7 +850,8 @@ class OffloadHandle:
         entry.used = True
         entry.used_round = self._round
         packed.unpacked_round = self._round
-        if entry.all_unpacked(self._round):
+        # ``packed`` is alive (autograd passed it in): with one live record it is the only one
+        if entry.live == 1 or entry.all_unpacked(self._round):
             self._consumed(entry)
         return out
 
@@ -924,14 +969,23 @@ class OffloadHandle:
         """An unpack at ``now`` (seconds into backward): start the reloads the plan says are due."""
         plan = self._plan
         if plan is not None and len(plan):
-            self._prefetch_due(plan.virtual_time(key, now))
+            self._vtime = vtime = plan.virtual_time(key, now)
+            due = plan.due(vtime)
+            if due:
+                self._start_due(plan, due)
 
     def _prefetch_due(self, vtime: float) -> None:
         plan = self._plan
         if plan is None or not len(plan):
             return
         self._vtime = vtime
-        for k in plan.due(vtime):
+        due = plan.due(vtime)
+        if due:
+            self._start_due(plan, due)
+
+    def _start_due(self, plan: PrefetchPlan, due: list[int]) -> None:
+        """Start the reloads ``plan`` says are due now (deadline order), within the prefetch budget."""
+        for k in due:
             entry = self._by_key.get(k)
             if entry is not None and not entry.disposed and not entry.landed:
                 continue  # its D2H copy is in flight: the device copy is still there (see _landed)
@@ -960,7 +1014,7 @@ class OffloadHandle:
                 return False
             raise
         stream = runtime.h2d_stream
-        timed = runtime.timing and runtime.sample(Direction.H2D, always=self._must_time(Direction.H2D))
+        timed = runtime.timing and self._timed_copy(Direction.H2D)
         with _range("offcore::h2d"):
             # the new buffer may reuse memory the compute stream used until now
             stream.wait_event(device.current_stream().record_event())
