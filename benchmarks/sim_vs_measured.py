@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 link=link,
                 batch_size=settings.batch,
                 capacity_bytes=budget,
+                calibrate=True,
             )
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:

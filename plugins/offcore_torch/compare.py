@@ -587,8 +587,9 @@ class WorkloadProfiler:
             self.batch = work.make_batch(0, self.torch_device)
 
     def measure(self, **options: Any) -> StepMeasurement:
-        """One profiled step (:func:`offcore_torch.profiler.measure_step`; ``options`` pass through, default no link)."""
+        """One profiled step (:func:`offcore_torch.profiler.measure_step`; ``options`` pass through; default no link, calibrated)."""
         options.setdefault("link", False)
+        options.setdefault("calibrate", True)  # Note [Profiler calibration]
         torch.manual_seed(self.settings.seed)
         with self.device:
             return measure_step(

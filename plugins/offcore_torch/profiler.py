@@ -32,6 +32,13 @@ offcore backend:
     (3, True, True)
     >>> dev.close()
 
+With ``calibrate=True`` it also runs a few extra forward/backward passes (RNG state and
+gradients restored afterwards, no optimizer step; Note [Profiler calibration]): plain
+ones, to remove the instrumentation's own cost from the layer times, and ones under
+:func:`offcore_torch.offload_activations`, to measure the offloading runtime's host work
+per saved storage (``LayerProfile.offload_overhead_s``). Every measured profile sets
+``reuse_in_flight`` (the activation plugin reuses device copies still in flight).
+
 Only the profiled layers are planned; what runs outside them (embedding, output head,
 loss, optimizer) is measured as *other* time and bytes in :class:`StepMeasurement`, so
 a predicted step time is ``simulate(...).step_time_s + measurement.other_compute_s``.
@@ -208,6 +215,10 @@ class StepMeasurement:
       changes it — a device must hold ``max(simulated peak, optimizer_peak_bytes)``, see
       :meth:`predicted_peak`).
     - ``layer_calls``: how often each layer ran in forward (1 expected).
+    - ``instrumentation_scale``: the factor applied to the instrumented forward and
+      backward times (plain / instrumented, ≤ 1; 1 without calibration);
+      ``offload_overhead_per_storage_s``: the offloading runtime's host time per saved
+      storage (0 without calibration); ``layer_storages``: saved storages per layer.
     """
 
     profile: StepProfile
@@ -224,6 +235,9 @@ class StepMeasurement:
     calibration_bytes: int
     link: LinkMeasurement | None = None
     layer_calls: tuple[int, ...] = field(default=())
+    instrumentation_scale: float = 1.0
+    offload_overhead_per_storage_s: float = 0.0
+    layer_storages: tuple[int, ...] = field(default=())
 
     @property
     def step_s(self) -> float:
@@ -284,6 +298,9 @@ class StepMeasurement:
             "calibration_bytes": self.calibration_bytes,
             "link": None if self.link is None else self.link.to_dict(),
             "layer_calls": list(self.layer_calls),
+            "instrumentation_scale": self.instrumentation_scale,
+            "offload_overhead_per_storage_s": self.offload_overhead_per_storage_s,
+            "layer_storages": list(self.layer_storages),
         }
 
 
@@ -337,6 +354,7 @@ class _LayerRecord:
     backward_start: Any = None
     backward_end: Any = None
     saved_bytes: int = 0
+    saved_storages: int = 0
     input_bytes: int = 0
     forward_transient: int = 0
     backward_transient: int = 0
@@ -358,6 +376,8 @@ def measure_step(
     link: LinkMeasurement | bool = True,
     batch_size: int = 1,
     capacity_bytes: int | None = None,
+    calibrate: bool = False,
+    calibration_passes: int = 3,
 ) -> StepMeasurement:
     """Run one training step of ``model`` on ``device`` and measure it (see the module doc).
 
@@ -375,11 +395,20 @@ def measure_step(
             link unlimited.
         batch_size: samples in the step (the planner splits it into micro-batches).
         capacity_bytes: overrides the device capacity in the profile.
+        calibrate: also run ``calibration_passes`` pairs of extra forward/backward passes
+            (one plain, one under ``offload_activations``) to correct the layer times
+            for the profiler's own cost and to measure the offload overhead per storage
+            (Note [Profiler calibration]). Gradients and the RNG state are restored;
+            buffers a forward updates (batch-norm statistics) are updated again.
 
     Raises:
         ConfigurationError: ``step`` did not return a scalar tensor that requires grad,
             or a layer ran more than once or never.
     """
+    if isinstance(calibration_passes, bool) or not (isinstance(calibration_passes, int) and calibration_passes >= 1):
+        raise ConfigurationError(
+            f"calibration_passes must be a positive integer, got {calibration_passes!r}; 3 is a good default"
+        )
     named = resolve_layers(model, layers)
     n = len(named)
     records = [_LayerRecord(name) for name, _ in named]
@@ -458,6 +487,7 @@ def measure_step(
             seen_storages.add(key)
             if stack:
                 records[stack[-1]].saved_bytes += storage.nbytes()
+                records[stack[-1]].saved_storages += 1
             else:
                 other_saved += storage.nbytes()
             return tensor
@@ -503,11 +533,16 @@ def measure_step(
     forward_total = t(forward_end)
     backward_total = t(backward_end) - forward_total
     optimizer_s = t(optimizer_end) - t(backward_end)
+    scale, per_storage = 1.0, 0.0
+    if calibrate:
+        scale, per_storage = _calibrate(
+            model, step, device, [module for _, module in named], forward_total + backward_total, calibration_passes
+        )
 
     layer_profiles: list[LayerProfile] = []
     backward_starts = [t(r.backward_start) if r.backward_start is not None else None for r in records]
     for i, record in enumerate(records):
-        forward_s = t(record.forward_end) - t(record.forward_start)
+        forward_s = (t(record.forward_end) - t(record.forward_start)) * scale
         start = backward_starts[i]
         if start is None:  # no gradient flowed through this layer's outputs
             backward_s = 0.0
@@ -517,7 +552,7 @@ def measure_step(
             else:  # its inputs need no gradient: it ends where the next layer (in backward) starts
                 later = [s for s in backward_starts[:i] if s is not None and s >= start]
                 end = max(later) if later else t(backward_end)
-            backward_s = max(0.0, end - start)
+            backward_s = max(0.0, end - start) * scale
         layer_profiles.append(
             LayerProfile(
                 record.name,
@@ -527,8 +562,11 @@ def measure_step(
                 recompute_s=max(0.0, forward_s),
                 working_bytes=max(record.forward_transient, record.backward_transient),
                 input_bytes=record.input_bytes,
+                offload_overhead_s=per_storage * record.saved_storages,
             )
         )
+    forward_total *= scale
+    backward_total *= scale
 
     if link is True:
         with device:
@@ -551,6 +589,7 @@ def measure_step(
         other_bytes=base_other,
         capacity_bytes=capacity,
         batch_size=batch_size,
+        reuse_in_flight=True,  # offcore_torch uses device copies still in flight (simulator.py Note)
         **(link_measurement.as_profile_fields() if link_measurement is not None else {}),
     )
     # Note [Calibrated other bytes]: the layers' lifetimes are modelled; the rest (head, loss,
@@ -576,7 +615,88 @@ def measure_step(
         calibration_bytes=calibration,
         link=link_measurement,
         layer_calls=tuple(r.calls for r in records),
+        instrumentation_scale=scale,
+        offload_overhead_per_storage_s=per_storage,
+        layer_storages=tuple(r.saved_storages for r in records),
     )
+
+
+# Note [Profiler calibration]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The instrumented step pays for its own hooks (timing events, memory statistics, the
+# saved-tensor hook) inside the layers it times, so its layer times overstate a plain
+# step's (by ~10 % for a small model on the CPU fake device). Calibration times plain
+# forward+backward passes with two events and scales every layer's forward, backward and
+# recompute time (and the time outside the layers) by plain / instrumented (never above 1).
+# The offloading runtime's own host work (pack and unpack per saved storage: Python, pool,
+# events) runs on the compute stream too; passes under offload_activations(modules=layers,
+# min_bytes=0) give it as (offloaded pass − its exposed wait − plain pass) / storages
+# offloaded, the median over interleaved pairs, so a drift of host load hits both sides.
+
+
+def _calibrate(
+    model: nn.Module,
+    step: Callable[[], Tensor],
+    device: Any,
+    modules: list[nn.Module],
+    instrumented_s: float,
+    passes: int,
+) -> tuple[float, float]:
+    """(scale of instrumented times, offload overhead per storage) from extra passes: Note [Profiler calibration]."""
+    from offcore.scheduler import Scheduler
+    from offcore_torch.offload import offload_activations
+
+    params = list(model.parameters())
+    stashed = [p.grad for p in params]
+    torch_device = torch.device(device.torch_device)
+    fork = (
+        torch.random.fork_rng(devices=[])
+        if torch_device.type == "cpu"
+        else torch.random.fork_rng(devices=[torch_device.index or 0], device_type=torch_device.type)
+    )
+    scheduler = Scheduler()
+
+    def timed(offload: bool) -> tuple[float, float, int]:
+        for p in params:
+            p.grad = None
+        device.synchronize()
+        start = device.new_event(enable_timing=True)
+        end = device.new_event(enable_timing=True)
+        start.record(device.current_stream())
+        wait, storages = 0.0, 0
+        if offload:
+            with offload_activations(device, modules=modules, min_bytes=0, schedule=scheduler) as handle:
+                loss = step()
+            loss.backward()
+        else:
+            loss = step()
+            loss.backward()
+        del loss
+        end.record(device.current_stream())
+        device.synchronize()
+        end.synchronize()
+        if offload:
+            stats = handle.stats()
+            wait, storages = stats.exposed_wait_s, stats.offloaded_storages
+        return start.elapsed_time(end) / 1e3, wait, storages
+
+    plain: list[float] = []
+    overheads: list[float] = []
+    try:
+        with device, fork, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            timed(True)  # warm the runtime (pool, streams) and the scheduler
+            for _ in range(passes):
+                seconds, _, _ = timed(False)
+                plain.append(seconds)
+                offloaded, wait, storages = timed(True)
+                if storages:
+                    overheads.append(max(0.0, offloaded - wait - seconds) / storages)
+    finally:
+        for p, grad in zip(params, stashed, strict=True):
+            p.grad = grad
+    scale = min(1.0, statistics.median(plain) / instrumented_s) if instrumented_s > 0 else 1.0
+    return scale, statistics.median(overheads) if overheads else 0.0
 
 
 def profile_step(

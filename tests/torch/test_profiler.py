@@ -166,3 +166,46 @@ def test_bad_steps_and_layers_are_refused(make_fake_device: Any) -> None:
             profile_step(model, lambda: model(x).sum(), device, link="fast")
     # hooks were removed after each failure: a plain step runs without the profiler's bookkeeping
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+
+
+def test_calibration_scales_times_measures_offload_overhead_and_leaves_no_trace(make_fake_device: Any) -> None:
+    # Note [Profiler calibration]: the extra passes restore gradients and the RNG state, so a calibrated
+    # profile leaves the model exactly as an uncalibrated one does; its figures are consistent
+    device = make_fake_device()
+    results, grads, rng = [], [], []
+    for calibrate in (False, True):
+        with device:
+            workload = gpt_workload(CONFIG, batch_size=4)
+            model = workload.build(0)
+            batch = workload.make_batch(0, torch.device(device.torch_device))
+            torch.manual_seed(7)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                results.append(
+                    measure_step(
+                        model,
+                        lambda model=model, batch=batch, workload=workload: workload.loss(model, batch),
+                        device,
+                        link=False,
+                        calibrate=calibrate,
+                        calibration_passes=1,
+                    )
+                )
+            grads.append([p.grad.clone() for p in model.parameters()])
+            rng.append(torch.get_rng_state())
+    plain, calibrated = results
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+    assert torch.equal(rng[0], rng[1])
+    assert 0.0 < calibrated.instrumentation_scale <= 1.0 and plain.instrumentation_scale == 1.0
+    assert calibrated.offload_overhead_per_storage_s >= 0.0 and plain.offload_overhead_per_storage_s == 0.0
+    assert calibrated.layer_storages == plain.layer_storages and all(c > 0 for c in calibrated.layer_storages)
+    for layer, count in zip(calibrated.profile.layers, calibrated.layer_storages, strict=True):
+        assert layer.offload_overhead_s == pytest.approx(calibrated.offload_overhead_per_storage_s * count)
+    assert all(layer.offload_overhead_s == 0.0 for layer in plain.profile.layers)
+    assert calibrated.profile.reuse_in_flight and plain.profile.reuse_in_flight
+    assert [lp.saved_bytes for lp in calibrated.profile.layers] == [lp.saved_bytes for lp in plain.profile.layers]
+    with pytest.raises(ConfigurationError, match="calibration_passes"):
+        with device:
+            measure_step(
+                model, lambda: workload.loss(model, batch), device, link=False, calibrate=True, calibration_passes=0
+            )
