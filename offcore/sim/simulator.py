@@ -100,7 +100,8 @@ __all__ = [
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # D2H copies run in forward order and H2D copies in backward order, so the first reload
 # is of the last layer offloaded, whose D2H is the last in its queue: every H2D of a step
-# starts after every D2H of that step has ended. For saved activations alone a duplex
+# starts after every D2H of that step has ended (without ``reuse_in_flight``: a copy
+# used in place may still be draining while a later reload runs). For saved activations alone a duplex
 # link therefore gives the same step as a shared one (both are modelled, for profiles that
 # will carry other traffic); bounds.py relies on this to treat both directions as one
 # queue.
