@@ -63,7 +63,7 @@ class _Pending:
         raise NotImplementedError
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one per offloaded storage, on the hot path
 class ManagedObject:
     """One unit of training state that offcore moves between tiers.
 

@@ -65,9 +65,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from offcore.errors import CapacityExceededError, ConfigurationError, SavedTensorModifiedError
+from offcore.errors import CapacityExceededError, ConfigurationError, IllegalTransitionError, SavedTensorModifiedError
 from offcore.kinds import Direction, Kind, Tier
-from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
 from offcore.protocols import Capability
 from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
@@ -178,6 +177,39 @@ def _inside_checkpoint() -> bool:
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (CapacityExceededError, torch.OutOfMemoryError))
+
+
+# ------------------------------------------------------------------------- host bytes
+class _HostBytes:
+    """Host bytes a region's offloaded storages hold, current and peak, per host tier.
+
+    What :class:`offcore.ledger.Ledger` would count for one kind (activations), at a
+    fraction of its cost: one add per offloaded storage, one remove per release.
+    """
+
+    __slots__ = ("current", "peak", "lock")
+
+    def __init__(self) -> None:
+        self.current = {Tier.PINNED: 0, Tier.PAGEABLE: 0}
+        self.peak = {Tier.PINNED: 0, Tier.PAGEABLE: 0}
+        self.lock = threading.Lock()  # releases may run on a thread calling synchronize()
+
+    def add(self, tier: Tier, nbytes: int) -> None:
+        with self.lock:
+            now = self.current[tier] + nbytes
+            self.current[tier] = now
+            if now > self.peak[tier]:
+                self.peak[tier] = now
+
+    def remove(self, tier: Tier, nbytes: int) -> None:
+        with self.lock:
+            now = self.current[tier] - nbytes
+            if now < 0:
+                raise IllegalTransitionError(
+                    f"host byte count underflow: removing {nbytes} bytes from {tier.value}, which holds "
+                    f"{self.current[tier]}; every remove needs a matching add"
+                )
+            self.current[tier] = now
 
 
 # ------------------------------------------------------------------------- saved records
@@ -379,7 +411,7 @@ class OffloadHandle:
         self._outstanding = 0  # prefetched bytes not yet handed to autograd
         self._vtime = 0.0  # the prefetch plan's clock at the last trigger
         self._graph_task = -1  # the autograd graph task of the current backward round
-        self._ledger = Ledger()
+        self._host_bytes = _HostBytes()
         self._counters = CopyCounters(trace=TraceRecorder(process_name="offcore_torch") if policy.trace else None)
         self._stats = OffloadStats()
         self._kept: collections.Counter[str] = collections.Counter()
@@ -653,7 +685,7 @@ class OffloadHandle:
             self._by_storage[entry.skey] = entry
             self._by_key[key] = entry
             self._pending_d2h.append(entry)
-        self._ledger.add(tier, Kind.ACTIVATION, nbytes)
+        self._host_bytes.add(tier, nbytes)
         self._stats.offloaded_bytes += nbytes
         self._stats.offloaded_storages += 1
         return entry
@@ -1070,7 +1102,7 @@ class OffloadHandle:
         host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
         entry.host = entry.host_view = entry.src = entry.restored = None
         tier = obj.host_tier or Tier.PINNED
-        ledger, runtime, device = self._ledger, self.runtime, self.device
+        host_bytes, runtime, device = self._host_bytes, self.runtime, self.device
         pool = self._pool() if host is not None else None
         sanitize = self._sanitize
 
@@ -1081,7 +1113,7 @@ class OffloadHandle:
                 pool.release(host)  # the pool poisons it under the sanitizer
             elif sanitize and host_view is not None:
                 device.poison(host_view)
-            ledger.remove(tier, Kind.ACTIVATION, obj.nbytes)
+            host_bytes.remove(tier, obj.nbytes)
             if obj.state is not State.RELEASED:
                 obj.release()
 
@@ -1107,8 +1139,8 @@ class OffloadHandle:
         peak = self._peak_final if self._peak_final is not None else self._peak_now()
         out = OffloadStats(**{k: v for k, v in s.as_dict().items()})
         out.peak_device_bytes = peak if peak > self._peak_baseline else self._peak_samples
-        out.peak_pinned_bytes = self._ledger.peak(Tier.PINNED)
-        out.peak_pageable_bytes = self._ledger.peak(Tier.PAGEABLE)
+        out.peak_pinned_bytes = self._host_bytes.peak[Tier.PINNED]
+        out.peak_pageable_bytes = self._host_bytes.peak[Tier.PAGEABLE]
         out.exposed_wait_s = c.wait_seconds
         out.waits = dict(c.waits)
         out.d2h_bandwidth = c.d2h_bytes / c.d2h_seconds if c.d2h_seconds > 0 else 0.0

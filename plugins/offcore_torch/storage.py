@@ -85,9 +85,9 @@ def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
 class TensorMeta:
-    """Everything needed to rebuild a saved tensor as a view of a (restored) storage."""
+    """Everything needed to rebuild a saved tensor as a view of a (restored) storage (treat as read-only)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -109,7 +109,7 @@ class TensorMeta:
             )
 
     def describe(self) -> str:
-        dims = "x".join(str(d) for d in self.shape) or "scalar"
+        dims = "x".join(map(str, self.shape)) or "scalar"
         return f"{dims} {str(self.dtype).removeprefix('torch.')}"
 
 
