@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
@@ -218,7 +219,9 @@ class StepMeasurement:
     - ``instrumentation_scale``: the factor applied to the instrumented forward and
       backward times (plain / instrumented, ≤ 1; 1 without calibration);
       ``offload_overhead_per_storage_s``: the offloading runtime's host time per saved
-      storage (0 without calibration); ``layer_storages``: saved storages per layer.
+      storage (0 without calibration); ``recompute_overhead_per_storage_s``: what
+      ``torch.utils.checkpoint`` adds to a recompute beyond the forward, per saved
+      storage (in each layer's ``recompute_s``); ``layer_storages``: saved storages per layer.
     """
 
     profile: StepProfile
@@ -237,6 +240,7 @@ class StepMeasurement:
     layer_calls: tuple[int, ...] = field(default=())
     instrumentation_scale: float = 1.0
     offload_overhead_per_storage_s: float = 0.0
+    recompute_overhead_per_storage_s: float = 0.0
     layer_storages: tuple[int, ...] = field(default=())
 
     @property
@@ -300,6 +304,7 @@ class StepMeasurement:
             "layer_calls": list(self.layer_calls),
             "instrumentation_scale": self.instrumentation_scale,
             "offload_overhead_per_storage_s": self.offload_overhead_per_storage_s,
+            "recompute_overhead_per_storage_s": self.recompute_overhead_per_storage_s,
             "layer_storages": list(self.layer_storages),
         }
 
@@ -533,16 +538,24 @@ def measure_step(
     forward_total = t(forward_end)
     backward_total = t(backward_end) - forward_total
     optimizer_s = t(optimizer_end) - t(backward_end)
-    scale, per_storage = 1.0, 0.0
+    scale, per_storage, checkpoint_extra_s = 1.0, 0.0, 0.0
     if calibrate:
-        scale, per_storage = _calibrate(
+        scale, per_storage, checkpoint_extra_s = _calibrate(
             model, step, device, [module for _, module in named], forward_total + backward_total, calibration_passes
         )
 
+    layer_forwards = [(t(r.forward_end) - t(r.forward_start)) * scale for r in records]
+    storages_total = sum(r.saved_storages for r in records)
+    # recompute = forward + checkpoint machinery per saved storage (Note [Profiler calibration])
+    recompute_per_storage = (
+        max(0.0, checkpoint_extra_s - math.fsum(max(0.0, f) for f in layer_forwards)) / storages_total
+        if calibrate and storages_total
+        else 0.0
+    )
     layer_profiles: list[LayerProfile] = []
     backward_starts = [t(r.backward_start) if r.backward_start is not None else None for r in records]
     for i, record in enumerate(records):
-        forward_s = (t(record.forward_end) - t(record.forward_start)) * scale
+        forward_s = layer_forwards[i]
         start = backward_starts[i]
         if start is None:  # no gradient flowed through this layer's outputs
             backward_s = 0.0
@@ -559,7 +572,7 @@ def measure_step(
                 forward_s=max(0.0, forward_s),
                 backward_s=backward_s,
                 saved_bytes=record.saved_bytes,
-                recompute_s=max(0.0, forward_s),
+                recompute_s=max(0.0, forward_s) + recompute_per_storage * record.saved_storages,
                 working_bytes=max(record.forward_transient, record.backward_transient),
                 input_bytes=record.input_bytes,
                 offload_overhead_s=per_storage * record.saved_storages,
@@ -617,6 +630,7 @@ def measure_step(
         layer_calls=tuple(r.calls for r in records),
         instrumentation_scale=scale,
         offload_overhead_per_storage_s=per_storage,
+        recompute_overhead_per_storage_s=recompute_per_storage,
         layer_storages=tuple(r.saved_storages for r in records),
     )
 
@@ -632,6 +646,10 @@ def measure_step(
 # events) runs on the compute stream too; passes under offload_activations(modules=layers,
 # min_bytes=0) give it as (offloaded pass − its exposed wait − plain pass) / storages
 # offloaded, the median over interleaved pairs, so a drift of host load hits both sides.
+# Passes with every layer under torch.utils.checkpoint (non-reentrant, RNG preserved, as
+# the executor runs them) give the recompute cost: (checkpointed − plain) is the layers'
+# forward again plus the checkpoint machinery; the machinery per saved storage goes into
+# each layer's recompute_s on top of its forward time.
 
 
 def _calibrate(
@@ -641,8 +659,8 @@ def _calibrate(
     modules: list[nn.Module],
     instrumented_s: float,
     passes: int,
-) -> tuple[float, float]:
-    """(scale of instrumented times, offload overhead per storage) from extra passes: Note [Profiler calibration]."""
+) -> tuple[float, float, float]:
+    """Note [Profiler calibration]: (scale of instrumented times, offload overhead per storage, checkpointed − plain)."""
     from offcore.scheduler import Scheduler
     from offcore_torch.offload import offload_activations
 
@@ -656,7 +674,17 @@ def _calibrate(
     )
     scheduler = Scheduler()
 
-    def timed(offload: bool) -> tuple[float, float, int]:
+    def checkpointed(module: nn.Module) -> Callable[..., Any]:
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return torch.utils.checkpoint.checkpoint(
+                original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+            )
+
+        return forward
+
+    def timed(mode: str) -> tuple[float, float, int]:
         for p in params:
             p.grad = None
         device.synchronize()
@@ -664,9 +692,22 @@ def _calibrate(
         end = device.new_event(enable_timing=True)
         start.record(device.current_stream())
         wait, storages = 0.0, 0
-        if offload:
+        if mode == "offload":
             with offload_activations(device, modules=modules, min_bytes=0, schedule=scheduler) as handle:
                 loss = step()
+            loss.backward()
+        elif mode == "checkpoint":
+            own = [module.__dict__.get("forward") for module in modules]  # an instance-level forward, if any
+            for module in modules:
+                module.forward = checkpointed(module)  # type: ignore[method-assign]
+            try:
+                loss = step()
+            finally:
+                for module, previous in zip(modules, own, strict=True):
+                    if previous is None:
+                        del module.forward
+                    else:
+                        module.forward = previous  # type: ignore[method-assign]
             loss.backward()
         else:
             loss = step()
@@ -675,28 +716,31 @@ def _calibrate(
         end.record(device.current_stream())
         device.synchronize()
         end.synchronize()
-        if offload:
+        if mode == "offload":
             stats = handle.stats()
             wait, storages = stats.exposed_wait_s, stats.offloaded_storages
         return start.elapsed_time(end) / 1e3, wait, storages
 
     plain: list[float] = []
     overheads: list[float] = []
+    recomputes: list[float] = []
     try:
         with device, fork, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            timed(True)  # warm the runtime (pool, streams) and the scheduler
+            timed("offload")  # warm the runtime (pool, streams) and the scheduler
+            timed("checkpoint")
             for _ in range(passes):
-                seconds, _, _ = timed(False)
+                seconds, _, _ = timed("plain")
                 plain.append(seconds)
-                offloaded, wait, storages = timed(True)
+                offloaded, wait, storages = timed("offload")
                 if storages:
                     overheads.append(max(0.0, offloaded - wait - seconds) / storages)
+                recomputes.append(timed("checkpoint")[0] - seconds)
     finally:
         for p, grad in zip(params, stashed, strict=True):
             p.grad = grad
     scale = min(1.0, statistics.median(plain) / instrumented_s) if instrumented_s > 0 else 1.0
-    return scale, statistics.median(overheads) if overheads else 0.0
+    return scale, statistics.median(overheads) if overheads else 0.0, statistics.median(recomputes)
 
 
 def profile_step(

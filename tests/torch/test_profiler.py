@@ -202,6 +202,11 @@ def test_calibration_scales_times_measures_offload_overhead_and_leaves_no_trace(
     for layer, count in zip(calibrated.profile.layers, calibrated.layer_storages, strict=True):
         assert layer.offload_overhead_s == pytest.approx(calibrated.offload_overhead_per_storage_s * count)
     assert all(layer.offload_overhead_s == 0.0 for layer in plain.profile.layers)
+    assert calibrated.recompute_overhead_per_storage_s >= 0.0 and plain.recompute_overhead_per_storage_s == 0.0
+    for layer, count in zip(calibrated.profile.layers, calibrated.layer_storages, strict=True):
+        extra = calibrated.recompute_overhead_per_storage_s * count
+        assert layer.recompute_s == pytest.approx(layer.forward_s + extra)
+    assert all(layer.recompute_s == layer.forward_s for layer in plain.profile.layers)
     assert calibrated.profile.reuse_in_flight and plain.profile.reuse_in_flight
     assert [lp.saved_bytes for lp in calibrated.profile.layers] == [lp.saved_bytes for lp in plain.profile.layers]
     with pytest.raises(ConfigurationError, match="calibration_passes"):
