@@ -12,6 +12,11 @@ every round first profiles one step (a fresh prediction for every strategy), the
 one timed step of each strategy, in a rotating order; the error of a strategy is the
 median over rounds of ``measured / predicted − 1`` within the same round.
 
+The profiles are calibrated (``measure_step(calibrate=True)``: layer times without the
+profiler's own cost, the offload overhead per saved storage) and model the reuse of
+device copies still in flight; ``--model uncalibrated`` gives the simulator's inputs as
+they were before that, for before/after figures on the same host.
+
     .venv/bin/python benchmarks/sim_vs_measured.py                        # the compare default workload
     .venv/bin/python benchmarks/sim_vs_measured.py --d-model 128 --seq-len 128 --rounds 9 --json out.json
 
@@ -19,9 +24,7 @@ Peaks include every strategy's resident model (all six are alive at once, so the
 rounds can interleave); the profile sees them too, so predicted and measured peaks
 stay comparable.
 
-Not a test: the figures depend on the machine and on what else runs on it. The
-simulator charges copies to the link only; on a 2-core host the activation plugin's
-per-tensor work and the fake link's copy threads also take CPU time from compute.
+Not a test: the figures depend on the machine and on what else runs on it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of (profile, one step of each strategy)")
     parser.add_argument("--budget-fraction", type=float, default=0.7, help="plan under this share of the keep-all peak")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--model",
+        choices=("calibrated", "uncalibrated"),
+        default="calibrated",
+        help="calibrated: profiles corrected for the profiler's own cost, with the offload overhead and reuse of "
+        "copies in flight (the default); uncalibrated: the simulator's inputs before that (for before/after figures)",
+    )
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -163,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 link=link,
                 batch_size=settings.batch,
                 capacity_bytes=budget,
-                calibrate=True,
+                calibrate=args.model == "calibrated",
             )
+            if args.model == "uncalibrated":
+                fresh = replace(fresh, profile=replace(fresh.profile, reuse_in_flight=False))
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             seconds, peak, wait = one_step(name, step)
@@ -220,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average while it ran: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"settings": settings.workload(), "overhead_s": overhead, "rows": summary}, indent=2)
+            json.dumps(
+                {"settings": settings.workload(), "model": args.model, "overhead_s": overhead, "rows": summary},
+                indent=2,
+            )
         )
     return 0
 
