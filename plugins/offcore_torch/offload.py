@@ -557,9 +557,18 @@ class OffloadHandle:
             return self._keep(tensor, key, "parameter")
         if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
             return self._keep(tensor, key, "leaf")
+        marked = getattr(storage, MARK_ATTRIBUTE, None)
+        if (
+            marked is None
+            and nbytes < self._min_bytes
+            and not self._exclude_depth
+            and not (self._scoped and not self._scope_depth)
+        ):
+            # small and unmarked: kept whatever else holds (no entry can exist for it: only a
+            # storage at least min_bytes or marked True is offloaded), without asking the device
+            return self._keep(tensor, key, "small")
         if not self.device.holds(tensor):
             return self._keep(tensor, key, "not_on_device")
-        marked = getattr(storage, MARK_ATTRIBUTE, None)
         if marked is False:
             return self._keep(tensor, key, "marked")
 

@@ -40,6 +40,7 @@ storage offset and dtype.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,14 @@ _DISABLE_DISPATCH = getattr(torch._C, "_DisableTorchDispatch", None)
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def internal_ops() -> contextlib.AbstractContextManager[Any]:
-    """A context for offcore's metadata-only ops (Note [Metadata ops bypass dispatch modes])."""
-    return _DISABLE_DISPATCH() if _DISABLE_DISPATCH is not None else contextlib.nullcontext()
+internal_ops: Callable[[], contextlib.AbstractContextManager[Any]] = (
+    _DISABLE_DISPATCH if _DISABLE_DISPATCH is not None else contextlib.nullcontext
+)
+"""A context for offcore's metadata-only ops (Note [Metadata ops bypass dispatch modes]).
+
+``torch._C._DisableTorchDispatch`` itself where torch has it (no Python call in between:
+it runs several times per saved tensor), else a no-op context.
+"""
 
 
 MARK_ATTRIBUTE = "_offcore_offload"
