@@ -14,8 +14,9 @@ median over rounds of ``measured / predicted − 1`` within the same round.
 
 The profiles are calibrated (``measure_step(calibrate=True)``: layer times without the
 profiler's own cost, the offload overhead per saved storage) and model the reuse of
-device copies still in flight; ``--model uncalibrated`` gives the simulator's inputs as
-they were before that, for before/after figures on the same host.
+device copies still in flight. Each round also profiles once *uncalibrated* (and without
+reuse): the simulator's inputs as they were before that, so the "before" error column
+is paired with the same measured steps.
 
     .venv/bin/python benchmarks/sim_vs_measured.py                        # the compare default workload
     .venv/bin/python benchmarks/sim_vs_measured.py --d-model 128 --seq-len 128 --rounds 9 --json out.json
@@ -57,13 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of (profile, one step of each strategy)")
     parser.add_argument("--budget-fraction", type=float, default=0.7, help="plan under this share of the keep-all peak")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--model",
-        choices=("calibrated", "uncalibrated"),
-        default="calibrated",
-        help="calibrated: profiles corrected for the profiler's own cost, with the offload overhead and reuse of "
-        "copies in flight (the default); uncalibrated: the simulator's inputs before that (for before/after figures)",
-    )
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -159,24 +153,27 @@ def main(argv: list[str] | None = None) -> int:
             profiler_optimizer.step()
             profiler_optimizer.zero_grad(set_to_none=True)
     rows: dict[str, dict[str, list[float]]] = {
-        n: {"measured": [], "predicted": [], "error": [], "wait": [], "peak": []} for n in names
+        n: {"measured": [], "predicted": [], "error": [], "error_uncalibrated": [], "wait": [], "peak": []}
+        for n in names
     }
     for round_index in range(args.rounds):
         step = args.warmup + round_index
         batch = work.make_batch(step, torch_device)
         with device:
-            fresh = measure_step(
-                profiler_model,
-                lambda batch=batch: work.loss(profiler_model, batch),
-                device,
-                optimizer=profiler_optimizer,
-                link=link,
-                batch_size=settings.batch,
-                capacity_bytes=budget,
-                calibrate=args.model == "calibrated",
+            fresh, before = (
+                measure_step(
+                    profiler_model,
+                    lambda batch=batch: work.loss(profiler_model, batch),
+                    device,
+                    optimizer=profiler_optimizer,
+                    link=link,
+                    batch_size=settings.batch,
+                    capacity_bytes=budget,
+                    calibrate=calibrate,
+                )
+                for calibrate in (True, False)
             )
-            if args.model == "uncalibrated":
-                fresh = replace(fresh, profile=replace(fresh.profile, reuse_in_flight=False))
+            before = replace(before, profile=replace(before.profile, reuse_in_flight=False))
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             seconds, peak, wait = one_step(name, step)
@@ -184,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["measured"].append(seconds)
             rows[name]["predicted"].append(predicted)
             rows[name]["error"].append(seconds / predicted - 1.0)
+            rows[name]["error_uncalibrated"].append(
+                seconds / before.predict(plans[name], microbatch_overhead_s=overhead)[1] - 1.0
+            )
             rows[name]["wait"].append(wait)
             rows[name]["peak"].append(peak)
             rows[name].setdefault("predicted_peak", []).append(fresh.predicted_peak(result))
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"{'strategy':<11} {'plan':<34} {'measured ms':>11} {'predicted ms':>12} {'error':>7} {'IQR of error':>14} "
-        f"{'within 15%':>10} {'peak':>10} {'pred peak':>10} {'wait ms':>8}"
+        f"{'within 15%':>10} {'peak':>10} {'pred peak':>10} {'wait ms':>8} {'uncal. err':>10}"
     )
     summary = []
     for name in names:
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted_s": statistics.median(r["predicted"]),
                 "error": error,
                 "error_quartiles": [quartiles[0], quartiles[2]],
+                "error_uncalibrated": statistics.median(r["error_uncalibrated"]),
                 "within_target": within,
                 "peak_bytes": max(r["peak"]),
                 "predicted_peak_bytes": max(r["predicted_peak"]),
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r['predicted']) * 1e3:>12.1f} {error:>+7.0%} "
             f"{f'{quartiles[0]:+.0%}..{quartiles[2]:+.0%}':>14} {'yes' if within else 'NO':>10} "
             f"{format_bytes(max(r['peak'])):>10} {format_bytes(max(r['predicted_peak'])):>10} "
-            f"{statistics.median(r['wait']) * 1e3:>8.1f}"
+            f"{statistics.median(r['wait']) * 1e3:>8.1f} {statistics.median(r['error_uncalibrated']):>+10.0%}"
         )
     for _, _, executor in state.values():
         executor.__exit__(None, None, None)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"settings": settings.workload(), "model": args.model, "overhead_s": overhead, "rows": summary},
+                {"settings": settings.workload(), "overhead_s": overhead, "rows": summary},
                 indent=2,
             )
         )
