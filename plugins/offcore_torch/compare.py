@@ -107,7 +107,7 @@ def pcie_like_bandwidths(
     return d2h, h2d, why
 
 
-_OVERHEAD_PAIRS = 3  # timed pairs of (1, 2 micro-batches) steps, after one warm-up pair
+_OVERHEAD_PAIRS = 7  # timed pairs of (1, 2 micro-batches) steps, after one warm-up pair
 
 
 @dataclass(frozen=True)
