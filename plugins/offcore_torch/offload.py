@@ -132,6 +132,9 @@ def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
 _NO_RANGE = contextlib.nullcontext()
 
 
+_RANGE_NAMES = {Direction.D2H: "offcore::d2h", Direction.H2D: "offcore::h2d"}
+
+
 def _range(name: str) -> contextlib.AbstractContextManager[Any]:
     """A ``torch.profiler.record_function`` range, only while a profiler runs (free otherwise)."""
     if torch.autograd.profiler._is_profiler_enabled:
@@ -658,6 +661,35 @@ class OffloadHandle:
             return None
         return None, view, Tier.PAGEABLE
 
+    def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: _Entry) -> Any:
+        """Enqueue one copy on its direction's stream, ordered after the compute stream as it is now.
+
+        For D2H the current compute stream produced ``src``; for H2D the new device buffer may
+        reuse memory the compute stream used until now. Either way the copy stream waits for an
+        event recorded on the stream that is current *at this call* (never a cached one).
+        Returns the copy's completion event; samples its timing for the bandwidth estimate.
+        """
+        device, runtime = self.device, self.runtime
+        stream = runtime.d2h_stream if direction is Direction.D2H else runtime.h2d_stream
+        timed = runtime.timing and self._timed_copy(direction)
+        with _range(_RANGE_NAMES[direction]):
+            stream.wait_event(device.current_stream().record_event())
+            if timed:
+                start, issued = runtime.begin_timing(device, stream)
+            done = device.copy_(dst, src, stream=stream)
+            if timed:
+                runtime.end_timing(
+                    device,
+                    stream,
+                    start,
+                    issued,
+                    nbytes=nbytes,
+                    direction=direction,
+                    label=entry.name,
+                    counters=self._counters,
+                )
+        return done
+
     def _offload(
         self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
     ) -> _Entry | None:
@@ -670,25 +702,7 @@ class OffloadHandle:
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         entry.src = raw_bytes(storage, tensor.device)
-        device, runtime = self.device, self.runtime
-        stream = runtime.d2h_stream
-        timed = runtime.timing and self._timed_copy(Direction.D2H)
-        with _range("offcore::d2h"):
-            stream.wait_event(device.current_stream().record_event())  # the producer, read now
-            if timed:
-                start, issued = runtime.begin_timing(device, stream)
-            done = device.copy_(host_view, entry.src, stream=stream)
-            if timed:
-                runtime.end_timing(
-                    device,
-                    stream,
-                    start,
-                    issued,
-                    nbytes=nbytes,
-                    direction=Direction.D2H,
-                    label=entry.name,
-                    counters=self._counters,
-                )
+        done = self._copy(Direction.D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
         entry.obj.start_offload(done, tier)
         with self._lock:
             self._by_storage[entry.skey] = entry
@@ -1046,7 +1060,6 @@ class OffloadHandle:
             plan.issued(k)
 
     def _start_prefetch(self, entry: _Entry) -> bool:
-        device, runtime = self.device, self.runtime
         try:
             dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
@@ -1054,25 +1067,7 @@ class OffloadHandle:
                 self._kept["prefetch_oom"] += 1
                 return False
             raise
-        stream = runtime.h2d_stream
-        timed = runtime.timing and self._timed_copy(Direction.H2D)
-        with _range("offcore::h2d"):
-            # the new buffer may reuse memory the compute stream used until now
-            stream.wait_event(device.current_stream().record_event())
-            if timed:
-                start, issued = runtime.begin_timing(device, stream)
-            done = device.copy_(dst, entry.host_view, stream=stream)
-            if timed:
-                runtime.end_timing(
-                    device,
-                    stream,
-                    start,
-                    issued,
-                    nbytes=entry.nbytes,
-                    direction=Direction.H2D,
-                    label=entry.name,
-                    counters=self._counters,
-                )
+        done = self._copy(Direction.H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
         entry.obj.start_prefetch(done)
         storage = dst.untyped_storage()
         entry.restored = storage
