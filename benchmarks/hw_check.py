@@ -173,14 +173,16 @@ def torchtune_offload(model: torch.nn.Module) -> Iterator[Any]:
         yield ctx
 
 
-def step_variants(dev: Any, backend: str) -> dict[str, Callable[[], contextlib.AbstractContextManager[Any]]]:
+def step_variants(
+    dev: Any, backend: str, min_bytes: str
+) -> dict[str, Callable[[], contextlib.AbstractContextManager[Any]]]:
     import offcore_torch
 
     pin = backend != "cpu"
     variants: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
         "keep-all": contextlib.nullcontext,
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin),
-        "offcore (deadline)": lambda: offcore_torch.offload_activations(dev, min_bytes="1MiB", prefetch="deadline"),
+        "offcore (deadline)": lambda: offcore_torch.offload_activations(dev, min_bytes=min_bytes, prefetch="deadline"),
     }
     try:
         import torchtune.training  # noqa: F401  # type: ignore[import-not-found]
@@ -192,7 +194,7 @@ def step_variants(dev: Any, backend: str) -> dict[str, Callable[[], contextlib.A
 
 
 def step_time(dev: Any, backend: str, seq_len: int, cfg_kwargs: dict[str, Any], batch: int, steps: int,
-              warmup: int) -> dict[str, Any]:  # fmt: skip
+              warmup: int, min_bytes: str = "1MiB") -> dict[str, Any]:  # fmt: skip
     from offcore_torch.models import GPTConfig, gpt_workload
 
     cfg = GPTConfig(seq_len=seq_len, **cfg_kwargs)
@@ -200,7 +202,7 @@ def step_time(dev: Any, backend: str, seq_len: int, cfg_kwargs: dict[str, Any], 
     tdev = torch.device(dev.torch_device)
     dtype = torch.bfloat16 if backend != "cpu" else torch.float32
     results: dict[str, Any] = {"seq_len": seq_len, "batch": batch, "config": cfg.__dict__, "variants": {}}
-    for name, make in step_variants(dev, backend).items():
+    for name, make in step_variants(dev, backend, min_bytes).items():
         log(f"step time seq={seq_len} {name}")
         with dev:
             model = work.build(0).to(tdev, dtype=dtype)
@@ -328,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg, batch, seqs, steps, warmup = {"d_model": 2048, "n_heads": 16, "n_layers": 8, "vocab_size": 32000,
                                            "dropout": 0.0}, 4, [2048, 8192], 5, 2  # fmt: skip
-    report["step_time"] = [step_time(dev, args.backend, s, cfg, batch, steps, warmup) for s in seqs]
+    min_bytes = "4KiB" if args.quick else "1MiB"  # the quick model's tensors are small
+    report["step_time"] = [step_time(dev, args.backend, s, cfg, batch, steps, warmup, min_bytes) for s in seqs]
     raw = max((r.get("raw_pinned_d2h") or 0.0) for r in report["sweep"])
     for res in report["step_time"]:
         v = res["variants"].get("offcore (deadline)", {})
