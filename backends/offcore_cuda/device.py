@@ -57,19 +57,13 @@ class CudaDevice(TorchAcceleratorDevice):
     )
     extra_options: ClassVar[tuple[str, ...]] = ("pinning",)
 
+    hardware: ClassVar[str] = "CUDA"
+
     @classmethod
     def device_module(cls) -> Any:
         import torch
 
         return torch.cuda
-
-    @classmethod
-    def availability(cls) -> Availability:
-        """Whether a CUDA device can be used here, and if not, why; never raises."""
-        try:
-            return cls._probe()
-        except Exception as exc:
-            return Availability(False, f"probing CUDA raised {type(exc).__name__}: {exc}")
 
     @classmethod
     def _probe(cls) -> Availability:

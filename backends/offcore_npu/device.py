@@ -78,20 +78,14 @@ class NpuDevice(TorchAcceleratorDevice):
         {Capability.TORCH, Capability.PINNED_MEMORY, Capability.EVENT_TIMING, Capability.PRIVATE_FORMATS}
     )
 
+    hardware: ClassVar[str] = "the Ascend NPU"
+
     @classmethod
     def device_module(cls) -> Any:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         return torch.npu
-
-    @classmethod
-    def availability(cls) -> Availability:
-        """Whether an Ascend NPU can be used here, and if not, why; never raises."""
-        try:
-            return cls._probe()
-        except Exception as exc:
-            return Availability(False, f"probing the Ascend NPU raised {type(exc).__name__}: {exc}")
 
     @classmethod
     def _probe(cls) -> Availability:

@@ -272,8 +272,8 @@ def check_index(backend: str, index: Any) -> int:
 class TorchAcceleratorDevice:
     """A :class:`offcore.Backend` over one torch accelerator device module.
 
-    Subclasses set ``name``, ``device_type`` and ``capabilities`` and implement
-    :meth:`device_module` (``torch.cuda``, ``torch.npu``) and :meth:`availability`.
+    Subclasses set ``name``, ``device_type``, ``capabilities`` and ``hardware`` and
+    implement :meth:`device_module` (``torch.cuda``, ``torch.npu``) and :meth:`_probe`.
 
     Copies (``copy_``) run ``dst.copy_(src, non_blocking=True)`` inside the device
     module's stream context and return an event recorded right after, never
@@ -290,6 +290,8 @@ class TorchAcceleratorDevice:
         {Capability.TORCH, Capability.PINNED_MEMORY, Capability.EVENT_TIMING}
     )
     extra_options: ClassVar[tuple[str, ...]] = ()
+    hardware: ClassVar[str] = "the device"
+    """How availability messages name the hardware (``"CUDA"``, ``"the Ascend NPU"``)."""
 
     # ----------------------------------------------------------------- subclass API
     @classmethod
@@ -298,9 +300,17 @@ class TorchAcceleratorDevice:
         raise NotImplementedError
 
     @classmethod
-    def availability(cls) -> Availability:
-        """Whether this backend can run here; never raises."""
+    def _probe(cls) -> Availability:
+        """Whether this backend can run here, and if not, why (may raise: see availability)."""
         raise NotImplementedError
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run here, and if not, why; never raises."""
+        try:
+            return cls._probe()
+        except Exception as exc:
+            return Availability(False, f"probing {cls.hardware} raised {type(exc).__name__}: {exc}")
 
     # ----------------------------------------------------------------- construction
     def __init__(self, index: int = 0, **options: Any) -> None:
