@@ -32,37 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import ConfigurationError
-from offcore.sim.formulas import (
-    activation_bytes,
-    adam_state_bytes,
-    checkpoint_peak,
-    copy_lower_bound,
-    copy_window,
-    exposed_wait,
-    prefetch_start,
-    transfer_time,
-    utilization,
-)
-from offcore.sim.plan import Action, Plan, PrefetchPolicy
+from offcore.sim.formulas import utilization
+from offcore.sim.plan import Action, Plan
 from offcore.sim.profile import StepProfile
 
-__all__ = [
-    "simulate",
-    "SimResult",
-    "TimelineEvent",
-    "Plan",
-    "PrefetchPolicy",
-    "Action",
-    "transfer_time",
-    "prefetch_start",
-    "copy_window",
-    "exposed_wait",
-    "utilization",
-    "activation_bytes",
-    "checkpoint_peak",
-    "adam_state_bytes",
-    "copy_lower_bound",
-]
+__all__ = ["simulate", "SimResult", "TimelineEvent"]
 
 # Note [Simulated lifetimes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
