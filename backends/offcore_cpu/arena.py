@@ -76,8 +76,21 @@ class MemoryArena:
                 raise out_of_memory(self.device_name, nbytes, allocated, self.capacity, error_class=self.error_class)
 
     def register(self, owner: Any, nbytes: int, tier: Tier) -> None:
-        """Count ``owner``'s ``nbytes`` on ``tier`` until it dies (no-op when already counted there)."""
-        self.register_many([(owner, nbytes)], tier)
+        """Count ``owner``'s ``nbytes`` on ``tier`` until it dies (no-op when already counted there).
+
+        :meth:`register_many` for one owner, without its batching (once per allocation).
+        """
+        key = id(owner)
+        with self._lock:
+            known = self._allocations.get(key)
+            if known is not None:
+                if known.tier is not tier:
+                    self.register_many([(owner, nbytes)], tier)  # raises the mismatch error
+                return
+            if tier is Tier.DEVICE:
+                self.check_fits(nbytes)
+            self._allocations[key] = _Allocation(tier, nbytes, weakref.ref(owner, functools.partial(self._forget, key)))
+            self._add(tier, nbytes)
 
     def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
         """Register several owners at once: all fit on the device, or none is counted.

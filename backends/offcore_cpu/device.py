@@ -47,6 +47,7 @@ from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 __all__ = ["FakeDevice"]
 
 _COPY_LOG_LIMIT = 100_000
+_NOTHING = contextlib.nullcontext()
 
 
 def _close_streams(streams: weakref.WeakSet[WorkerStream]) -> None:
@@ -155,14 +156,11 @@ class FakeDevice:
         """True inside ``with dev:`` on the calling thread."""
         return getattr(self._local, "depth", 0) > 0
 
-    @contextlib.contextmanager
-    def _untracked(self) -> Iterator[None]:
+    def _untracked(self) -> contextlib.AbstractContextManager[Any]:
         """Operators of the device's own bookkeeping are not counted as device memory."""
         if self._tracker is None:
-            yield
-        else:
-            with self._tracker.suspended():
-                yield
+            return _NOTHING
+        return self._tracker.suspended()
 
     # -- streams and events --------------------------------------------------------------
     def current_stream(self) -> ComputeStream:
@@ -203,11 +201,17 @@ class FakeDevice:
 
             >>> buf = dev.allocate(4096, "device")          # doctest: +SKIP
         """
-        size = parse_size(nbytes, what="allocation size", allow_zero=True)
-        try:
-            tier = Tier(tier)
-        except ValueError:
-            raise ConfigurationError(f"unknown tier {tier!r}: use 'device', 'pinned' or 'pageable'") from None
+        # the binding allocates once per reload: plain ints and Tier members skip the parsing
+        size = (
+            nbytes
+            if type(nbytes) is int and nbytes >= 0
+            else parse_size(nbytes, what="allocation size", allow_zero=True)
+        )
+        if type(tier) is not Tier:
+            try:
+                tier = Tier(tier)
+            except ValueError:
+                raise ConfigurationError(f"unknown tier {tier!r}: use 'device', 'pinned' or 'pageable'") from None
         if tier is Tier.NVME:
             raise ConfigurationError("the fake device allocates device, pinned or pageable memory, not NVMe")
         if tier is Tier.DEVICE:
@@ -332,10 +336,15 @@ class FakeDevice:
                 f"copy_ between buffers of different sizes: {describe(dst)} holds {nbytes} bytes, "
                 f"{describe(src)} holds {ops.nbytes(src)}"
             )
-        if getattr(getattr(dst, "flags", None), "writeable", True) is False:
+        if ops is NUMPY_OPS and not dst.flags.writeable:
             raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
-        direction = self.direction(dst, src)
-        jitter = self._sanitizer.draw_jitter() if self._link.crosses_link(direction) else 0.0
+        tier_of = self._arena.tier_of  # direction(), with the buffer family already known
+        direction = Direction.between(
+            Tier.DEVICE if tier_of(ops.owner(src)) is Tier.DEVICE else Tier.PINNED,
+            Tier.DEVICE if tier_of(ops.owner(dst)) is Tier.DEVICE else Tier.PINNED,
+        )
+        sanitizer = self._sanitizer
+        jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
         compute = self._compute
         if stream is compute:
             with self._untracked():

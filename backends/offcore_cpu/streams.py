@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 from offcore.errors import ConfigurationError
@@ -261,8 +262,14 @@ class _WorkerState:
 
 def _serve(state: _WorkerState) -> None:
     reduce_timer_slack()  # the link's sleeps wake on time (no spinning: Note in link.py)
+    queue = state.queue
     while True:
-        item = state.queue.get()
+        try:
+            # what is queued already is taken without blocking: a blocking get releases the
+            # GIL and must win it back from the compute thread, once per item otherwise
+            item = queue.get_nowait()
+        except Empty:
+            item = queue.get()
         if item is _STOP:
             return
         try:

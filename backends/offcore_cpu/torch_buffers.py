@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from offcore.errors import ConfigurationError
@@ -48,6 +50,11 @@ class TorchBuffers:
             self._copy(dst, src)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes <= _GIL_HELD_COPY_LIMIT and dst.is_contiguous() and src.is_contiguous():
+            # Note [Small copies keep the GIL]
+            _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
+            return
         if dst.shape == src.shape and dst.dtype == src.dtype:
             dst.copy_(src)
         elif dst.is_contiguous():
@@ -65,6 +72,21 @@ class TorchBuffers:
         if buffer.numel():
             pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
             buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
+
+
+# Note [Small copies keep the GIL]
+# A fake-device copy runs on a worker thread. ``Tensor.copy_`` releases the GIL for the
+# memcpy and must take it back afterwards; while the compute thread runs Python (every
+# operator passes through the tracking dispatch mode) that hand-off costs the worker
+# ~100 us and the compute thread a thread switch, for a memcpy of a few microseconds.
+# Copies between contiguous buffers of at most _GIL_HELD_COPY_LIMIT bytes are therefore
+# a plain ``memmove`` called *without* releasing the GIL (ctypes PYFUNCTYPE); the bytes
+# moved are the same (every fake-device copy is a byte copy: sizes match, and layouts
+# are reinterpreted as raw bytes), larger copies still release the GIL.
+_GIL_HELD_COPY_LIMIT = 256 * 1024
+_memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr  # type: ignore[attr-defined]
+)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

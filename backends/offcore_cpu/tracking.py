@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -134,20 +133,15 @@ class StorageTracker:
         stack = _active_stack()
         return bool(stack) and stack[-1] is self
 
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
+    def suspended(self) -> _Suspension:
         """Operators run inside are not counted (the device's own host allocations, poisoning).
 
         They also bypass Python dispatch modes altogether (``torch._C._DisableTorchDispatch``):
         the device accounts for its own buffers explicitly, and going through the tracking
-        mode costs tens of microseconds per operator.
+        mode costs tens of microseconds per operator. (A small class, not a generator
+        context manager: the device enters it for every allocation and copy.)
         """
-        self._local.suspended = getattr(self._local, "suspended", 0) + 1
-        try:
-            with _DISABLE_DISPATCH():
-                yield
-        finally:
-            self._local.suspended -= 1
+        return _Suspension(self._local)
 
     # -- observation ---------------------------------------------------------------------
     def observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -178,6 +172,34 @@ class StorageTracker:
             with self.suspended():
                 for tensor in outputs:
                     TORCH_OPS.poison(tensor)
+
+
+class _Suspension:
+    """``with tracker.suspended():`` — counts the nesting per thread and disables Python dispatch."""
+
+    __slots__ = ("_local", "_guard")
+
+    def __init__(self, local: threading.local) -> None:
+        self._local = local
+        self._guard: Any = None
+
+    def __enter__(self) -> None:
+        local = self._local
+        local.suspended = getattr(local, "suspended", 0) + 1
+        try:
+            guard = _DISABLE_DISPATCH()
+            guard.__enter__()
+        except BaseException:
+            local.suspended -= 1
+            raise
+        self._guard = guard
+
+    def __exit__(self, *exc: object) -> None:
+        guard, self._guard = self._guard, None
+        try:
+            guard.__exit__(*exc)
+        finally:
+            self._local.suspended -= 1
 
 
 def _active_stack() -> list[StorageTracker]:

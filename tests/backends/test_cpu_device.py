@@ -906,3 +906,21 @@ def test_sanitizer_turns_a_missing_reload_wait_into_nan(make_device: Any, torch:
     dev = make_device(sanitize=True, latency="200ms")
     assert torch.isnan(_reload_and_use(dev, torch, wait=False))
     assert torch.equal(_reload_and_use(dev, torch, wait=True), expected)
+
+
+@pytest.mark.parametrize("nbytes", [0, 24, 4096, 256 * 1024, 256 * 1024 + 8, 1 << 20])
+def test_torch_copies_move_raw_bytes_below_and_above_the_gil_held_limit(
+    make_device: Any, torch: Any, nbytes: int
+) -> None:
+    # small contiguous copies are a memmove holding the GIL, large ones Tensor.copy_
+    # (Note [Small copies keep the GIL]); both must move exactly the bytes, across dtypes
+    dev = make_device(buffers="torch")
+    with dev:
+        src = torch.arange(nbytes // 4, dtype=torch.int32).view(torch.float32)
+    host = dev.allocate(nbytes, Tier.PINNED)
+    dev.copy_(host, src.view(-1).view(torch.uint8), stream=dev.new_stream()).synchronize()
+    assert torch.equal(host.view(torch.int32), torch.arange(nbytes // 4, dtype=torch.int32))
+    back = torch.empty(nbytes // 8, 2, dtype=torch.float32).t()  # non-contiguous: the copy_ path
+    if nbytes and nbytes % 8 == 0:
+        dev.copy_(back, host.view(torch.float32).view(2, nbytes // 8), stream=dev.current_stream())
+        assert torch.equal(back.contiguous().view(-1).view(torch.int32), torch.arange(nbytes // 4, dtype=torch.int32))
