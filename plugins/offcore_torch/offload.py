@@ -762,7 +762,7 @@ class OffloadHandle:
         """
         count = self._timed_per_direction[direction]
         self._timed_per_direction[direction] = count + 1
-        return self.runtime.sample(direction, always=self._tracing or count < 4)
+        return self.runtime.sample(direction, always=self._tracing or count < 2)
 
     def _count_prefetch(self, entry: _Entry) -> None:
         entry.prefetch_counted = True

@@ -208,14 +208,14 @@ class DeviceRuntime:
 
     # -- timing ------------------------------------------------------------------------
     def sample(self, direction: Direction, *, always: bool = False) -> bool:
-        """Whether to time the next copy in ``direction``: the first 32, then one in 8 (or ``always``).
+        """Whether to time the next copy in ``direction``: the first 16, then one in 16 (or ``always``).
 
         Timing costs two events per copy; the link estimate and the per-region
         bandwidth figures need a sample, not every copy.
         """
         count = self._timed_copies[direction]
         self._timed_copies[direction] = count + 1
-        return always or count < 32 or count % 8 == 0
+        return always or count < 16 or count % 16 == 0
 
     def begin_timing(self, device: Any, stream: Any) -> tuple[Any, float]:
         """Record a timing start event on ``stream`` (None without event timing) and the host time."""
