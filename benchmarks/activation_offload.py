@@ -420,18 +420,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(markdown_table(rows))
         print()
-        checks = targets(rows)
+        checks = []
         if isinstance(rate, float):
             fill = offloaded / (rate * forward_in_run)
-            checks.insert(
-                0,
+            checks.append(
                 check(
                     "precondition: offloaded bytes <= 0.8 x bandwidth x keep-all forward (in this run)",
                     fill <= 0.8 + 1e-9,
                     f"{fill:.2f} x bandwidth x forward"
                     + ("" if fill <= 0.8 + 1e-9 else " (the window is tighter than the target assumes)"),
-                ),
+                )
             )
+        checks += targets(rows)
         print()
         report["scenarios"][key] = {
             "title": title,

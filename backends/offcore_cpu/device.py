@@ -371,9 +371,12 @@ class FakeDevice:
         stream_name: str,
         enqueued: float,
     ) -> None:
-        if self._sanitizer.enabled:  # Note [What the sanitizer poisons, and when], point 1
+        sanitize = self._sanitizer.enabled
+        if sanitize:  # Note [What the sanitizer poisons, and when], point 1
             ops.poison(dst)
-        start, end = self._link.transfer(direction, nbytes, functools.partial(ops.copy, dst, src), extra_delay=jitter)
+        start, end = self._link.transfer(
+            direction, nbytes, functools.partial(ops.copy, dst, src), extra_delay=jitter, data_first=not sanitize
+        )
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         # a tuple per copy; copy_log() builds the dicts only when asked
         self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, jitter))

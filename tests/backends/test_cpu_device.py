@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -464,6 +465,19 @@ def test_link_durations() -> None:
     assert link.duration(Direction.D2D, 256 * MiB) == 0.0
     unlimited = Link(h2d_bandwidth=math.inf, d2h_bandwidth=math.inf, latency=5e-6, duplex=True)
     assert unlimited.duration(Direction.H2D, 256 * MiB) == 5e-6  # only the latency is left
+
+
+@pytest.mark.parametrize("data_first", [False, True])
+def test_transfer_ends_at_its_emulated_time_whichever_moment_the_bytes_move(data_first: bool) -> None:
+    # data_first (the fake device without its sanitizer) moves the bytes at once and sleeps once;
+    # the default moves them only after the latency. Both land no earlier than start + duration.
+    link = Link(h2d_bandwidth=2**30, d2h_bandwidth=2**30, latency=2e-3, duplex=True)
+    called: list[float] = []
+    start, end = link.transfer(Direction.H2D, MiB, lambda: called.append(time.perf_counter()), data_first=data_first)
+    assert len(called) == 1
+    assert end - start >= link.duration(Direction.H2D, MiB)
+    if not data_first:
+        assert called[0] - start >= 2e-3  # guaranteed by construction: the worker slept first
 
 
 def test_duplex_link_has_a_channel_per_direction() -> None:
