@@ -48,6 +48,10 @@ __all__ = ["FakeDevice"]
 
 _COPY_LOG_LIMIT = 100_000
 _NOTHING = contextlib.nullcontext()
+# Copies up to this size run on the calling thread when their stream is idle and the
+# sanitizer is off (Note [Inline copies on an idle stream]); larger ones keep overlapping
+# with compute on a worker thread.
+_INLINE_COPY_LIMIT = 1 << 20
 
 
 def _close_streams(streams: weakref.WeakSet[WorkerStream]) -> None:
@@ -354,11 +358,33 @@ class FakeDevice:
             raise ConfigurationError(
                 f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
             )
+        if nbytes <= _INLINE_COPY_LIMIT and not sanitizer.enabled:
+            # Note [Inline copies on an idle stream]
+            event = stream.try_inline(
+                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, stream.name)
+            )
+            if event is not None:
+                return event
         # one work item runs the copy and completes the event (one hand-off to the worker per copy)
         run = functools.partial(
             self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter()
         )
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+
+    def _inline_copy(
+        self, ops: BufferOps, dst: Any, src: Any, direction: Direction, nbytes: int, stream_name: str, not_before: float
+    ) -> float | None:
+        """Copy now on the calling thread and book the link; returns when the copy lands (None: queue it)."""
+        enqueued = time.perf_counter()
+        span = self._link.reserve(direction, nbytes, not_before)
+        if span is None:  # a queued copy holds the link right now
+            return None
+        start, end = span
+        with self._untracked():
+            ops.copy(dst, src)
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, 0.0))
+        return end
 
     def _run_copy(
         self,

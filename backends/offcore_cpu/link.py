@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import sys
 import threading
 import time
@@ -83,6 +84,34 @@ class Link:
         self.duplex = duplex
         h2d_channel = threading.Lock()
         self._channels = {Direction.H2D: h2d_channel, Direction.D2H: threading.Lock() if duplex else h2d_channel}
+        # per channel: when the transfers reserved so far end (inline copies reserve ahead)
+        self._free_at: dict[int, float] = {id(lock): 0.0 for lock in self._channels.values()}
+
+    def reserve(self, direction: Direction, nbytes: int, not_before: float = 0.0) -> tuple[float, float] | None:
+        """Book the next free slot of ``direction``'s channel for ``nbytes`` without waiting.
+
+        Returns the transfer's (start, end) ``perf_counter`` times: it starts when the channel
+        is free, not before ``not_before`` nor now, and lasts :meth:`duration`. None while a
+        worker's :meth:`transfer` holds the channel (the caller queues its copy instead).
+        Used by inline copies (Note [Inline copies on an idle stream]).
+        """
+        channel = self._channels.get(direction)
+        if channel is None:  # H2H, D2D: no link time
+            start = max(time.perf_counter(), not_before)
+            return start, start
+        if not channel.acquire(blocking=False):
+            return None
+        try:
+            key = id(channel)
+            start = max(time.perf_counter(), not_before, self._free_at[key])
+            duration = self.latency + nbytes / self.bandwidth[direction]
+            end = start + duration
+            if end - start < duration:  # rounding: never report less than the emulated time
+                end = math.nextafter(end, math.inf)
+            self._free_at[key] = end
+            return start, end
+        finally:
+            channel.release()
 
     def crosses_link(self, direction: Direction) -> bool:
         return direction in self._channels
@@ -131,13 +160,33 @@ class Link:
             return start, time.perf_counter()
         with channel:
             start = time.perf_counter()
-            first_byte = self.latency + extra_delay
-            if data_first:
-                memcpy()
-                sleep_until(start + first_byte + nbytes / self.bandwidth[direction])
-                return start, time.perf_counter()
-            if first_byte > 0:
-                sleep_until(start + first_byte)
+            key = id(channel)
+            free_at = self._free_at[key]
+            if free_at > start:  # inline copies booked the channel until then
+                sleep_until(free_at)
+                start = max(time.perf_counter(), free_at)
+            try:
+                return self._occupy(direction, nbytes, memcpy, start, extra_delay, data_first)
+            finally:
+                self._free_at[key] = max(self._free_at[key], time.perf_counter())
+
+    def _occupy(
+        self,
+        direction: Direction,
+        nbytes: int,
+        memcpy: Callable[[], None],
+        start: float,
+        extra_delay: float,
+        data_first: bool,
+    ) -> tuple[float, float]:
+        """The body of :meth:`transfer` once the channel is held and free (from ``start``)."""
+        first_byte = self.latency + extra_delay
+        if data_first:
             memcpy()
-            sleep_until(start + first_byte + nbytes / self.bandwidth[direction])  # nbytes / inf == 0.0
+            sleep_until(start + first_byte + nbytes / self.bandwidth[direction])
             return start, time.perf_counter()
+        if first_byte > 0:
+            sleep_until(start + first_byte)
+        memcpy()
+        sleep_until(start + first_byte + nbytes / self.bandwidth[direction])  # nbytes / inf == 0.0
+        return start, time.perf_counter()

@@ -20,6 +20,19 @@ Two kinds of stream:
     [1]
     >>> copies.close()
 
+# Note [Inline copies on an idle stream]
+# Handing a copy to a worker thread costs far more than a small memcpy: the worker must
+# win the GIL from the compute thread to start and again to finish. So when a stream has
+# nothing queued, the fake device (without its sanitizer) runs a small copy on the
+# calling thread at once and emulates only its *time*: the copy's event is a _DueMarker
+# that completes when the link would have delivered the bytes (latency + bytes /
+# bandwidth after the link and the stream are free), the stream's ``busy_until`` moves
+# to that time, and anything queued later on the stream (copies, waits, host functions,
+# event recordings) starts only after it. Completion times, stream order, link occupancy
+# and ``elapsed_time`` are those of the queued path; the bytes merely arrive early, which
+# a correct reader cannot observe (it waits for the event). The sanitizer turns this
+# off, so that missing waits still read poisoned memory.
+
 # Note [Failures on a worker stream]
 # An exception inside queued work must not vanish with the worker thread. The worker
 # keeps the first failure as the stream's pending error and carries on (later markers
@@ -43,7 +56,7 @@ from typing import Any
 
 from offcore.errors import ConfigurationError
 from offcore_cpu.errors import EventNotReadyError, StreamWorkError
-from offcore_cpu.link import reduce_timer_slack
+from offcore_cpu.link import reduce_timer_slack, sleep_until
 
 __all__ = ["FakeEvent", "ComputeStream", "WorkerStream"]
 
@@ -91,6 +104,37 @@ class _Marker:
                 f"work queued on stream {self.stream_name!r} before this point failed: "
                 f"{type(self.error).__name__}: {str(self.error).rstrip('.')}. The data that work should have produced is not valid."
             ) from self.error
+
+
+class _DueMarker(_Marker):
+    """A recording whose work already ran on the calling thread and *lands* at ``due``.
+
+    Work run inline on an idle stream (Note [Inline copies on an idle stream]) has moved
+    its bytes already; what remains is the emulated time. The marker counts as complete
+    once ``time.perf_counter()`` reaches ``due``; waiting sleeps until then (GIL released).
+    """
+
+    __slots__ = ("due",)
+
+    def __init__(self, stream_name: str, due: float) -> None:  # no super().__init__: no latch needed
+        self.stream_name = stream_name
+        self.error = None
+        self._latch = None
+        self.due = due
+
+    @property  # type: ignore[override]
+    def is_set(self) -> bool:
+        return time.perf_counter() >= self.due
+
+    @property  # type: ignore[override]
+    def timestamp(self) -> float | None:
+        return self.due if time.perf_counter() >= self.due else None
+
+    def complete(self, error: BaseException | None) -> None:  # pragma: no cover - never queued
+        raise AssertionError("an inline recording completes by itself at its due time")
+
+    def wait(self) -> None:
+        sleep_until(self.due)
 
 
 class FakeEvent:
@@ -229,6 +273,8 @@ class _WorkerState:
         self.pending = 0
         self.error: BaseException | None = None
         self.closed = False
+        # when the inline work run so far lands (Note [Inline copies on an idle stream])
+        self.busy_until = 0.0
 
     def submit(self, item: Callable[[_WorkerState], None]) -> None:
         with self.lock:
@@ -272,6 +318,8 @@ def _serve(state: _WorkerState) -> None:
             item = queue.get()
         if item is _STOP:
             return
+        if state.busy_until > time.perf_counter():
+            sleep_until(state.busy_until)  # inline work enqueued before this item lands first
         try:
             item(state)
         except BaseException as exc:  # kept for the next synchronize(): Note [Failures on a worker stream]
@@ -307,8 +355,48 @@ class WorkerStream:
         """Record ``event`` (or a new one) at the current end of the queue and return it."""
         event = event if event is not None else FakeEvent(self._compute)
         _marker_of(event)
+        state = self._state
+        with state.lock:
+            if not state.pending and state.error is None and not state.closed:
+                # nothing queued: the event lands with the inline work, or now
+                due = state.busy_until
+                if due > time.perf_counter():
+                    event._marker = _DueMarker(self.name, due)
+                else:
+                    event._new_marker(self.name, completed=True)
+                return event
         marker = event._new_marker(self.name)
-        self._state.submit(lambda state: marker.complete(state.error))
+        state.submit(lambda state: marker.complete(state.error))
+        return event
+
+    def try_inline(self, work: Callable[[float], float | None]) -> FakeEvent | None:
+        """Run ``work`` on the calling thread now if nothing is queued on this stream.
+
+        ``work(not_before)`` does the work and returns when its result *lands* (emulated
+        time, never before ``not_before``, when the stream's earlier inline work lands), or
+        None to decline. Returns an event completing at that time, or None when the stream
+        is busy (queue the work instead). Note [Inline copies on an idle stream].
+        """
+        state = self._state
+        with state.lock:
+            if state.pending or state.error is not None or state.closed:
+                return None
+            try:
+                due = work(state.busy_until)
+            except BaseException as exc:  # as if it had failed on the worker: Note [Failures on a worker stream]
+                state.error = exc
+                failed = FakeEvent(self._compute, enable_timing=True)
+                failed._new_marker(self.name, completed=True).error = exc
+                return failed
+            if due is None:
+                return None
+            if due > state.busy_until:
+                state.busy_until = due
+        event = FakeEvent(self._compute, enable_timing=True)
+        if due > time.perf_counter():
+            event._marker = _DueMarker(self.name, due)
+        else:
+            event._new_marker(self.name, completed=True)
         return event
 
     def run_and_record(self, fn: Callable[[], None], event: FakeEvent) -> FakeEvent:
@@ -335,6 +423,13 @@ class WorkerStream:
         marker = _marker_of(event)
         if marker is None or (marker.is_set and marker.error is None):
             return
+        if isinstance(marker, _DueMarker):
+            state = self._state
+            with state.lock:
+                if not state.pending:  # nothing queued: later work starts when the event lands
+                    if marker.due > state.busy_until:
+                        state.busy_until = marker.due
+                    return
 
         def wait(state: _WorkerState) -> None:
             marker.wait()
@@ -351,14 +446,15 @@ class WorkerStream:
     def query(self) -> bool:
         """True when all work enqueued so far has completed."""
         with self._state.lock:
-            return self._state.pending == 0
+            return self._state.pending == 0 and time.perf_counter() >= self._state.busy_until
 
     def synchronize(self) -> None:
         """Block until all enqueued work has completed; raise (once) if any of it failed."""
-        if self._state.thread is not None and not self._state.closed:
+        if not self._state.closed:
             done = self.record_event(FakeEvent(self._compute))
             assert done._marker is not None
             done._marker.wait()
+        sleep_until(self._state.busy_until)
         with self._state.lock:
             error, self._state.error = self._state.error, None
         if error is not None:

@@ -28,3 +28,20 @@ class TestCpuNumpySanitized(BackendConformance):
     backend_spec = "cpu"
     backend_options: ClassVar[dict[str, Any]] = {**SANITIZED_LINK, "buffers": "numpy"}
     buffer_kind = "numpy"
+
+
+# Without the sanitizer, small copies on an idle stream run inline on the calling thread and
+# only their time is emulated (Note [Inline copies on an idle stream]); the suite must hold there too.
+INLINE_LINK: dict[str, Any] = {**SANITIZED_LINK, "sanitize": False}
+
+
+class TestCpuTorchInline(BackendConformance):
+    backend_spec = "cpu"
+    backend_options: ClassVar[dict[str, Any]] = {**INLINE_LINK, "buffers": "torch", "duplex": False}
+    buffer_kind = "torch"
+
+
+class TestCpuNumpyInline(BackendConformance):
+    backend_spec = "cpu"
+    backend_options: ClassVar[dict[str, Any]] = {**INLINE_LINK, "buffers": "numpy"}
+    buffer_kind = "numpy"

@@ -345,7 +345,8 @@ def test_worker_threads_start_lazily_are_daemons_and_stop_on_close(ndev: FakeDev
 
 def test_an_unreferenced_stream_stops_its_thread(ndev: FakeDevice) -> None:
     stream = ndev.new_stream(name="orphan")
-    stream.record_event().synchronize()
+    stream.launch_host_func(lambda: None)  # starts the worker (an event on an idle stream does not)
+    stream.synchronize()
     (thread,) = [t for t in threading.enumerate() if t.name.endswith("orphan")]
     del stream
     gc.collect()
@@ -938,3 +939,52 @@ def test_torch_copies_move_raw_bytes_below_and_above_the_gil_held_limit(
     if nbytes and nbytes % 8 == 0:
         dev.copy_(back, host.view(torch.float32).view(2, nbytes // 8), stream=dev.current_stream())
         assert torch.equal(back.contiguous().view(-1).view(torch.int32), torch.arange(nbytes // 4, dtype=torch.int32))
+
+
+# ============================================================================ inline copies on an idle stream
+
+
+def test_an_inline_copy_lands_at_its_emulated_time_and_orders_later_work(make_device: Any) -> None:
+    # Note [Inline copies on an idle stream]: the bytes move at once, the event and everything
+    # queued after it on the stream wait for the emulated end of the transfer
+    dev = make_device(buffers="numpy", h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s", latency="5ms")
+    stream = dev.new_stream()
+    device, host = dev.allocate(64 * 1024, Tier.DEVICE), dev.allocate(64 * 1024, Tier.PINNED)
+    device[:] = 7
+    done = dev.copy_(host, device, stream=stream)
+    ran_at: list[float] = []
+    stream.launch_host_func(lambda: ran_at.append(time.perf_counter()))
+    after = stream.record_event()
+    done.synchronize()
+    synced_at = time.perf_counter()
+    (entry,) = dev.copy_log()
+    assert entry["end"] - entry["start"] >= entry["emulated_seconds"] >= 5e-3
+    assert synced_at >= entry["end"]  # the event completes no earlier than the transfer's end
+    after.synchronize()
+    assert ran_at and ran_at[0] >= entry["end"]  # later work on the stream starts after it
+    assert int(host.sum()) == 7 * 64 * 1024
+
+
+def test_a_copy_behind_queued_work_is_not_run_inline(make_device: Any) -> None:
+    dev = make_device(buffers="numpy", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    stream = dev.new_stream()
+    device, host = dev.allocate(4096, Tier.DEVICE), dev.allocate(4096, Tier.PINNED)
+    device[:], host[:] = 1, 0
+    gate = _gate(stream)
+    done = dev.copy_(host, device, stream=stream)
+    assert not done.query() and int(host.sum()) == 0  # queued behind the gate, untouched
+    gate.set()
+    done.synchronize()
+    assert int(host.sum()) == 4096
+
+
+def test_back_to_back_inline_copies_share_the_link_in_order(make_device: Any) -> None:
+    dev = make_device(buffers="numpy", h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s", latency="1ms", duplex=False)
+    d2h, h2d = dev.new_stream(), dev.new_stream()
+    device, host = dev.allocate(MiB // 4, Tier.DEVICE), dev.allocate(MiB // 4, Tier.PINNED)
+    events = [dev.copy_(host, device, stream=d2h), dev.copy_(device, host, stream=h2d)]
+    for event in events:
+        event.synchronize()
+    first, second = dev.copy_log()
+    assert second["start"] >= first["end"]  # one shared link: the second transfer waits for the first
+    assert d2h.query() and h2d.query()
