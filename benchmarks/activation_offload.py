@@ -19,9 +19,11 @@ Scenarios:
 
 (a) an emulated link whose bandwidth is derived from a measurement: the keep-all
     forward time ``t_fwd`` and offcore's offloaded bytes per step ``V`` give
-    ``bandwidth = V / (0.8 * t_fwd)`` (so ``V = 0.8 * bandwidth * t_fwd``: the copies
-    fit the compute window). Targets: offcore's exposed wait <= 3 % of its step and
-    step time <= 1.05 x keep-all.
+    ``bandwidth = V / (FILL * t_fwd)`` with ``FILL = 0.7``, so that the target's
+    condition ``V <= 0.8 * bandwidth * t_fwd`` (the copies fit the compute window) still
+    holds when the forward runs up to ~12 % faster in the measured run than in the
+    calibration; the run prints the fill it really had. Targets: offcore's exposed wait
+    <= 3 % of its step and step time <= 1.05 x keep-all.
 (b) an unlimited link (no emulated copy time, no latency): what is left is offcore's
     own overhead. Target: <= 10 % of keep-all.
 
@@ -67,6 +69,10 @@ from offcore_torch.models import GPTConfig, Workload, gpt_workload
 import offcore
 
 MIN_BYTES = "16KiB"
+# Scenario (a) sizes its link so the offloaded bytes fill this fraction of bandwidth x the
+# calibrated forward time: below the target's 0.8, because the forward of the measured run
+# is often faster than the calibration's (the precondition is checked in the run).
+FILL = 0.7
 
 # The default workload: saved tensors of 2-8 MiB (d_model 512, seq 256, batch 4), the sizes
 # activation offloading is for. SMALL (--small) saves 128-512 KiB tensors: there offcore's
@@ -376,10 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     forward_s, offloaded = calibrate(work, steps=args.warmup + 4)
-    bandwidth = offloaded / (0.8 * forward_s)
+    bandwidth = offloaded / (FILL * forward_s)
     print(
         f"Calibration (unlimited link): keep-all forward {forward_s * 1e3:.1f} ms; offcore offloads "
-        f"{offcore.format_bytes(offloaded)} per step -> scenario (a) bandwidth = V / (0.8 x t_fwd) = "
+        f"{offcore.format_bytes(offloaded)} per step -> scenario (a) bandwidth = V / ({FILL} x t_fwd) = "
         f"{offcore.format_bandwidth(bandwidth)} per direction, latency {args.latency}.\n"
     )
 
