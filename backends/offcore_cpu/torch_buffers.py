@@ -51,7 +51,12 @@ class TorchBuffers:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
-        if nbytes <= _GIL_HELD_COPY_LIMIT and dst.is_contiguous() and src.is_contiguous():
+        if (
+            nbytes <= _GIL_HELD_COPY_LIMIT
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and not (src.is_conj() or src.is_neg())  # lazy conj/neg views need copy_ to resolve them
+        ):
             # Note [Small copies keep the GIL]
             _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
             return
