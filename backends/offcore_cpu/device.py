@@ -230,7 +230,10 @@ class FakeDevice:
 
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
-        ops = ops_for(buffer)
+        return self._on_device(ops_for(buffer), buffer)
+
+    def _on_device(self, ops: BufferOps | None, buffer: Any) -> bool:
+        """:meth:`holds` when the buffer's family is already known (copy_ looks it up once)."""
         return ops is not None and self._arena.tier_of(ops.owner(buffer)) is Tier.DEVICE
 
     def adopt(self, obj: Any) -> Any:
@@ -342,10 +345,9 @@ class FakeDevice:
             )
         if ops is NUMPY_OPS and not dst.flags.writeable:
             raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
-        tier_of = self._arena.tier_of  # direction(), with the buffer family already known
         direction = Direction.between(
-            Tier.DEVICE if tier_of(ops.owner(src)) is Tier.DEVICE else Tier.PINNED,
-            Tier.DEVICE if tier_of(ops.owner(dst)) is Tier.DEVICE else Tier.PINNED,
+            Tier.DEVICE if self._on_device(ops, src) else Tier.PINNED,
+            Tier.DEVICE if self._on_device(ops, dst) else Tier.PINNED,
         )
         sanitizer = self._sanitizer
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0

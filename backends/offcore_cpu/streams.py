@@ -160,6 +160,13 @@ class FakeEvent:
         self._marker = marker
         return marker
 
+    def _land_at(self, stream_name: str, due: float) -> None:
+        """Record as complete at ``due`` (now, if that has passed): Note [Inline copies on an idle stream]."""
+        if due > time.perf_counter():
+            self._marker = _DueMarker(stream_name, due)
+        else:
+            self._new_marker(stream_name, completed=True)
+
     def record(self, stream: Any = None) -> None:
         """Capture the work enqueued so far on ``stream`` (default: the compute stream)."""
         (stream if stream is not None else self._compute).record_event(self)
@@ -358,12 +365,7 @@ class WorkerStream:
         state = self._state
         with state.lock:
             if not state.pending and state.error is None and not state.closed:
-                # nothing queued: the event lands with the inline work, or now
-                due = state.busy_until
-                if due > time.perf_counter():
-                    event._marker = _DueMarker(self.name, due)
-                else:
-                    event._new_marker(self.name, completed=True)
+                event._land_at(self.name, state.busy_until)  # nothing queued: with the inline work, or now
                 return event
         marker = event._new_marker(self.name)
         state.submit(lambda state: marker.complete(state.error))
@@ -393,10 +395,7 @@ class WorkerStream:
             if due > state.busy_until:
                 state.busy_until = due
         event = FakeEvent(self._compute, enable_timing=True)
-        if due > time.perf_counter():
-            event._marker = _DueMarker(self.name, due)
-        else:
-            event._new_marker(self.name, completed=True)
+        event._land_at(self.name, due)
         return event
 
     def run_and_record(self, fn: Callable[[], None], event: FakeEvent) -> FakeEvent:
