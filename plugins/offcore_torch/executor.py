@@ -58,8 +58,12 @@ from offcore.scheduler import Scheduler
 from offcore.sim import Action, Plan
 from offcore_torch.layers import resolve_layers
 from offcore_torch.offload import OffloadHandle, offload_activations
+from offcore_torch.policy import KNOWN_OPTIONS, OffloadPolicy
 
 __all__ = ["PlanExecutor", "StepOutcome", "split_batch"]
+
+# offload_activations options the executor sets from the plan (callers may not override them)
+_EXECUTOR_OWNED = ("modules", "schedule")
 
 Batch = tuple[Any, ...]
 LossFn = Callable[[nn.Module, Batch], Tensor]
@@ -189,8 +193,9 @@ class PlanExecutor:
         offload: extra ``offload_activations`` options (``trace=True``, ``host_budget``...).
 
     Raises:
-        ConfigurationError: the plan does not have one action per layer, or a layer
-            named by the plan's ``layer_names`` is not where it says.
+        ConfigurationError: the plan does not have one action per layer, a layer
+            named by the plan's ``layer_names`` is not where it says, or ``offload``
+            holds an unknown option or a bad value (checked here, not at the first step).
     """
 
     def __init__(
@@ -243,10 +248,21 @@ class PlanExecutor:
             capacity = int(device.memory_stats().get("capacity_bytes", 0) or 0)
             if capacity:
                 options["prefetch_budget"] = capacity
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigurationError(
+                f"offload must be a dict of offload_activations options, got {type(extra).__name__}"
+            )
+        settable = tuple(key for key in KNOWN_OPTIONS if key not in _EXECUTOR_OWNED)
         for key, value in (extra or {}).items():
-            if key in ("modules", "schedule"):
+            if key in _EXECUTOR_OWNED:
                 raise ConfigurationError(f"offload option {key!r} is set by the executor from the plan")
+            if key not in settable:
+                raise ConfigurationError(
+                    f"unknown offload option {key!r}; the options PlanExecutor(offload=...) accepts are "
+                    f"{', '.join(settable)}"
+                )
             options[key] = value
+        OffloadPolicy.parse(**options)  # every value checked now, not at the first step
         return options
 
     # -- checkpoint wrappers ----------------------------------------------------------

@@ -1,7 +1,8 @@
 """The offload policy: what to offload, when, and what to do when the host budget runs out.
 
 All knobs are validated up front, so a typo fails at ``offload_activations(...)`` with
-a :class:`~offcore.ConfigurationError` instead of mid-step.
+a :class:`~offcore.ConfigurationError` instead of mid-step; an unknown keyword is
+refused with the list of known ones (:data:`KNOWN_OPTIONS`).
 
     >>> from offcore_torch.policy import OffloadPolicy
     >>> policy = OffloadPolicy.parse(min_bytes="64KiB", watermark=0.3)
@@ -12,7 +13,7 @@ a :class:`~offcore.ConfigurationError` instead of mid-step.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
@@ -21,7 +22,7 @@ from offcore.errors import ConfigurationError
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
 
-__all__ = ["OffloadPolicy", "PREFETCH_MODES", "FALLBACKS"]
+__all__ = ["OffloadPolicy", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
 PREFETCH_MODES = ("deadline", "on_demand")
 FALLBACKS = ("pageable", "keep")
@@ -79,7 +80,13 @@ class OffloadPolicy:
         exclude: nn.Module | Iterable[nn.Module] | None = None,
         schedule: Scheduler | None = None,
         trace: bool = False,
+        **unknown: Any,
     ) -> OffloadPolicy:
+        if unknown:
+            raise ConfigurationError(
+                f"unknown offload option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, sorted(unknown)))}; "
+                f"the known options are {', '.join(KNOWN_OPTIONS)}"
+            )
         if prefetch not in PREFETCH_MODES:
             raise ConfigurationError(
                 f"prefetch={prefetch!r} is not a prefetch mode: use 'deadline' (start each reload by its "
@@ -124,3 +131,7 @@ class OffloadPolicy:
             schedule=schedule,
             trace=trace,
         )
+
+
+#: The keyword arguments :meth:`OffloadPolicy.parse` (and so ``offload_activations``) accepts.
+KNOWN_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(OffloadPolicy))

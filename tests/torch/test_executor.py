@@ -195,6 +195,19 @@ def test_bad_plans_and_batches_are_refused(make_fake_device: Any) -> None:
         split_batch((torch.zeros(4, 2), torch.zeros(6)), 2)
 
 
+def test_bad_offload_options_are_refused_at_construction(make_fake_device: Any) -> None:
+    device = make_fake_device()
+    model = gpt_workload(CONFIG).build(0)
+    plan = Plan.uniform(4, "offload")
+    with pytest.raises(ConfigurationError, match=r"unknown offload option 'bogus'.*min_bytes.*host_budget"):
+        PlanExecutor(model, plan, device, offload={"bogus": 1})
+    with pytest.raises(ConfigurationError, match="host_budget"):
+        PlanExecutor(model, plan, device, offload={"host_budget": "lots"})
+    with pytest.raises(ConfigurationError, match="dict"):
+        PlanExecutor(model, plan, device, offload=["trace"])  # type: ignore[arg-type]
+    PlanExecutor(model, plan, device, offload={"trace": True, "host_budget": "1GiB"})
+
+
 def test_split_batch_parts_cover_the_batch() -> None:
     x, y = torch.arange(12).view(6, 2), torch.arange(6)
     parts = split_batch((x, y), 3)

@@ -185,6 +185,13 @@ def test_bad_policy_values_raise_configuration_errors(dev: Any, options: dict[st
         offcore_torch.offload_activations(dev, **options)
 
 
+def test_unknown_policy_options_are_refused_with_the_known_ones(dev: Any) -> None:
+    with pytest.raises(offcore.ConfigurationError, match=r"unknown offload option 'foo'.*min_bytes.*trace"):
+        offcore_torch.offload_activations(dev, foo=1)
+    with pytest.raises(offcore.ConfigurationError, match=r"options 'min_byte', 'prefech'"):
+        offcore_torch.offload_activations(dev, prefech="deadline", min_byte=0)
+
+
 def test_a_device_name_instead_of_a_device_is_refused() -> None:
     with pytest.raises(offcore.ConfigurationError, match="offcore.device"):
         offcore_torch.offload_activations("cpu")
