@@ -13,6 +13,8 @@ Writes ``--out`` (default ``./offcore-report``): ``compare.json``, ``compare.md`
 ``trace.json`` (measured Chrome trace, one process per strategy),
 ``predicted-trace.json`` (the simulator's), ``trace-<strategy>-offload.json`` (the
 activation plugin's own trace), ``memory.png`` and ``timeline.png`` (with matplotlib).
+``--out`` is checked (created if missing, a file written and removed) before the run, and
+any ``OSError`` while writing becomes a one-line :class:`~offcore.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from offcore.comparison import STRATEGIES, Comparison, Gates
 from offcore.errors import ConfigurationError
 from offcore.units import parse_bandwidth, parse_duration, parse_size
 
-__all__ = ["register", "run", "settings_from_args", "write_reports"]
+__all__ = ["prepare_out", "register", "run", "settings_from_args", "write_reports"]
 
 _DEFAULTS: dict[str, Any] = {
     "backend": "cpu",
@@ -238,6 +241,37 @@ def _chrome_trace(comparison: Comparison, *, predicted: bool) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def prepare_out(out: str | os.PathLike[str]) -> Path:
+    """Make sure ``out`` is a writable directory (created if missing), before anything runs.
+
+    Raises:
+        ConfigurationError: ``out`` is a file, cannot be created, or cannot be written to.
+    """
+    directory = Path(out)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigurationError(f"--out {str(out)!r} is a file, not a directory; give a directory for the reports")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--out {str(out)!r}: cannot create the report directory ({_reason(exc)}); choose a writable directory"
+        ) from None
+    try:  # os.access is not enough (root, read-only mounts, /proc): write a file and remove it
+        handle, probe = tempfile.mkstemp(prefix=".offcore-write-check-", dir=directory)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--out {str(out)!r}: cannot write into this directory ({_reason(exc)}); choose a writable directory"
+        ) from None
+    return directory
+
+
+def _reason(exc: OSError) -> str:
+    """An OSError on one line: its strerror, else its text."""
+    return " ".join(str(exc.strerror or exc).split())
+
+
 def write_reports(
     comparison: Comparison,
     out: str | os.PathLike[str],
@@ -245,45 +279,56 @@ def write_reports(
     plots: bool = True,
     plugin_traces: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[list[Path], list[str]]:
-    """Write the reports into ``out``; returns (files written, notes such as skipped plots)."""
-    directory = Path(out)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigurationError(f"--out {str(out)!r}: cannot create the report directory ({exc})") from None
+    """Write the reports into ``out``; returns (files written, notes such as skipped plots).
+
+    Raises:
+        ConfigurationError: ``out`` is not a writable directory, or a file could not be
+            written (disk full, permissions...); the message names the file.
+    """
+    directory = prepare_out(out)
     written: list[Path] = []
     notes: list[str] = []
+    current = directory
 
     def dump(name: str, data: Any) -> None:
-        path = directory / name
+        nonlocal current
+        current = path = directory / name
         path.write_text(json.dumps(data) if not isinstance(data, str) else data, encoding="utf-8")
         written.append(path)
 
-    dump("trace.json", _chrome_trace(comparison, predicted=False))
-    dump("predicted-trace.json", _chrome_trace(comparison, predicted=True))
-    for name, traces in (plugin_traces or {}).items():
-        for index, trace in enumerate(traces):
-            suffix = f"-{index}" if len(traces) > 1 else ""
-            dump(f"trace-{name}-offload{suffix}.json", trace)
-    images: list[str] = []
-    if plots:
-        from offcore.plots import matplotlib_available, plot_memory, plot_timeline
+    try:
+        dump("trace.json", _chrome_trace(comparison, predicted=False))
+        dump("predicted-trace.json", _chrome_trace(comparison, predicted=True))
+        for name, traces in (plugin_traces or {}).items():
+            for index, trace in enumerate(traces):
+                suffix = f"-{index}" if len(traces) > 1 else ""
+                dump(f"trace-{name}-offload{suffix}.json", trace)
+        images: list[str] = []
+        if plots:
+            from offcore.plots import matplotlib_available, plot_memory, plot_timeline
 
-        if matplotlib_available():
-            plot_memory(comparison.results, directory / "memory.png", capacity=comparison.device.get("capacity_bytes"))
-            plot_timeline(comparison.results, directory / "timeline.png")
-            images = ["memory.png", "timeline.png"]
-            written.extend(directory / image for image in images)
-        else:
-            notes.append("plots skipped: matplotlib is not installed (pip install 'offcore[report]')")
-    dump("compare.json", comparison.to_json())
-    dump("compare.md", comparison.markdown(images=images))
+            if matplotlib_available():
+                current = directory / "memory.png"
+                plot_memory(comparison.results, current, capacity=comparison.device.get("capacity_bytes"))
+                current = directory / "timeline.png"
+                plot_timeline(comparison.results, current)
+                images = ["memory.png", "timeline.png"]
+                written.extend(directory / image for image in images)
+            else:
+                notes.append("plots skipped: matplotlib is not installed (pip install 'offcore[report]')")
+        dump("compare.json", comparison.to_json())
+        dump("compare.md", comparison.markdown(images=images))
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--out {str(out)!r}: cannot write {current} ({_reason(exc)}); free space or choose another directory"
+        ) from None
     return written, notes
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table and decisions, write the reports."""
     settings, gates = settings_from_args(args)
+    prepare_out(args.out)  # a bad --out fails now, not after the whole comparison ran
     from offcore_torch.compare import run_compare
 
     total = settings.total_steps
@@ -292,9 +337,15 @@ def run(args: argparse.Namespace) -> int:
         comparison = run_compare(settings, gates=gates, progress=progress, log=progress.log)
     finally:
         progress.close()
-    written, notes = write_reports(
-        comparison, args.out, plots=not args.no_plots, plugin_traces=comparison.plugin_traces
-    )
+    written: list[Path] = []
+    notes: list[str] = []
+    failure: ConfigurationError | None = None
+    try:
+        written, notes = write_reports(
+            comparison, args.out, plots=not args.no_plots, plugin_traces=comparison.plugin_traces
+        )
+    except ConfigurationError as exc:  # the results are still printed below, then the error
+        failure = exc
     if args.json:
         print(comparison.to_json())
     else:
@@ -302,5 +353,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         for line in notes:
             print(line)
-        print(f"reports: {', '.join(str(p) for p in written)}")
+        if written:
+            print(f"reports: {', '.join(str(p) for p in written)}")
+    if failure is not None:
+        raise failure
     return 0

@@ -124,6 +124,44 @@ def test_bad_arguments_exit_2_with_a_message(
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+def test_an_unwritable_out_fails_before_the_run(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import offcore_torch.compare
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the comparison ran although --out cannot be written")
+
+    monkeypatch.setattr(offcore_torch.compare, "run_compare", never)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = {"a file": str(afile), "under a file": str(afile / "report"), "/proc": "/proc"}[where]
+    if where == "/proc" and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    status = main(["compare", *TINY, *FAST, "--out", out])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert error.startswith("offcore compare: error: --out") and len(error.strip().splitlines()) == 1, error
+    assert "directory" in error
+
+
+def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import offcore.plots
+
+    monkeypatch.setattr(offcore.plots, "matplotlib_available", lambda: False)
+    out = tmp_path / "report"
+    (out / "compare.json").mkdir(parents=True)  # the directory is writable, this one file is not
+    status = main(["compare", *TINY, *FAST, "--strategies", "checkpoint", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.startswith("offcore compare: error: --out") and "compare.json" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "checkpoint" in captured.out, "the results are printed even though the reports could not be written"
+
+
 def test_help_does_not_import_torch() -> None:
     code = (
         "import sys; from offcore.cli import build_parser; build_parser(); "
