@@ -107,8 +107,14 @@ def _describe(info: Any, options: dict[str, Any], args: argparse.Namespace) -> d
         return entry
     try:
         device = offcore.device(info.name, **options)
+    except offcore.ConfigurationError as exc:  # a bad -o: a usage error, never a listing that looks fine
+        several = not args.backend and sum(other.availability().available for other in offcore.backends()) > 1
+        hint = "; to give options to one backend only, add --backend NAME" if several else ""
+        given = " ".join(f"-o {text}" for text in args.option) or "no -o options"
+        raise offcore.ConfigurationError(f"backend {info.name!r} refused {given}: {exc}{hint}") from None
     except offcore.OffcoreError as exc:
         entry["reason"] = f"creating the device failed: {exc}"
+        entry["device_error"] = str(exc)
         return entry
     try:
         entry["capacity_bytes"] = int(device.memory_stats().capacity_bytes)
@@ -131,7 +137,11 @@ def _describe(info: Any, options: dict[str, Any], args: argparse.Namespace) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    """List (and probe) the backends; exit 1 when a probe failed."""
+    """List (and probe) the backends; exit 1 when creating a device or a probe failed.
+
+    A device option (``-o``) that a listed backend refuses is a
+    :class:`~offcore.ConfigurationError` (exit 2), raised before anything is printed.
+    """
     from offcore.registry import broken_plugins
     from offcore.units import format_bytes
 
@@ -174,4 +184,4 @@ def run(args: argparse.Namespace) -> int:
             for e in entries:
                 if "probe_error" in e:
                     print(f"{e['name']}: probe failed: {e['probe_error']}")
-    return 1 if any("probe_error" in e for e in entries) else 0
+    return 1 if any("probe_error" in e or "device_error" in e for e in entries) else 0

@@ -162,6 +162,38 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str], argv
     assert err.startswith("offcore backends: error:") and message in err
 
 
+@needs_cpu
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-o", "foo=1"], "unknown option"),
+        (["-o", "capacity=abc"], "capacity 'abc'"),
+        (["-b", "cpu", "--probe", "--sizes", "1MiB", "-o", "h2d_bandwidth=0"], "h2d_bandwidth must be positive"),
+        (["--json", "-b", "cpu", "-o", "capacity=1MiB", "-o", "latency=-1"], "latency"),
+    ],
+)
+def test_device_options_a_backend_refuses_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["backends", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("offcore backends: error: backend ") and message in captured.err
+    assert "refused -o " in captured.err
+    assert captured.out == "", "no listing that shows the backend as fine"
+
+
+@needs_cpu
+def test_a_device_that_cannot_be_created_fails_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise offcore.BackendUnavailableError("the driver went away")
+
+    monkeypatch.setattr(offcore, "device", broken)
+    assert main(["backends", "-b", "cpu"]) == 1
+    assert "creating the device failed: the driver went away" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
