@@ -25,11 +25,12 @@ __all__ = [
     "FakeDeviceOutOfMemoryError",
     "StreamWorkError",
     "EventNotReadyError",
+    "InjectedFault",
 ]
 
 if TYPE_CHECKING:
     from offcore_cpu.device import FakeDevice
-    from offcore_cpu.errors import EventNotReadyError, FakeDeviceOutOfMemoryError, StreamWorkError
+    from offcore_cpu.errors import EventNotReadyError, FakeDeviceOutOfMemoryError, InjectedFault, StreamWorkError
 
 
 @offcore.hookimpl
@@ -47,7 +48,7 @@ def __getattr__(name: str) -> Any:
         from offcore_cpu.device import FakeDevice
 
         return FakeDevice
-    if name in ("FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError"):  # no torch import
+    if name in ("FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError", "InjectedFault"):  # no torch
         from offcore_cpu import errors
 
         return getattr(errors, name)

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from offcore.errors import ConfigurationError
 from offcore.kinds import Direction, Tier
@@ -38,9 +38,10 @@ from offcore.protocols import Availability, Capability, MemoryStats
 from offcore.units import format_bandwidth, format_bytes, parse_size
 from offcore_cpu.arena import MemoryArena
 from offcore_cpu.buffers import NUMPY_OPS, BufferOps, describe, ops_for
+from offcore_cpu.errors import InjectedFault
 from offcore_cpu.host_pool import FakeHostBufferPool
 from offcore_cpu.link import Link
-from offcore_cpu.options import FakeDeviceOptions, numpy_importable
+from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable, parse_fail_copy, parse_fault_mode
 from offcore_cpu.sanitizer import Sanitizer
 from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 
@@ -71,6 +72,9 @@ class FakeDevice:
       ``latency`` (``"10us"``) per copy; ``duplex`` (True): each direction has its own link.
     - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`.
     - ``buffers``: ``"torch"`` (default when torch is installed) or ``"numpy"``.
+    - ``fail_copy`` (None) and ``fail_copy_mode`` (``"submit"``): fault injection, the
+      ``fail_copy``-th ``copy_`` call fails (Note [Injected copy faults]; re-arm with
+      :meth:`inject_copy_fault`).
 
     ``with dev:`` makes it the active device; with torch buffers every tensor created
     on the calling thread is then counted as device memory (Note [Counting device
@@ -98,6 +102,13 @@ class FakeDevice:
         # (stream, direction, bytes, enqueued, start, end, jitter) per copy: a ring of tuples
         self._copy_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_COPY_LOG_LIMIT)
         self._local = threading.local()  # .depth of `with dev:` on this thread
+        # Note [Injected copy faults]: copy_ calls so far, and the armed fault
+        # (the number of the copy that fails, its mode, what armed it)
+        self._fault_lock = threading.Lock()
+        self._copies = 0
+        self._fault: tuple[int, FaultMode, str] | None = None
+        if self.options.fail_copy is not None:
+            self._fault = (self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}")
         self._ops: BufferOps = NUMPY_OPS
         self._tracker: Any = None
         if self.options.buffers == "torch":  # torch is imported here, never for numpy buffers
@@ -329,7 +340,8 @@ class FakeDevice:
         Buffers are both numpy arrays or both torch tensors with the same number of bytes;
         either may be a typed or non-contiguous view if the other is contiguous. On a copy
         stream the copy occupies the link for ``latency + nbytes / bandwidth``; on the compute
-        stream it runs on the calling thread before returning.
+        stream it runs on the calling thread before returning. An injected fault makes one
+        call fail (Note [Injected copy faults]).
         """
         ops = ops_for(dst)
         if ops is None or ops is not ops_for(src):
@@ -349,17 +361,22 @@ class FakeDevice:
             Tier.DEVICE if self._on_device(ops, src) else Tier.PINNED,
             Tier.DEVICE if self._on_device(ops, dst) else Tier.PINNED,
         )
+        compute = self._compute
+        if stream is not compute and (not isinstance(stream, WorkerStream) or stream not in self._streams):
+            raise ConfigurationError(
+                f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
+            )
+        fault = self._count_copy()
+        if fault is not None:
+            if fault.mode == "submit":
+                raise fault  # before anything is drawn, booked or enqueued
+            return self._enqueue_fault(ops, dst, nbytes, stream, fault)
         sanitizer = self._sanitizer
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
-        compute = self._compute
         if stream is compute:
             with self._untracked():
                 self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter())
             return compute.record_event(FakeEvent(compute, enable_timing=True))
-        if not isinstance(stream, WorkerStream) or stream not in self._streams:
-            raise ConfigurationError(
-                f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
-            )
         if nbytes <= _INLINE_COPY_LIMIT and not sanitizer.enabled:
             # Note [Inline copies on an idle stream]
             event = stream.try_inline(
@@ -372,6 +389,75 @@ class FakeDevice:
             self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter()
         )
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+
+    # -- fault injection -----------------------------------------------------------------
+    # Note [Injected copy faults]
+    # Tests of code that must survive a failed copy (an offload binding that frees, retries
+    # or reports) need a copy that fails on demand. The device numbers its copy_ calls from
+    # 1 (those that passed their argument checks); the armed fault makes one of them fail,
+    # once, and is then disarmed:
+    # - mode "submit": copy_ raises InjectedFault at once, before anything happens: nothing
+    #   is enqueued, no link time is booked, no jitter drawn, nothing ledgered or logged.
+    # - mode "stream": the copy is enqueued and its *work* raises InjectedFault when its
+    #   stream reaches it, exactly as a real failure of queued work does (Note [Failures
+    #   on a worker stream]): the copy's event raises StreamWorkError (InjectedFault is its
+    #   __cause__), so do events recorded later on that stream, and stream.synchronize()
+    #   raises it once and clears it. A small copy on an idle stream fails inline (the
+    #   failure lands on its event at once, as try_inline's does). With the sanitizer the
+    #   destination is poisoned when the stream reaches the copy, and stays so. No bytes
+    #   move, and the failed copy is not ledgered or logged. On the compute stream a copy
+    #   runs on the calling thread, so its failure is raised by copy_ itself in both modes.
+    # ``fail_copy=N`` arms copy number N at creation; ``inject_copy_fault(n)`` arms the
+    # n-th copy from now, replacing any fault still armed.
+
+    def inject_copy_fault(self, nth: int | None = 1, *, mode: str = "submit") -> None:
+        """Make the ``nth`` ``copy_`` call from now fail once (1: the next one; None or 0: disarm).
+
+        ``mode="submit"``: that ``copy_`` raises :class:`~offcore_cpu.errors.InjectedFault`
+        and enqueues nothing. ``mode="stream"``: the copy is enqueued and fails on its stream;
+        its event raises :class:`~offcore_cpu.errors.StreamWorkError`. Replaces a fault still
+        armed (``fail_copy=N`` at creation arms one the same way). Note [Injected copy faults].
+
+            >>> dev.inject_copy_fault(2, mode="stream")       # doctest: +SKIP
+        """
+        n = parse_fail_copy(nth, "nth")
+        fault_mode = parse_fault_mode(mode, "mode")
+        source = f"dev.inject_copy_fault({n}, mode={fault_mode!r})"
+        with self._fault_lock:
+            self._fault = None if n is None else (self._copies + n, fault_mode, source)
+
+    def _count_copy(self) -> InjectedFault | None:
+        """Number this copy_ call; the error to fail it with when the armed fault is due."""
+        with self._fault_lock:
+            self._copies += 1
+            fault = self._fault
+            if fault is None or fault[0] != self._copies:
+                return None
+            self._fault = None
+        number, mode, source = fault
+        return InjectedFault(
+            f"copy #{number} on fake device {self._label} failed: fault injected by {source} (mode {mode!r})",
+            copy_number=number,
+            mode=mode,
+        )
+
+    def _enqueue_fault(self, ops: BufferOps, dst: Any, nbytes: int, stream: Any, fault: InjectedFault) -> FakeEvent:
+        """A copy whose work fails on ``stream`` (mode "stream" of Note [Injected copy faults])."""
+        fail = functools.partial(self._fail_copy, ops, dst, fault)
+        compute = self._compute
+        if stream is compute:
+            with self._untracked():
+                fail()
+        if nbytes <= _INLINE_COPY_LIMIT and not self._sanitizer.enabled:
+            event = stream.try_inline(fail)  # fails inline: the event carries the failure
+            if event is not None:
+                return event
+        return stream.run_and_record(fail, FakeEvent(compute, enable_timing=True))
+
+    def _fail_copy(self, ops: BufferOps, dst: Any, fault: InjectedFault, *_not_before: float) -> NoReturn:
+        if self._sanitizer.enabled:  # the stream reached the copy: its destination holds garbage
+            ops.poison(dst)
+        raise fault
 
     def _inline_copy(
         self, ops: BufferOps, dst: Any, src: Any, direction: Direction, nbytes: int, stream_name: str, not_before: float

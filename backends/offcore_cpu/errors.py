@@ -29,7 +29,7 @@ from __future__ import annotations
 from offcore.errors import CapacityExceededError, OffcoreError
 from offcore.units import format_bytes
 
-__all__ = ["FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError", "out_of_memory"]
+__all__ = ["FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError", "InjectedFault", "out_of_memory"]
 
 
 class FakeDeviceOutOfMemoryError(CapacityExceededError):
@@ -64,6 +64,28 @@ class StreamWorkError(OffcoreError, RuntimeError):
 
 class EventNotReadyError(OffcoreError, RuntimeError):
     """``elapsed_time`` was asked of an event whose recorded work has not completed yet."""
+
+
+class InjectedFault(OffcoreError, RuntimeError):
+    """A copy failed on purpose: the fake device's fault injection (``fail_copy=N``, ``dev.inject_copy_fault``).
+
+    ``copy_number`` is the failing copy's 1-based number among the device's ``copy_`` calls
+    and ``mode`` is ``"submit"`` (raised by ``copy_`` itself) or ``"stream"`` (raised by the
+    copy's work on its stream, so it reaches the caller as the ``__cause__`` of a
+    :class:`StreamWorkError`).
+    """
+
+    def __init__(self, message: str, *, copy_number: int = 0, mode: str = "submit") -> None:
+        super().__init__(message)
+        self.copy_number = copy_number
+        self.mode = mode
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only figures survive pickling
+        return (_rebuild_fault, (type(self), str(self), self.copy_number, self.mode))
+
+
+def _rebuild_fault(cls: type[InjectedFault], message: str, copy_number: int, mode: str) -> InjectedFault:
+    return cls(message, copy_number=copy_number, mode=mode)
 
 
 def out_of_memory(

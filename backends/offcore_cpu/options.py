@@ -15,9 +15,18 @@ from typing import Any, Literal
 from offcore.errors import ConfigurationError
 from offcore.units import parse_bandwidth, parse_duration, parse_size
 
-__all__ = ["FakeDeviceOptions", "BufferFamily", "torch_importable", "numpy_importable"]
+__all__ = [
+    "FakeDeviceOptions",
+    "BufferFamily",
+    "FaultMode",
+    "torch_importable",
+    "numpy_importable",
+    "parse_fail_copy",
+    "parse_fault_mode",
+]
 
 BufferFamily = Literal["torch", "numpy"]
+FaultMode = Literal["submit", "stream"]
 
 
 def torch_importable() -> bool:
@@ -35,6 +44,27 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
+def parse_fail_copy(value: Any, what: str = "fail_copy") -> int | None:
+    """The copy number a fault is injected at: a positive int, or None for none (``None`` and 0 disable)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"{what} must be a non-negative integer (the 1-based number of the copy_ call that fails; "
+            f"None or 0: none), got {value!r}"
+        )
+    return value or None
+
+
+def parse_fault_mode(value: Any, what: str = "fail_copy_mode") -> FaultMode:
+    """``"submit"`` (copy_ raises, nothing is enqueued) or ``"stream"`` (the copy fails on its stream)."""
+    if not isinstance(value, str) or value not in ("submit", "stream"):
+        raise ConfigurationError(
+            f"{what} must be 'submit' (copy_ raises at once) or 'stream' (the copy fails on its stream), got {value!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class FakeDeviceOptions:
     """Parsed options of ``offcore.device("cpu", ...)``; see ``docs/cpu-device.md``."""
@@ -48,6 +78,8 @@ class FakeDeviceOptions:
     seed: int = 0
     jitter: float = 2e-3
     buffers: BufferFamily = "numpy"
+    fail_copy: int | None = None
+    fail_copy_mode: FaultMode = "submit"
 
     @classmethod
     def parse(
@@ -62,11 +94,16 @@ class FakeDeviceOptions:
         seed: int = 0,
         jitter: float | str = "2ms",
         buffers: str | None = None,
+        fail_copy: int | None = None,
+        fail_copy_mode: str = "submit",
         **unknown: Any,
     ) -> FakeDeviceOptions:
         """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
         if unknown:
-            known = "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers"
+            known = (
+                "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers, "
+                "fail_copy, fail_copy_mode"
+            )
             raise ConfigurationError(f"unknown option(s) {sorted(unknown)} for the cpu fake device; known: {known}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigurationError(f"seed must be an integer, got {seed!r}")
@@ -88,4 +125,6 @@ class FakeDeviceOptions:
             seed=seed,
             jitter=parse_duration(jitter, what="sanitizer jitter"),
             buffers=buffers,  # type: ignore[arg-type]
+            fail_copy=parse_fail_copy(fail_copy),
+            fail_copy_mode=parse_fault_mode(fail_copy_mode),
         )
