@@ -3,7 +3,9 @@
 Installed with offcore (entry point ``pytest11``), so it is active in any pytest run:
 
 - ``--offcore-backend=NAME[,NAME]``: the backends to test (default: every registered
-  one). Repeatable; a name may carry an index (``cuda:1``).
+  one). Repeatable; a name may carry an index (``cuda:1``). A name no plugin registered
+  (or an empty one) is a usage error listing the registered names; a registered backend
+  that cannot run here is skipped (or failed, see the next option).
 - ``--offcore-require-backend``: fail, instead of skip, when a selected backend cannot
   run here (``tox -e cuda`` uses it, so a GPU job never passes by skipping).
 - ``backend`` fixture: an :func:`offcore.device` instance, parametrised over the
@@ -59,11 +61,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(trylast=True)  # after conftests' own pytest_configure, which may register backends
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{_MARKER}(*names, **options): run only on these offcore backends; keyword arguments are device options",
     )
+    _check_selection(config)
+
+
+def _check_selection(config: pytest.Config) -> None:
+    """An explicit ``--offcore-backend`` must name registered backends (else a green run of skips).
+
+    Raises:
+        pytest.UsageError: an empty or malformed name, or a backend no plugin registered.
+    """
+    raw = config.getoption("--offcore-backend")
+    if not raw:
+        return
+    import offcore
+    from offcore.registry import broken_plugins, parse_device_spec
+
+    known = sorted(info.name for info in offcore.backends())
+    listing = ", ".join(known) or "none"
+    names = selection(config).names
+    if not names:
+        raise pytest.UsageError(
+            f"--offcore-backend={','.join(raw)!r} names no backend; give one or more of: {listing} "
+            "(comma-separated), or leave the option out to test every registered backend"
+        )
+    unknown: list[str] = []
+    for spec in names:
+        try:
+            name, _ = parse_device_spec(spec)
+        except offcore.OffcoreError as exc:
+            raise pytest.UsageError(f"--offcore-backend: {exc}") from None
+        if name not in known:
+            unknown.append(spec)
+    if unknown:
+        broken = broken_plugins()
+        failed = [f"{n!r} failed to load: {broken[_base(n)]}" for n in unknown if _base(n) in broken]
+        raise pytest.UsageError(
+            f"--offcore-backend: unknown backend{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"registered backends: {listing}" + (f" ({'; '.join(failed)})" if failed else "")
+        )
 
 
 def _base(spec: str) -> str:

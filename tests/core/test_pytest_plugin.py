@@ -134,10 +134,29 @@ def test_selection_restricts_parametrisation_and_pinned_classes(scenario: pytest
     assert result.ret == 0
 
 
-def test_unknown_backend_skips_with_the_registered_names(scenario: pytest.Pytester) -> None:
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--offcore-backend=nosuch", "unknown backend 'nosuch'; registered backends: bad, good"),
+        ("--offcore-backend=good,nope:1", "unknown backend 'nope:1'; registered backends: bad, good"),
+        ("--offcore-backend=", "names no backend; give one or more of: bad, good"),
+        ("--offcore-backend=,", "names no backend"),
+        ("--offcore-backend=good:x", "must be a non-negative integer"),
+    ],
+)
+def test_an_unknown_or_empty_backend_name_is_a_usage_error(
+    scenario: pytest.Pytester, option: str, message: str
+) -> None:
+    result = scenario.runpytest_subprocess("-p", "no:cacheprovider", "-v", option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    err = result.stderr.str()
+    assert "ERROR: --offcore-backend" in err and message in err, err
+    assert "passed" not in result.stdout.str() and "skipped" not in result.stdout.str()
+
+
+def test_a_backend_with_an_index_is_accepted(scenario: pytest.Pytester) -> None:
     result = scenario.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-v", "-rs", "--offcore-backend=nosuch", "-k", "test_plain"
+        "-p", "no:cacheprovider", "-v", "--offcore-backend=good:0", "-k", "test_marker and not without"
     )
-    out = result.stdout.str()
-    assert _outcomes(out)["test_plain[nosuch]"] == "SKIPPED"
-    assert "registered backends: bad, good" in out
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=1, deselected=5)
