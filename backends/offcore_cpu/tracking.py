@@ -17,8 +17,24 @@
 # The mode is thread-local (dispatch modes are per thread): work on the fake device's
 # worker threads (copies) is not observed, and creates no storages anyway. Only the
 # innermost active fake device of a thread counts new storages.
-# Not seen: tensors made without dispatch (``torch.from_numpy``, ``no_dispatch``) and
-# ``UntypedStorage.resize_`` called directly; adopt such tensors explicitly.
+# ``torch.tensor(data)`` (and ``as_tensor``/``asarray`` of Python data, ``torch.Tensor([..])``)
+# builds its tensor with dispatch excluded and then calls ``aten.lift_fresh``, which returns
+# its argument: the output storage is one of the inputs, which would read as "not new".
+# Note [Fresh tensors from Python data] makes the tracker count it anyway.
+# Not seen: tensors made without dispatch (``no_dispatch``) and ``UntypedStorage.resize_``
+# called directly; not counted: tensors over memory torch did not allocate
+# (``torch.from_numpy``, ``as_tensor`` / ``asarray`` of a numpy array, ``frombuffer``,
+# DLPack). Adopt such tensors explicitly.
+
+# Note [Fresh tensors from Python data]
+# ``aten.lift_fresh(t)`` is called on a tensor the Python frontend has just made outside
+# dispatch (so the mode never saw its allocation); it returns ``t`` itself. Its storage is
+# new device memory when torch's allocator made it (a resizable storage: ``torch.tensor``,
+# ``as_tensor``/``asarray`` of lists and scalars), not when the tensor wraps foreign memory
+# (not resizable: ``from_numpy``, ``as_tensor(ndarray)``, ``frombuffer``, DLPack) -- a
+# binding's host buffers wrapped with ``torch.from_numpy`` must stay host memory.
+# ``aten.lift_fresh_copy`` (used instead under functionalization) returns a new storage,
+# which the general rule already counts.
 """
 
 from __future__ import annotations
@@ -39,6 +55,8 @@ __all__ = ["StorageTracker"]
 _aten = torch.ops.aten
 # Operators whose outputs hold uninitialised memory; the sanitizer poisons them.
 _UNINITIALISED = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided}
+
+_LIFT_FRESH = _aten.lift_fresh.default  # Note [Fresh tensors from Python data]
 
 _DISABLE_DISPATCH = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
 _ACTIVE = threading.local()  # .stack: the StorageTrackers active on this thread, innermost last
@@ -161,10 +179,15 @@ class StorageTracker:
                 unknown[id(storage)] = storage
         if not unknown:
             return
-        for tensor in _tensors((args, kwargs)):  # a view or in-place result of a foreign tensor is not new
-            storage = _storage(tensor)
-            if storage is not None:
-                unknown.pop(id(storage), None)
+        if func is _LIFT_FRESH:  # its input is the fresh tensor: Note [Fresh tensors from Python data]
+            for key, storage in list(unknown.items()):
+                if not storage.resizable():  # torch.from_numpy and friends: foreign (host) memory
+                    del unknown[key]
+        else:
+            for tensor in _tensors((args, kwargs)):  # a view or in-place result of a foreign tensor is not new
+                storage = _storage(tensor)
+                if storage is not None:
+                    unknown.pop(id(storage), None)
         if not unknown:
             return
         self.arena.register_many([(s, s.nbytes()) for s in unknown.values()], Tier.DEVICE)  # may raise OOM

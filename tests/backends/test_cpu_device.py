@@ -733,6 +733,51 @@ def test_tensors_created_while_active_are_device_memory(tdev: FakeDevice, torch:
     assert tdev.memory_stats().peak_allocated_bytes == 4096
 
 
+def test_tensors_from_python_data_are_device_memory(tdev: FakeDevice, torch: Any) -> None:
+    # torch.tensor & co. allocate outside dispatch and then call aten.lift_fresh, which returns
+    # its argument: Note [Fresh tensors from Python data]
+    with tdev:
+        made = {
+            "tensor": torch.tensor([1.0, 2.0, 3.0]),
+            "scalar": torch.tensor(3),
+            "as_tensor": torch.as_tensor([[1, 2], [3, 4]], dtype=torch.int16),
+            "asarray": torch.asarray([1.0, 2.0], dtype=torch.float64),
+            "Tensor": torch.Tensor([1.0, 2.0]),
+            "nested": torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]),
+            "lift_fresh_copy": torch.ops.aten.lift_fresh_copy(torch.ones(5)),
+        }
+        gc.collect()
+        for name, t in made.items():
+            assert tdev.holds(t), name
+        expected = sum(t.untyped_storage().nbytes() for t in made.values())
+        assert expected == 12 + 8 + 8 + 16 + 8 + 8 + 20
+        stats = tdev.memory_stats()
+        assert stats.allocated_bytes == expected and stats["device_allocations"] == len(made)
+        t = made.pop("tensor")
+        del t
+        gc.collect()
+        assert tdev.memory_stats().allocated_bytes == expected - 12, "the bytes go back when it dies"
+
+
+def test_tensors_over_foreign_memory_stay_host_memory(tdev: FakeDevice, torch: Any) -> None:
+    # from_numpy also reaches aten.lift_fresh under a dispatch mode, but its memory is numpy's:
+    # a binding's host buffers wrapped this way must not count as device memory
+    array = np.arange(16, dtype=np.float32)
+    with tdev:
+        foreign = [
+            torch.from_numpy(array),
+            torch.as_tensor(array),
+            torch.asarray(array),
+            torch.frombuffer(bytearray(64), dtype=torch.uint8),
+        ]
+        assert tdev.memory_stats().allocated_bytes == 0
+        assert not any(tdev.holds(t) for t in foreign)
+        copied = torch.tensor(array)  # a copy: device memory, counted once
+        assert tdev.holds(copied)
+        stats = tdev.memory_stats()
+        assert stats.allocated_bytes == stats.peak_allocated_bytes == array.nbytes
+
+
 def test_peak_and_reset_follow_torch_cuda_semantics(tdev: FakeDevice, torch: Any) -> None:
     with tdev:
         big = torch.empty(MiB, dtype=torch.uint8)
