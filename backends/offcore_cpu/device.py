@@ -47,7 +47,6 @@ from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 
 __all__ = ["FakeDevice"]
 
-_COPY_LOG_LIMIT = 100_000
 _NOTHING = contextlib.nullcontext()
 # Copies up to this size run on the calling thread when their stream is idle and the
 # sanitizer is off (Note [Inline copies on an idle stream]); larger ones keep overlapping
@@ -75,6 +74,7 @@ class FakeDevice:
     - ``fail_copy`` (None) and ``fail_copy_mode`` (``"submit"``): fault injection, the
       ``fail_copy``-th ``copy_`` call fails (Note [Injected copy faults]; re-arm with
       :meth:`inject_copy_fault`).
+    - ``copy_log_limit`` (4096): :meth:`copy_log` keeps the latest this many copies (0: none).
 
     ``with dev:`` makes it the active device; with torch buffers every tensor created
     on the calling thread is then counted as device memory (Note [Counting device
@@ -99,8 +99,9 @@ class FakeDevice:
         self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
         self._compute = ComputeStream()
         self._streams: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
-        # (stream, direction, bytes, enqueued, start, end, jitter) per copy: a ring of tuples
-        self._copy_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_COPY_LOG_LIMIT)
+        # (stream, direction, bytes, enqueued, start, end, jitter) per copy: a ring of tuples, so
+        # a long run keeps the latest copy_log_limit of them (about 200 bytes each), never more
+        self._copy_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=self.options.copy_log_limit)
         self._local = threading.local()  # .depth of `with dev:` on this thread
         # Note [Injected copy faults]: copy_ calls so far, and the armed fault
         # (the number of the copy that fails, its mode, what armed it)
@@ -496,9 +497,11 @@ class FakeDevice:
         self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, jitter))
 
     def copy_log(self) -> list[dict[str, Any]]:
-        """Every completed copy, oldest first (the last 100,000), for traces.
+        """The latest completed copies, oldest first, for traces.
 
-        Each entry: ``stream``, ``direction`` (``"d2h"``...), ``bytes``, ``enqueued``,
+        A ring: it keeps the last ``copy_log_limit`` copies (an option, 4096 by default; 0
+        keeps none), so it never grows with the length of a run; ``dev.ledger`` keeps the
+        totals of every copy. Failed copies are not logged. Each entry: ``stream``, ``direction`` (``"d2h"``...), ``bytes``, ``enqueued``,
         ``start``, ``end`` (``time.perf_counter()`` seconds) and ``emulated_seconds``.
         """
         duration = self._link.duration
@@ -516,6 +519,7 @@ class FakeDevice:
         ]
 
     def clear_copy_log(self) -> None:
+        """Forget the logged copies (the ledger keeps its totals)."""
         self._copy_log.clear()
 
     def __repr__(self) -> str:

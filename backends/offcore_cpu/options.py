@@ -80,6 +80,7 @@ class FakeDeviceOptions:
     buffers: BufferFamily = "numpy"
     fail_copy: int | None = None
     fail_copy_mode: FaultMode = "submit"
+    copy_log_limit: int = 4096
 
     @classmethod
     def parse(
@@ -96,17 +97,23 @@ class FakeDeviceOptions:
         buffers: str | None = None,
         fail_copy: int | None = None,
         fail_copy_mode: str = "submit",
+        copy_log_limit: int = 4096,
         **unknown: Any,
     ) -> FakeDeviceOptions:
         """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
         if unknown:
             known = (
                 "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers, "
-                "fail_copy, fail_copy_mode"
+                "fail_copy, fail_copy_mode, copy_log_limit"
             )
             raise ConfigurationError(f"unknown option(s) {sorted(unknown)} for the cpu fake device; known: {known}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigurationError(f"seed must be an integer, got {seed!r}")
+        if isinstance(copy_log_limit, bool) or not isinstance(copy_log_limit, int) or copy_log_limit < 0:
+            raise ConfigurationError(
+                f"copy_log_limit must be a non-negative integer (how many of the latest copies "
+                f"dev.copy_log() keeps; 0: none), got {copy_log_limit!r}"
+            )
         if buffers is None:
             buffers = "torch" if torch_importable() else "numpy"
         if buffers not in ("torch", "numpy"):
@@ -127,4 +134,5 @@ class FakeDeviceOptions:
             buffers=buffers,  # type: ignore[arg-type]
             fail_copy=parse_fail_copy(fail_copy),
             fail_copy_mode=parse_fault_mode(fail_copy_mode),
+            copy_log_limit=copy_log_limit,
         )

@@ -113,6 +113,9 @@ def test_torch_capability_and_device(make_device: Any, torch: Any) -> None:
         ({"sanitize": 1}, "sanitize"),
         ({"seed": "zero"}, "seed"),
         ({"buffers": "jax"}, "buffers"),
+        ({"copy_log_limit": -1}, "copy_log_limit"),
+        ({"copy_log_limit": None}, "copy_log_limit"),
+        ({"copy_log_limit": 1.5}, "copy_log_limit"),
         ({"bandwidth": "1GiB/s"}, "unknown option"),
     ],
 )
@@ -439,6 +442,35 @@ def test_copy_on_the_compute_stream_has_landed_when_it_returns(make_device: Any)
     event = dev.copy_(device, host, stream=dev.current_stream())
     assert event.query()
     assert int(device.sum()) == 9 * 4096
+
+
+def test_copy_log_is_a_bounded_ring(make_device: Any) -> None:
+    fast = {"buffers": "numpy", "h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0}
+    dev = make_device(**fast)
+    assert dev.options.copy_log_limit == 4096
+    device, host = dev.allocate(64, Tier.DEVICE), dev.allocate(64, Tier.PINNED)
+    for _ in range(5000):  # a long run keeps only the latest 4096
+        dev.copy_(host, device, stream=dev.current_stream())
+    assert len(dev.copy_log()) == 4096
+    assert dev.ledger.snapshot()["copies"]["d2h"]["copies"] == 5000, "the ledger keeps every copy"
+
+    small = make_device(copy_log_limit=8, **fast)
+    stream = small.new_stream()
+    device, host = small.allocate(64, Tier.DEVICE), small.allocate(64, Tier.PINNED)
+    for n in range(1, 21):  # inline, queued and compute-stream copies share the ring
+        small.copy_(host[:n], device[:n], stream=stream if n % 2 else small.current_stream())
+        if n % 5 == 0:
+            gate = _gate(stream)
+            small.copy_(host[:n], device[:n], stream=stream)
+            gate.set()
+            stream.synchronize()
+    stream.synchronize()
+    log = small.copy_log()
+    assert len(log) == 8 and [e["bytes"] for e in log][-3:] == [19, 20, 20]
+
+    none = make_device(copy_log_limit=0, **fast)
+    none.copy_(none.allocate(8, Tier.PINNED), none.allocate(8, Tier.DEVICE), stream=none.new_stream()).synchronize()
+    assert none.copy_log() == [] and none.ledger.snapshot()["copies"]["d2h"]["copies"] == 1
 
 
 def test_copy_time_follows_the_link_model(make_device: Any) -> None:
