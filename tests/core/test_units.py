@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given
@@ -26,7 +27,7 @@ def test_integer_sizes_are_bytes(nbytes: int) -> None:
 def test_size_with_unit_round_trips(count: int, unit: tuple[str, int]) -> None:
     name, factor = unit
     assert parse_size(f"{count}{name}") == count * factor
-    assert parse_size(f" {count} {name.lower()} ") == count * factor  # spaces and case are forgiven
+    assert parse_size(f" {count} {name[:-1].lower()}B ") == count * factor  # spaces and the prefix's case are forgiven
 
 
 @given(st.integers(min_value=1, max_value=2**50))
@@ -148,3 +149,78 @@ def test_nonsense_durations_are_rejected_naming_the_value(value: object) -> None
 def test_what_names_the_setting_in_the_message() -> None:
     with pytest.raises(offcore.ConfigurationError, match="device capacity"):
         parse_size("-3GiB", what="device capacity")
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [
+        ("10Gb/s", 10e9 / 8),
+        ("10Gbit/s", 10e9 / 8),
+        ("10Gbits/s", 10e9 / 8),
+        ("10Gbps", 10e9 / 8),
+        ("10 gb/s", 10e9 / 8),
+        ("100Mbps", 100e6 / 8),
+        ("1kb/s", 125.0),
+        ("8b/s", 1.0),
+        ("8bps", 1.0),
+        ("1Gib/s", 2**30 / 8),
+        ("10GB/s", 10e9),
+        ("10GBps", 10e9),
+        ("10gB/s", 10e9),
+        ("10GiB/s", 10 * 2**30),
+        ("10B/s", 10.0),
+        ("10Bps", 10.0),
+        ("10G/s", 10e9),
+    ],
+)
+def test_bandwidths_tell_bits_from_bytes(text: str, rate: float) -> None:
+    assert parse_bandwidth(text) == rate
+
+
+@pytest.mark.parametrize(
+    ("text", "spelling"), [("64Mb", "'64MB'"), ("64mb", "'64MB'"), ("1Gibit", "'1GiB'"), ("512b", "'512B'")]
+)
+def test_sizes_in_bits_are_refused_with_the_byte_spelling(text: str, spelling: str) -> None:
+    with pytest.raises(offcore.ConfigurationError, match="in bits") as caught:
+        parse_size(text, what="capacity")
+    assert repr(text) in str(caught.value) and spelling in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["10Gi/s", "10iB/s", "10Gbyte/s", "10Gbpss", "10GB/ps"])
+def test_malformed_bit_and_byte_units_are_refused(value: str) -> None:
+    with pytest.raises(offcore.ConfigurationError, match=re.escape(repr(value))):
+        parse_bandwidth(value)
+
+
+@pytest.mark.parametrize(
+    ("parse", "value"),
+    [
+        (parse_bandwidth, 10**400),
+        (parse_bandwidth, 10**5000),
+        (parse_duration, 10**400),
+        (parse_size, 10**400),
+        (parse_size, -(10**5000)),
+        (parse_size, "1" * 5000 + "MiB"),
+        (parse_bandwidth, "1" * 5000 + "GB/s"),
+    ],
+    ids=[
+        "bandwidth 10**400",
+        "bandwidth 10**5000",
+        "duration 10**400",
+        "size 10**400",
+        "size -10**5000",
+        "size of 5000 digits",
+        "bandwidth of 5000 digits",
+    ],
+)
+def test_huge_values_are_configuration_errors_with_a_short_message(parse: object, value: object) -> None:
+    with pytest.raises(offcore.ConfigurationError) as caught:
+        parse(value)  # type: ignore[operator]
+    assert len(str(caught.value)) < 300, "the value is abbreviated, not printed in full"
+    assert "large" in str(caught.value) or "range" in str(caught.value) or "positive" in str(caught.value)
+
+
+def test_huge_device_settings_are_configuration_errors() -> None:
+    for option in ("h2d_bandwidth", "latency"):
+        with pytest.raises(offcore.ConfigurationError, match="too large"):
+            offcore.device("cpu", **{option: 10**400})
