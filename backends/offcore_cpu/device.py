@@ -448,7 +448,7 @@ class FakeDevice:
         compute = self._compute
         if stream is compute:
             with self._untracked():
-                fail()
+                fail()  # raises: compute-stream copies run (and fail) inside copy_
         if nbytes <= _INLINE_COPY_LIMIT and not self._sanitizer.enabled:
             event = stream.try_inline(fail)  # fails inline: the event carries the failure
             if event is not None:
