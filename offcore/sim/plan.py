@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from offcore.errors import ConfigurationError
-from offcore.units import parse_duration, parse_size
+from offcore.jsonable import loads
+from offcore.units import _show, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from offcore.sim.profile import StepProfile
@@ -34,6 +35,18 @@ __all__ = ["Action", "PrefetchPolicy", "Plan"]
 _PLAN_FORMAT = "offcore.plan/1"
 
 PrefetchMode = Literal["deadline", "lead", "on_demand"]
+
+
+def _brief(value: object) -> str:
+    """A short description of ``value`` for a message (never the repr of a deep or huge container)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return _show(value)
+    return f"a {type(value).__name__}"
+
+
+def _names(keys: Iterable[object]) -> str:
+    """Field names for a message, sorted (JSON keys are strings; a Python dict's may not be)."""
+    return ", ".join(sorted(_brief(key) for key in keys))
 
 
 class Action(str, enum.Enum):
@@ -61,7 +74,7 @@ class Action(str, enum.Enum):
             except ValueError:
                 pass
         raise ConfigurationError(
-            f"unknown action {value!r}: each layer must be one of 'keep', 'offload' or 'recompute'"
+            f"unknown action {_brief(value)}: each layer must be one of 'keep', 'offload' or 'recompute'"
         )
 
 
@@ -95,14 +108,16 @@ class PrefetchPolicy:
 
     def __post_init__(self) -> None:
         if self.mode not in ("deadline", "lead", "on_demand"):
-            raise ConfigurationError(f"unknown prefetch mode {self.mode!r}: use 'deadline', 'lead' or 'on_demand'")
+            raise ConfigurationError(
+                f"unknown prefetch mode {_brief(self.mode)}: use 'deadline', 'lead' or 'on_demand'"
+            )
         object.__setattr__(self, "margin_s", parse_duration(self.margin_s, what="prefetch margin_s"))
         if self.mode == "lead":
             if self.lead_s is None:
                 raise ConfigurationError("prefetch mode 'lead' needs lead_s (how long before use the copy starts)")
             object.__setattr__(self, "lead_s", parse_duration(self.lead_s, what="prefetch lead_s"))
         elif self.lead_s is not None:
-            raise ConfigurationError(f"lead_s only applies to prefetch mode 'lead', not {self.mode!r}")
+            raise ConfigurationError(f"lead_s only applies to prefetch mode 'lead', not {_brief(self.mode)}")
         if self.budget_bytes is not None:
             object.__setattr__(self, "budget_bytes", parse_size(self.budget_bytes, what="prefetch budget_bytes"))
 
@@ -117,7 +132,9 @@ class PrefetchPolicy:
             raise ConfigurationError(f"prefetch must be a JSON object, got {type(data).__name__}")
         unknown = set(data) - {"mode", "margin_s", "lead_s", "budget_bytes"}
         if unknown:
-            raise ConfigurationError(f"unknown prefetch fields {sorted(unknown)}")
+            raise ConfigurationError(
+                f"unknown prefetch fields {_names(unknown)}; known: 'budget_bytes', 'lead_s', 'margin_s', 'mode'"
+            )
         return cls(**data)
 
 
@@ -145,8 +162,11 @@ class Plan:
     layer_names: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.actions, str) or not isinstance(self.actions, Iterable):
-            raise ConfigurationError("actions must be a list of 'keep' / 'offload' / 'recompute', one per layer")
+        if isinstance(self.actions, (str, bytes, Mapping, Set)) or not isinstance(self.actions, Iterable):
+            raise ConfigurationError(
+                "actions must be a list of 'keep' / 'offload' / 'recompute', one per layer in forward order, "
+                f"got {_brief(self.actions)}"
+            )
         actions = tuple(Action.parse(a) for a in self.actions)
         if not actions:
             raise ConfigurationError("a plan needs at least one layer action")
@@ -154,11 +174,18 @@ class Plan:
         for name in ("checkpoint_interval", "microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigurationError(f"{name} must be a positive integer, got {_brief(value)}")
         if not isinstance(self.prefetch, PrefetchPolicy):
             raise ConfigurationError(f"prefetch must be a PrefetchPolicy, got {type(self.prefetch).__name__}")
         if self.layer_names is not None:
+            if isinstance(self.layer_names, (str, bytes, Mapping, Set)) or not isinstance(self.layer_names, Iterable):
+                raise ConfigurationError(
+                    f"layer_names must be a list of layer names, one per action, got {_brief(self.layer_names)}"
+                )
             names = tuple(self.layer_names)
+            bad = next((name for name in names if not isinstance(name, str)), None)
+            if bad is not None:
+                raise ConfigurationError(f"layer_names must be strings, got {_brief(bad)}")
             if len(names) != len(actions):
                 raise ConfigurationError(f"plan has {len(actions)} actions but {len(names)} layer names")
             object.__setattr__(self, "layer_names", names)
@@ -275,13 +302,20 @@ class Plan:
             raise ConfigurationError(f"a plan must be a JSON object, got {type(data).__name__}")
         fmt = data.get("format", _PLAN_FORMAT)
         if fmt != _PLAN_FORMAT:
-            raise ConfigurationError(f"unknown plan format {fmt!r}; expected {_PLAN_FORMAT!r}")
+            raise ConfigurationError(f"unknown plan format {_brief(fmt)}; expected {_PLAN_FORMAT!r}")
         known = {"format", "actions", "checkpoint_interval", "microbatches", "prefetch", "layer_names"}
         unknown = set(data) - known
         if unknown:
-            raise ConfigurationError(f"unknown plan fields {sorted(unknown)}; known: {sorted(known)}")
-        if "actions" not in data:
-            raise ConfigurationError("a plan needs an 'actions' list")
+            raise ConfigurationError(f"unknown plan fields {_names(unknown)}; known: {_names(known)}")
+        if not isinstance(data.get("actions"), list):
+            got = "none" if "actions" not in data else _brief(data["actions"])
+            raise ConfigurationError(
+                f"a plan needs an 'actions' list, one of 'keep' / 'offload' / 'recompute' per layer; got {got}"
+            )
+        if data.get("layer_names") is not None and not isinstance(data["layer_names"], list):
+            raise ConfigurationError(
+                f"a plan's 'layer_names' must be a list of strings, got {_brief(data['layer_names'])}"
+            )
         prefetch = PrefetchPolicy.from_dict(data["prefetch"]) if data.get("prefetch") is not None else PrefetchPolicy()
         plan = cls(
             data["actions"],
@@ -296,9 +330,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, *, profile: StepProfile | None = None) -> Plan:
-        """Read a plan written by :meth:`to_json` (optionally checked against ``profile``)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigurationError(f"plan is not valid JSON: {exc}") from None
-        return cls.from_dict(data, profile=profile)
+        """Read a plan written by :meth:`to_json` (optionally checked against ``profile``).
+
+        Raises:
+            ConfigurationError: ``text`` is not JSON text, not valid JSON, nested too
+                deeply, or not a valid plan.
+        """
+        return cls.from_dict(loads(text, what="plan"), profile=profile)

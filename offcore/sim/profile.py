@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from offcore.errors import ConfigurationError
+from offcore.jsonable import loads
 from offcore.units import parse_bandwidth, parse_duration, parse_size
 
 __all__ = [
@@ -335,12 +336,8 @@ class StepProfile:
 
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
-        """Read a profile written by :meth:`to_json`."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigurationError(f"step profile is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        """Read a profile written by :meth:`to_json` (any bad input is a ConfigurationError)."""
+        return cls.from_dict(loads(text, what="step profile"))
 
 
 # --- transformer-shaped profiles -----------------------------------------------------------

@@ -92,6 +92,41 @@ def test_bad_plans_are_refused(make, message):
         make()
 
 
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Plan.from_json(None), "must be JSON text .* got NoneType"),
+        (lambda: Plan.from_json({"actions": ["keep"]}), "got dict; for an already parsed object use from_dict"),
+        (lambda: Plan.from_json(DEEP), "nested too deeply"),
+        (lambda: Plan.from_json('{"actions": ' + DEEP + "}"), "nested too deeply"),
+        (lambda: Plan.from_json('{"actions": [' + "[" * 500 + "]" * 500 + "]}"), "unknown action a list"),
+        (lambda: Plan.from_json(b"\xff"), "not valid JSON"),
+        (lambda: Plan.from_json('{"actions": ["keep"], "microbatches": ' + "9" * 5000 + "}"), "not valid JSON"),
+        (lambda: Plan.from_json('{"actions": {"keep": 1}}'), "needs an 'actions' list.*got a dict"),
+        (lambda: Plan.from_json('{"actions": "keep"}'), "needs an 'actions' list"),
+        (lambda: Plan.from_json('{"layer_names": ["a"]}'), "needs an 'actions' list.*got none"),
+        (lambda: Plan.from_json('{"actions": ["keep"], "layer_names": 5}'), "'layer_names' must be a list"),
+        (lambda: Plan.from_json('{"actions": ["keep"], "layer_names": [5]}'), "layer_names must be strings, got 5"),
+        (lambda: Plan.from_json('{"actions": ["keep"], "checkpoint_interval": [[1]]}'), "got a list"),
+        (lambda: Plan.from_json('{"actions": ["keep"], "prefetch": {"mode": {}}}'), "prefetch mode a dict"),
+        (lambda: Plan({"keep": 1}), "actions must be a list"),
+        (lambda: Plan({"keep", "offload"}), "actions must be a list"),
+        (lambda: Plan(["keep"], layer_names=5), "layer_names must be a list"),
+        (lambda: Plan(["keep"], layer_names="a"), "layer_names must be a list"),
+        (lambda: Plan.from_dict({"actions": ["keep"], 1: 2, "x": 3}), "unknown plan fields 'x', 1; known: 'actions', "),
+        (lambda: StepProfile.from_json(None), "step profile must be JSON text"),
+        (lambda: StepProfile.from_json(DEEP), "step profile is nested too deeply"),
+    ],
+)
+def test_malformed_plan_json_is_a_configuration_error(make, message):
+    with pytest.raises(ConfigurationError, match=message) as caught:
+        make()
+    assert len(str(caught.value)) < 400
+
+
 def test_a_plan_for_another_stack_is_refused_on_load():
     profile = uniform_profile(3, forward_s=1.0, backward_s=1.0, saved_bytes=1)
     text = Plan.keep_all(4).to_json()
