@@ -16,8 +16,10 @@ from offcore.errors import (
     BackendUnavailableError,
     CapacityExceededError,
     ConfigurationError,
+    CopyFailedError,
     IllegalTransitionError,
     OffcoreError,
+    OffcoreWarning,
     SavedTensorModifiedError,
 )
 from offcore.hookspecs import hookimpl
@@ -39,6 +41,7 @@ __all__ = [
     "Capability",
     "CapacityExceededError",
     "ConfigurationError",
+    "CopyFailedError",
     "Direction",
     "Event",
     "HostBuffer",
@@ -49,6 +52,7 @@ __all__ = [
     "ManagedObject",
     "MemoryStats",
     "OffcoreError",
+    "OffcoreWarning",
     "SavedTensorModifiedError",
     "State",
     "Stream",

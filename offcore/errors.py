@@ -20,6 +20,8 @@ __all__ = [
     "CapacityExceededError",
     "IllegalTransitionError",
     "SavedTensorModifiedError",
+    "CopyFailedError",
+    "OffcoreWarning",
 ]
 
 
@@ -56,3 +58,16 @@ class SavedTensorModifiedError(OffcoreError, RuntimeError):
     Autograd's own check is disabled under saved-tensor hooks, so offcore checks the
     version counter itself when backward unpacks the tensor.
     """
+
+
+class CopyFailedError(OffcoreError, RuntimeError):
+    """A copy between tiers failed and offcore could not recover the data another way.
+
+    offcore recovers where it can without changing a number: a failed device-to-host
+    copy keeps the device copy, a failed prefetch is reloaded synchronously. This is
+    raised only when the one remaining copy of the data cannot be brought back.
+    """
+
+
+class OffcoreWarning(UserWarning):
+    """Something went wrong that offcore recovered from (a failed copy); results are unchanged."""

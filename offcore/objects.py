@@ -50,7 +50,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.RESIDENT: frozenset({State.OFFLOADING, State.RELEASED}),
     State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
     State.OFFLOADED: frozenset({State.PREFETCHING, State.RELEASED}),
-    State.PREFETCHING: frozenset({State.RESTORED, State.RELEASED}),
+    State.PREFETCHING: frozenset({State.RESTORED, State.OFFLOADED, State.RELEASED}),
     State.RESTORED: frozenset({State.RELEASED, State.OFFLOADING, State.OFFLOADED}),
     State.RELEASED: frozenset(),
 }
@@ -130,6 +130,16 @@ class ManagedObject:
     def start_prefetch(self, event: Any) -> None:
         self._move(State.PREFETCHING)
         self.h2d_event = event
+
+    def fail_prefetch(self) -> None:
+        """The host-to-device copy failed: its device buffer is garbage, the host copy is still the data."""
+        if self.state is not State.PREFETCHING:
+            raise IllegalTransitionError(
+                f"object {self.describe()} is {self.state.value}: only a prefetching object can fail its prefetch"
+            )
+        self._move(State.OFFLOADED)
+        self.h2d_event = None
+        self.tier = self.host_tier or Tier.PINNED
 
     def finish_prefetch(self, *, stream_waited: bool = False) -> None:
         """The device copy is usable.

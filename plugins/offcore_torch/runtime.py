@@ -21,6 +21,15 @@ unchanged on the fake device, CUDA and NPU.
 # until the first that is still pending: a poll at every pack and unpack costs O(ready),
 # not O(deferred). A release deferred after a younger one on the same stream (an older
 # copy's event) runs no earlier than that younger copy lands: later, never too early.
+
+# Note [A failed copy is a completed copy]
+# A copy can fail on its stream (the backend's event then raises on query/synchronize,
+# as an asynchronous CUDA error does, and the fake device's stream failures and injected
+# faults do). For releases a failed copy counts as completed: nothing reads or writes
+# its buffers any more, so they go back, once. The copy's owner decides what the failure
+# means for its data (activation offload keeps the device copy, or reloads from the
+# intact host copy), and :meth:`DeviceRuntime.recover` clears the stream's sticky error
+# so that later copies on it run. An event that raises is never queried again.
 """
 
 from __future__ import annotations
@@ -150,19 +159,28 @@ class DeviceRuntime:
 
     def _ready_releases(self) -> list[Callable[[], None]]:
         ready: list[Callable[[], None]] = []
+        failed = False
         with self.lock:
             for key, queue in self._deferred.items():
                 if key is None:  # no stream order known: check each
                     for _ in range(len(queue)):
                         item = queue.popleft()
-                        if item[0].query():
+                        done, bad = _landed(item[0])
+                        failed |= bad
+                        if done:
                             ready.append(item[1])
                         else:
                             queue.append(item)
                     continue
-                while queue and queue[0][0].query():
+                while queue:
+                    done, bad = _landed(queue[0][0])
+                    failed |= bad
+                    if not done:
+                        break
                     ready.append(queue.popleft()[1])
             self._deferred_total -= len(ready)
+        if failed:
+            self.recover()
         return ready
 
     def poll(self) -> None:
@@ -171,19 +189,32 @@ class DeviceRuntime:
             for release in self._ready_releases():
                 release()
         for queue in self._timed.values():
-            if queue and queue[0].end.query():
+            if queue and _landed(queue[0].end)[0]:
                 self._resolve_timed()
                 break
         regions = self._regions
+        finished = False
         for ref in regions:
             region = ref()
-            if region is None:
-                self._regions = [r for r in regions if r() is not None]
-                break
-            region._poll_copies()
+            if region is None or not region._poll_copies():
+                finished = True
+        if finished:
+            with self.lock:
+                self._regions = [r for r in self._regions if (region := r()) is not None and region._poll_copies()]
+
+    def recover(self, stream: Any = None) -> None:
+        """Clear a copy stream's sticky failure (both copy streams by default), so later copies on it run.
+
+        Note [A failed copy is a completed copy]. Waits for the work queued on the stream.
+        """
+        for each in (self.d2h_stream, self.h2d_stream) if stream is None else (stream,):
+            try:
+                each.synchronize()
+            except Exception:  # the failure being cleared (the backend raises it once)
+                pass
 
     def add_region(self, region: Any) -> None:
-        """Poll ``region``'s device-to-host copies at every poll while it lives."""
+        """Poll ``region``'s device-to-host copies at every poll while it needs it (active, or copies in flight)."""
         with self.lock:
             self._regions = [r for r in self._regions if r() is not None] + [weakref.ref(region)]
 
@@ -198,10 +229,10 @@ class DeviceRuntime:
                 pending = [item for queue in self._deferred.values() for item in queue]
             if wait:
                 for event, _ in pending:
-                    event.synchronize()
+                    _wait(event)
                 for queue in list(self._timed.values()):
                     for item in list(queue):
-                        item.end.synchronize()
+                        _wait(item.end)
             self.poll()
             if not wait or not self._deferred_total:
                 return
@@ -259,10 +290,14 @@ class DeviceRuntime:
         done: list[_Timed] = []
         with self.lock:
             for queue in self._timed.values():
-                while queue and queue[0].end.query():
+                while queue and _landed(queue[0].end)[0]:
                     done.append(queue.popleft())
         for item in done:
-            self._account(item, max(item.start.elapsed_time(item.end) / 1e3, 0.0))
+            try:
+                seconds = item.start.elapsed_time(item.end) / 1e3
+            except Exception:  # a bracket around a failed copy: no sample (Note [A failed copy is a completed copy])
+                continue
+            self._account(item, max(seconds, 0.0))
 
     def _account(self, item: _Timed, seconds: float) -> None:
         c = item.counters
@@ -296,6 +331,22 @@ class DeviceRuntime:
         if self.h2d_link.samples:
             return self.h2d_link.duration(nbytes)
         return self.d2h_link.duration(nbytes)
+
+
+def _landed(event: Any) -> tuple[bool, bool]:
+    """``(done, failed)`` for an event: a copy that failed counts as done (Note [A failed copy is a completed copy])."""
+    try:
+        return bool(event.query()), False
+    except Exception:
+        return True, True
+
+
+def _wait(event: Any) -> None:
+    """Block until ``event`` completes, failed or not (the failure is its owner's to handle)."""
+    try:
+        event.synchronize()
+    except Exception:
+        pass
 
 
 def runtime_for(device: Any) -> DeviceRuntime:

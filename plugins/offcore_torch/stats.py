@@ -48,7 +48,10 @@ class OffloadStats:
       (tensors not offloaded, by reason: ``parameter`` (a parameter or
       buffer of a module that ran, or a view of one), ``leaf`` (another tensor that
       requires grad), ``small``, ``not_on_device``, ``marked``, ``no_offload``,
-      ``excluded``, ``outside_modules``, ``watermark``, ``host_budget``, ...).
+      ``excluded``, ``outside_modules``, ``watermark``, ``host_budget``, ``copy_failed``, ...).
+    - ``copy_failures``: copies that failed and were recovered from (a failed
+      device-to-host copy keeps the device copy; a failed prefetch is reloaded
+      synchronously); each also raises an :class:`offcore.OffcoreWarning`.
     """
 
     offloaded_bytes: int = 0
@@ -73,6 +76,7 @@ class OffloadStats:
     offloaded_tensors: int = 0
     saved_tensors: int = 0
     kept: dict[str, int] = field(default_factory=dict)
+    copy_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""

@@ -14,6 +14,26 @@ storage offset and dtype.
     >>> back.shape == view.shape and back.stride() == view.stride() and torch.equal(back, view)
     True
 
+# Note [Restored views share one version counter]
+# Every record restored from one storage is a view of one *restore base*
+# (``restore_base``: a byte tensor over the whole restored storage), through a *root* per
+# dtype (``typed_root``: ``base.view(dtype)``, a view too), so all of them share the
+# base's version counter, as the views forward saved shared theirs. offcore remembers
+# the counter's value when it made the base; a later unpack of the same storage that
+# finds it moved means backward modified a restored saved tensor in place, and the
+# storage no longer holds what forward saved: offcore raises (torch without hooks raises
+# too) instead of handing out modified data. A dtype view does not keep its base's
+# Python object alive, but a restored view keeps its root's: so offcore holds the roots
+# weakly as *anchors* — while any anchor lives, a restored view may, and the next
+# unpack of that storage reuses it and checks the counter (also over a retained graph).
+
+# Note [Lazy conj and neg bits]
+# ``z.conj()`` and ``torch._neg_view`` return views whose *data* is the original's and
+# whose conj / neg bit tells every kernel to conjugate or negate on read. offcore copies
+# storage bytes, so the bits are metadata it must carry itself: ``TensorMeta`` records
+# ``is_conj()`` / ``is_neg()`` and the restore sets them again with the same view ops.
+# Without them the restored tensor is the un-conjugated value, and gradients are wrong.
+
 # Note [Version keepers]
 # Autograd's own in-place check is off under saved-tensor hooks, so offcore checks
 # version counters itself. A version counter belongs to a tensor and its views (and
@@ -51,6 +71,8 @@ __all__ = [
     "TensorMeta",
     "storage_key",
     "raw_bytes",
+    "restore_base",
+    "typed_root",
     "version_keeper",
     "release_storage",
     "is_offloadable_kind",
@@ -91,28 +113,75 @@ def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
+def restore_base(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """The byte tensor every restored view of ``storage`` is a view of (Note [Restored views share one version counter])."""
+    return raw_bytes(storage, device)
+
+
+def typed_root(anchor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A 1-D ``dtype`` view of all of ``anchor``'s storage sharing its version counter.
+
+    ``anchor`` is a restore base or another root. None when the storage's size is not a
+    multiple of ``dtype``'s element size (no view of that dtype covers it).
+    """
+    if anchor.dtype is dtype:
+        return anchor
+    with internal_ops():
+        base = anchor if anchor.dtype is torch.uint8 else anchor.view(torch.uint8)
+        if base.numel() % dtype.itemsize:
+            return None
+        return base.view(dtype)
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
 class TensorMeta:
-    """Everything needed to rebuild a saved tensor as a view of a (restored) storage (treat as read-only)."""
+    """Everything needed to rebuild a saved tensor as a view of a (restored) storage (treat as read-only).
+
+    ``conj`` / ``neg``: the tensor's lazy conjugate and negative bits (Note [Lazy conj and neg bits]).
+    """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
     device: torch.device
+    conj: bool = False
+    neg: bool = False
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
         return TensorMeta(
-            tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype, tensor.device
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tensor.device,
+            tensor.is_conj(),
+            tensor.is_neg(),
         )
 
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        """A tensor over ``storage`` with exactly this shape, stride, storage offset and dtype."""
+        """A tensor over ``storage`` with exactly this shape, stride, storage offset, dtype and conj/neg bits.
+
+        It has a version counter of its own; :meth:`view_from` shares one.
+        """
         with internal_ops():
-            return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            out = torch.empty(0, dtype=self.dtype, device=self.device).set_(
                 storage, self.offset, self.shape, self.stride
             )
+            return self._with_bits(out)
+
+    def view_from(self, root: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`view_of`, as a view of ``root`` (a :func:`typed_root` of this dtype), sharing its counter."""
+        with internal_ops():
+            return self._with_bits(root.as_strided(self.shape, self.stride, self.offset))
+
+    def _with_bits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.neg:
+            out = torch._neg_view(out)
+        if self.conj:
+            out = out.conj()
+        return out
 
     def describe(self) -> str:
         dims = "x".join(map(str, self.shape)) or "scalar"

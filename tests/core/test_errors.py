@@ -11,7 +11,8 @@ import offcore.errors
 
 
 def test_every_error_derives_from_offcore_error_and_is_exported() -> None:
-    classes = [c for _, c in inspect.getmembers(offcore.errors, inspect.isclass) if issubclass(c, Exception)]
+    members = [c for _, c in inspect.getmembers(offcore.errors, inspect.isclass) if issubclass(c, Exception)]
+    classes = [c for c in members if not issubclass(c, Warning)]
     assert {c.__name__ for c in classes} >= {
         "OffcoreError",
         "ConfigurationError",
@@ -24,7 +25,9 @@ def test_every_error_derives_from_offcore_error_and_is_exported() -> None:
         assert issubclass(cls, offcore.OffcoreError), cls
         assert getattr(offcore, cls.__name__) is cls, f"offcore.{cls.__name__} is not exported"
         assert cls.__doc__, f"{cls.__name__} needs a docstring"
-    assert set(offcore.errors.__all__) == {c.__name__ for c in classes}
+    assert set(offcore.errors.__all__) == {c.__name__ for c in members}
+    assert [c.__name__ for c in members if issubclass(c, Warning)] == ["OffcoreWarning"]
+    assert issubclass(offcore.OffcoreWarning, UserWarning) and offcore.OffcoreWarning.__doc__
 
 
 @pytest.mark.parametrize(
@@ -35,6 +38,7 @@ def test_every_error_derives_from_offcore_error_and_is_exported() -> None:
         (offcore.CapacityExceededError, MemoryError),
         (offcore.IllegalTransitionError, RuntimeError),
         (offcore.SavedTensorModifiedError, RuntimeError),
+        (offcore.CopyFailedError, RuntimeError),
     ],
 )
 def test_errors_are_also_the_builtin_callers_expect(cls: type[Exception], builtin: type[Exception]) -> None:

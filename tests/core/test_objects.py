@@ -97,6 +97,18 @@ def test_full_round_trip_and_reoffload() -> None:
     assert obj.state is State.RELEASED
 
 
+def test_a_failed_prefetch_leaves_the_host_copy_in_charge() -> None:
+    obj, d2h = offloading()
+    d2h.done = True
+    obj.release_device_copy()
+    obj.start_prefetch(FakeEvent())
+    obj.fail_prefetch()
+    assert obj.state is State.OFFLOADED and obj.tier is Tier.PINNED and obj.h2d_event is None
+    obj.start_prefetch(FakeEvent(done=True))  # a synchronous reload may follow
+    with pytest.raises(offcore.IllegalTransitionError, match="only a prefetching object"):
+        ManagedObject(kind=Kind.ACTIVATION, nbytes=1).fail_prefetch()
+
+
 def test_finish_prefetch_after_the_consumer_stream_waited() -> None:
     obj, d2h = offloading()
     d2h.done = True
@@ -127,6 +139,7 @@ ACTIONS = {
     "start_prefetch": lambda o: o.start_prefetch(FakeEvent(done=True)),
     "finish_prefetch": lambda o: o.finish_prefetch(),
     "drop_restored_copy": lambda o: o.drop_restored_copy(),
+    "fail_prefetch": lambda o: o.fail_prefetch(),
     "release": lambda o: o.release(),
 }
 TARGET = {
@@ -136,6 +149,7 @@ TARGET = {
     "start_prefetch": State.PREFETCHING,
     "finish_prefetch": State.RESTORED,
     "drop_restored_copy": State.OFFLOADED,
+    "fail_prefetch": State.OFFLOADED,
     "release": State.RELEASED,
 }
 ONLY_FROM = {
@@ -143,6 +157,7 @@ ONLY_FROM = {
     "release_device_copy": State.OFFLOADING,
     "finish_prefetch": State.PREFETCHING,
     "drop_restored_copy": State.RESTORED,
+    "fail_prefetch": State.PREFETCHING,
 }
 
 
