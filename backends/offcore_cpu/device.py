@@ -427,6 +427,12 @@ class FakeDevice:
         with self._fault_lock:
             self._fault = None if n is None else (self._copies + n, fault_mode, source)
 
+    @property
+    def copy_fault_armed(self) -> bool:
+        """True while a fault armed by ``fail_copy`` or :meth:`inject_copy_fault` has not fired yet."""
+        with self._fault_lock:
+            return self._fault is not None
+
     def _count_copy(self) -> InjectedFault | None:
         """Number this copy_ call; the error to fail it with when the armed fault is due."""
         with self._fault_lock:

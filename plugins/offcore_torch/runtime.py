@@ -37,11 +37,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from offcore.errors import OffcoreWarning
 from offcore.kinds import Direction
 from offcore.pool import HostBufferPool
 from offcore.protocols import Capability
@@ -142,7 +144,13 @@ class DeviceRuntime:
         one stream are checked oldest first and the check stops at the first pending one
         (Note [Deferred releases in stream order]); without a stream every poll checks it.
         """
-        if event is None or event.query():
+        if event is None:
+            release()
+            return
+        done, failed = _landed(event)
+        if done:
+            if failed:
+                self._failed_unneeded()
             release()
             return
         key = None if stream is None else _stream_key(stream)
@@ -180,8 +188,17 @@ class DeviceRuntime:
                     ready.append(queue.popleft()[1])
             self._deferred_total -= len(ready)
         if failed:
-            self.recover()
+            self._failed_unneeded()
         return ready
+
+    def _failed_unneeded(self) -> None:
+        self.recover()
+        warnings.warn(
+            "offcore: a copy whose data was no longer needed failed on its stream; its buffers were released and "
+            "the copy streams recovered (Note [A failed copy is a completed copy])",
+            OffcoreWarning,
+            stacklevel=4,
+        )
 
     def poll(self) -> None:
         """Run the releases whose copies landed and time the copies that finished. Cheap when idle."""
