@@ -91,9 +91,7 @@ from offcore_torch.storage import (
     is_parameter_like,
     raw_bytes,
     release_storage,
-    restore_base,
     storage_key,
-    typed_root,
     version_keeper,
 )
 
@@ -225,15 +223,6 @@ class _HostBytes:
             self.current[tier] = now
 
 
-def _alive_anchor(entry: _Entry) -> torch.Tensor | None:
-    """A live anchor of ``entry``'s restore base, if a view handed out may still be alive."""
-    for ref in entry.anchors:
-        anchor = ref()
-        if anchor is not None:
-            return anchor
-    return None
-
-
 class _CopyRefused(Exception):
     """A copy could not be submitted; the tensor stays on the device (internal to pack)."""
 
@@ -312,10 +301,7 @@ class _Entry:
         "used_round",
         "keys",
         "failed",
-        "roots",
-        "anchors",
-        "base_key",
-        "base_version",
+        "keepers_pointed",
         "__weakref__",
     )
 
@@ -356,12 +342,8 @@ class _Entry:
         self.disposed = False
         self.prefetch_counted = False
         self.failed = False  # its device-to-host copy failed: the device copy stays the data
-        # the restore roots of the storage backward reads, per dtype (Note [Restored views share one
-        # version counter]): held while ``restored`` is, and weakly as anchors while any view lives
-        self.roots: dict[torch.dtype, torch.Tensor] | None = None
-        self.anchors: list[weakref.ref[torch.Tensor]] = []
-        self.base_key = 0
-        self.base_version = 0
+        # the records' version keepers point at ``restored`` (Note [Restore through the version keeper])
+        self.keepers_pointed = False
 
     @property
     def name(self) -> str:
@@ -842,14 +824,6 @@ class OffloadHandle:
         items = entry.live_items()
         if any(item.keeper._version != item.version for item in items):
             entry.modified_in_flight = True
-        anchor = _alive_anchor(entry)
-        if anchor is not None:
-            # backward used the device copy while this copy was in flight; if it modified it in
-            # place, the host copy may hold the modified bytes (Note [Restored views share one version counter])
-            if anchor._version != entry.base_version:
-                entry.modified_in_flight = True
-            if entry.restored is None:
-                entry.roots = None
         upcoming = self._round if self._in_backward else self._round + 1
         if self._plan is not None and not entry.all_unpacked(upcoming) and self._hold_as_prefetch(entry):
             return
@@ -998,19 +972,9 @@ class OffloadHandle:
         *,
         offloaded: bool,
         in_flight: bool = False,
-        after_restore: bool = False,
     ) -> SavedTensorModifiedError:
         meta = tensor_or_meta if isinstance(tensor_or_meta, TensorMeta) else TensorMeta.of(tensor_or_meta)
         what = "an offloaded saved tensor" if offloaded else "a saved tensor"
-        if after_restore:
-            return SavedTensorModifiedError(
-                f"{what} of shape {tuple(meta.shape)} and dtype {meta.dtype}, needed by {_current_op()}, shares its "
-                "storage with a saved tensor that backward already unpacked and then modified in place"
-                + (f" (version {saved} when unpacked, {now} now)" if now >= 0 else "")
-                + ", so it no longer holds what forward saved. Do not modify "
-                "unpacked saved tensors in place in a custom autograd.Function's backward: use out-of-place ops or "
-                ".clone() them first (torch without saved-tensor hooks raises here too)."
-            )
         detail = (
             " It changed before offcore saw its device-to-host copy complete, so the host copy may hold "
             "modified data too."
@@ -1021,7 +985,9 @@ class OffloadHandle:
             f"{what} of shape {tuple(meta.shape)} and dtype {meta.dtype}, needed by {_current_op()}, was modified "
             f"in place after forward saved it (version {saved} at save, {now} now).{detail} Backward must use the "
             "values forward used: do not modify it in place before backward (e.g. call optimizer.step() only after "
-            "backward, use an out-of-place op, or .clone() it before modifying)."
+            "backward, use an out-of-place op, or .clone() it before modifying); in backward too, a custom "
+            "autograd.Function must not modify an unpacked saved tensor in place while another saved tensor "
+            "shares its memory."
         )
 
     def _restore(self, packed: _Offloaded, key: int, now: float) -> torch.Tensor:
@@ -1031,11 +997,9 @@ class OffloadHandle:
             raise self._modified_error(
                 packed.meta, packed.version, current, offloaded=True, in_flight=entry.modified_in_flight
             )
-        if entry.modified_in_flight:  # a restored view was modified in place while the host copy was taken
-            raise self._modified_error(packed.meta, entry.base_version, -1, offloaded=True, after_restore=True)
         storage = self._device_storage(entry, key, now)
-        root = self._restore_root(entry, storage, packed.meta)
-        out = packed.meta.view_of(storage) if root is None else packed.meta.view_from(root)
+        out = packed.meta.restore(packed.keeper, storage)
+        entry.keepers_pointed = True
         if packed.fmt is not None:
             out = self.device.restore_format(out, packed.fmt)
         entry.used = True
@@ -1045,36 +1009,6 @@ class OffloadHandle:
         if entry.live == 1 or entry.all_unpacked(self._round):
             self._consumed(entry)
         return out
-
-    def _restore_root(self, entry: _Entry, storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor | None:
-        """The ``meta.dtype`` root over ``storage``, checked for in-place changes since the base was made.
-
-        Note [Restored views share one version counter] in storage.py. None: no view of this
-        dtype covers the storage (the record gets a version counter of its own).
-        """
-        anchor = _alive_anchor(entry) if entry.base_key == storage._cdata else None
-        if anchor is not None:
-            if anchor._version != entry.base_version:
-                raise self._modified_error(
-                    meta, entry.base_version, anchor._version, offloaded=True, after_restore=True
-                )
-        else:
-            anchor = restore_base(storage, meta.device)
-            entry.base_key = storage._cdata
-            entry.base_version = anchor._version
-            entry.anchors = [weakref.ref(anchor)]
-            entry.roots = {anchor.dtype: anchor}
-        roots = entry.roots
-        if roots is None:
-            roots = entry.roots = {}
-        root = roots.get(meta.dtype)
-        if root is None:
-            root = typed_root(anchor, meta.dtype)
-            if root is None:
-                return None
-            roots[meta.dtype] = root
-            entry.anchors.append(weakref.ref(root))
-        return root
 
     def _device_storage(self, entry: _Entry, key: int, now: float) -> torch.UntypedStorage:
         """The storage backward should read, on the device and ordered for the compute stream."""
@@ -1086,15 +1020,9 @@ class OffloadHandle:
             if first_use and entry.prefetch_counted:
                 self._stats.prefetch_hits += 1
             return self._await_prefetch(entry)
-        anchor = _alive_anchor(entry)
-        if anchor is not None:
-            # views handed out before may be alive: they and this one must share storage and
-            # version counter (Note [Restored views share one version counter])
-            live = anchor.untyped_storage()
-        else:
-            live = entry.storage_ref()
-            if live is None and entry.restored_ref is not None:
-                live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
+        live = entry.storage_ref()
+        if live is None and entry.restored_ref is not None:
+            live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
         if live is not None:
             self._trigger(key, now)
             if first_use:
@@ -1205,8 +1133,10 @@ class OffloadHandle:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
         self._uncount_prefetch(entry)
         storage = entry.restored
-        if entry.landed:  # until then _landed checks it: the D2H copy may read what backward modifies
-            entry.roots = None  # the views handed out keep their roots (the anchors) alive
+        if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
+            entry.keepers_pointed = False
+            for item in entry.live_items():
+                release_storage(item.keeper)
         if storage is None:
             return
         entry.restored = None
@@ -1313,8 +1243,7 @@ class OffloadHandle:
         if obj.state is State.OFFLOADING:
             pending, stream = obj.d2h_event, runtime.d2h_stream
         host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
-        entry.host = entry.host_view = entry.src = entry.restored = entry.roots = None
-        entry.anchors = []
+        entry.host = entry.host_view = entry.src = entry.restored = None
         tier = obj.host_tier or Tier.PINNED
         host_bytes, runtime, device = self._host_bytes, self.runtime, self.device
         pool = self._pool() if host is not None else None

@@ -14,18 +14,17 @@ storage offset and dtype.
     >>> back.shape == view.shape and back.stride() == view.stride() and torch.equal(back, view)
     True
 
-# Note [Restored views share one version counter]
-# Every record restored from one storage is a view of one *restore base*
-# (``restore_base``: a byte tensor over the whole restored storage), through a *root* per
-# dtype (``typed_root``: ``base.view(dtype)``, a view too), so all of them share the
-# base's version counter, as the views forward saved shared theirs. offcore remembers
-# the counter's value when it made the base; a later unpack of the same storage that
-# finds it moved means backward modified a restored saved tensor in place, and the
-# storage no longer holds what forward saved: offcore raises (torch without hooks raises
-# too) instead of handing out modified data. A dtype view does not keep its base's
-# Python object alive, but a restored view keeps its root's: so offcore holds the roots
-# weakly as *anchors* — while any anchor lives, a restored view may, and the next
-# unpack of that storage reuses it and checks the counter (also over a retained graph).
+# Note [Restore through the version keeper]
+# A saved tensor's version counter is its family's (the tensor, its views and
+# ``detach()`` aliases), and without hooks backward reads that very tensor: an in-place
+# change made in backward through one unpacked tensor is seen by every other member —
+# another saved view of it (whose unpack then raises), the caller's own tensor if it is
+# still alive. So a restore must hand out a member of the *original* family, not a new
+# tensor over the restored bytes. The record's version keeper is such a member: the
+# restore points it at the restored storage (``.data`` assignment: storage and
+# metadata swapped, version counter kept, not bumped) and returns a ``detach()`` alias of
+# it (same counter, same storage). When backward is done with the storage, offcore
+# points the keeper back at an empty storage; the alias autograd holds keeps its own.
 
 # Note [Lazy conj and neg bits]
 # ``z.conj()`` and ``torch._neg_view`` return views whose *data* is the original's and
@@ -71,8 +70,6 @@ __all__ = [
     "TensorMeta",
     "storage_key",
     "raw_bytes",
-    "restore_base",
-    "typed_root",
     "version_keeper",
     "release_storage",
     "is_offloadable_kind",
@@ -113,26 +110,6 @@ def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def restore_base(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """The byte tensor every restored view of ``storage`` is a view of (Note [Restored views share one version counter])."""
-    return raw_bytes(storage, device)
-
-
-def typed_root(anchor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """A 1-D ``dtype`` view of all of ``anchor``'s storage sharing its version counter.
-
-    ``anchor`` is a restore base or another root. None when the storage's size is not a
-    multiple of ``dtype``'s element size (no view of that dtype covers it).
-    """
-    if anchor.dtype is dtype:
-        return anchor
-    with internal_ops():
-        base = anchor if anchor.dtype is torch.uint8 else anchor.view(torch.uint8)
-        if base.numel() % dtype.itemsize:
-            return None
-        return base.view(dtype)
-
-
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
 class TensorMeta:
     """Everything needed to rebuild a saved tensor as a view of a (restored) storage (treat as read-only).
@@ -163,18 +140,23 @@ class TensorMeta:
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         """A tensor over ``storage`` with exactly this shape, stride, storage offset, dtype and conj/neg bits.
 
-        It has a version counter of its own; :meth:`view_from` shares one.
+        It has a version counter of its own; :meth:`restore` shares the saved tensor's.
         """
         with internal_ops():
-            out = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                storage, self.offset, self.shape, self.stride
-            )
-            return self._with_bits(out)
+            return self._with_bits(self._plain(storage))
 
-    def view_from(self, root: torch.Tensor) -> torch.Tensor:
-        """Like :meth:`view_of`, as a view of ``root`` (a :func:`typed_root` of this dtype), sharing its counter."""
+    def restore(self, keeper: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+        """The saved tensor again, over ``storage``, in the family of ``keeper`` (its version keeper).
+
+        Note [Restore through the version keeper]: ``keeper`` is pointed at ``storage``, and
+        the result is a ``detach()`` alias of it with this metadata and conj/neg bits.
+        """
         with internal_ops():
-            return self._with_bits(root.as_strided(self.shape, self.stride, self.offset))
+            keeper.data = self._plain(storage)
+            return self._with_bits(keeper.detach())
+
+    def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
 
     def _with_bits(self, out: torch.Tensor) -> torch.Tensor:
         if self.neg:
@@ -216,7 +198,9 @@ def is_offloadable_kind(tensor: torch.Tensor) -> bool:
 
 def is_parameter_like(tensor: torch.Tensor) -> bool:
     """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear)."""
-    if tensor.requires_grad and tensor.grad_fn is None:
-        return True
     base: Any = tensor._base
-    return base is not None and base.requires_grad and base.grad_fn is None
+    if base is not None:
+        # judged by the base: a view made with grad mode off (in a custom Function's forward)
+        # requires grad and has no grad_fn, yet views an activation
+        return bool(base.requires_grad and base.grad_fn is None)
+    return tensor.requires_grad and tensor.grad_fn is None

@@ -3,7 +3,7 @@
 The values of a saved tensor are its storage's bytes, which offcore copies. Two more
 things travel with a tensor: the lazy conjugate and negative bits of ``z.conj()`` /
 ``torch._neg_view`` views (storage.py Note [Lazy conj and neg bits]) and the version
-counter its views share (Note [Restored views share one version counter]). Lose either
+counter its family shares (Note [Restore through the version keeper]). Lose either
 and backward computes a different number without any error.
 """
 
@@ -90,7 +90,7 @@ def test_restored_views_share_a_version_counter(dev: Any) -> None:
         with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
             out = SavesTwoViews.apply(x).sum()
         assert handle.stats().offloaded_storages == 1, "both saves share one offloaded storage"
-        with pytest.raises(SavedTensorModifiedError, match="already unpacked and then modified in place"):
+        with pytest.raises(SavedTensorModifiedError, match="modified in place after forward saved it"):
             out.backward()
         assert x.grad is None, "no gradient was computed from modified data"
     settle(dev)

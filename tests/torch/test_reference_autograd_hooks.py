@@ -627,15 +627,6 @@ def test_a_restored_view_changed_in_backward_is_caught_before_another_node_reads
     assert isinstance(offloaded, SavedTensorModifiedError), f"no error; w.grad came back as {offloaded}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "once every record of a storage was unpacked, offcore drops the restore roots (_consumed) expecting the "
-        "views it handed out to keep them alive; autograd's unpack re-wraps those views (make_variable: same "
-        "storage and version counter, no _base), so the roots die and the next unpack of the storage builds a "
-        "fresh base whose counter never saw the change"
-    ),
-)
 @pytest.mark.parametrize("where", ["host copy", "live storage"])
 def test_a_second_access_after_changing_a_restored_view_is_caught(dev: Any, where: str) -> None:
     """One node saves two views of one storage, changes one, then unpacks again: torch raises."""
@@ -656,21 +647,14 @@ def test_a_second_access_after_changing_a_restored_view_is_caught(dev: Any, wher
     assert isinstance(offloaded, SavedTensorModifiedError), f"no error; x.grad came back as {offloaded}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a restore served from a still-live storage aliases the caller's tensor but not its version counter: "
-        "an in-place change through it in backward is invisible to the caller's tensor and to other graphs"
-    ),
-)
 @pytest.mark.parametrize("other_graph", ["without offload", "another offload region"])
 def test_a_change_through_a_live_restore_is_seen_by_the_callers_tensor(dev: Any, other_graph: str) -> None:
     """A restore that reused the caller's live storage is changed in place in backward.
 
     Without hooks the unpacked tensor *is* the caller's (same version counter): the change
-    bumps its version, and another graph that saved it raises on backward. offcore hands
-    out a view of the same memory with a version counter of its own, so the other graph
-    silently reads the changed values.
+    bumps its version, and another graph that saved it raises on backward. offcore's
+    restore is a member of the same family (Note [Restore through the version keeper]),
+    so the same happens.
     """
 
     def scenario(dev: Any, region: Any) -> Any:

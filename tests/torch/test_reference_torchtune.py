@@ -248,13 +248,6 @@ class SaveTransposed(torch.autograd.Function):
         return grad * xt.t()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "is_parameter_like() takes a view made with grad mode off (inside a custom Function's forward) of an "
-        "intermediate for a leaf (requires_grad and no grad_fn) and keeps it on the device: nothing is offloaded"
-    ),
-)
 def test_a_view_saved_in_a_custom_functions_forward_is_offloaded(dev: Any) -> None:
     """Found porting test_offloading_works_with_view_outputs: BwdReturnsViewOfActivation's save stays on the device."""
     with dev:
