@@ -3,7 +3,7 @@
 Streams, events and memory figures come from ``torch.cuda``; copies use explicit
 events (never ``record_stream``); pinned host memory is a budgeted pool of large
 blocks, sub-allocated exact-size (``offcore.HostBufferPool``). The shared machinery
-is :class:`offcore_torch.accelerator.TorchAcceleratorDevice`; this module adds how
+is :class:`offcore_accelerator.TorchAcceleratorDevice`; this module adds how
 CUDA says whether it can run here and how host blocks are pinned.
 
     >>> import offcore
@@ -12,7 +12,7 @@ CUDA says whether it can run here and how host blocks are pinned.
     device(type='cuda', index=1)
 
 Options (all keyword, all checked): ``host_budget``, ``block_size``, ``capacity``,
-``stage_pageable`` (see :class:`offcore_torch.accelerator.AcceleratorOptions`) and
+``stage_pageable`` (see :class:`offcore_accelerator.AcceleratorOptions`) and
 ``pinning``:
 
 - ``"register"`` (default): each block is ordinary host memory page-locked with
@@ -35,7 +35,7 @@ import os
 import warnings
 from typing import Any, ClassVar
 
-from offcore_torch.accelerator import TorchAcceleratorDevice, import_torch, tensor_over
+from offcore_accelerator import TorchAcceleratorDevice, import_torch, tensor_over
 
 from offcore.errors import CapacityExceededError, ConfigurationError
 from offcore.protocols import Availability, Capability

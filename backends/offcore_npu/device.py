@@ -36,7 +36,7 @@ import importlib.util
 import os
 from typing import Any, ClassVar
 
-from offcore_torch.accelerator import TorchAcceleratorDevice, import_torch
+from offcore_accelerator import TorchAcceleratorDevice, import_torch
 
 from offcore.protocols import Availability, Capability
 

@@ -14,9 +14,7 @@
 Public API: :func:`offload_activations` (returns an :class:`OffloadHandle`),
 :func:`no_offload`, :func:`mark`, :func:`synchronize`, :class:`OffloadStats`,
 :class:`OffloadPolicy`, and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
-as ``schedule=`` to share what prefetch learns across regions). Names load lazily, so
-``import offcore_torch.accelerator`` (used by the CUDA/NPU adapters) does not import
-the offload machinery.
+as ``schedule=`` to share what prefetch learns across regions). Names load lazily.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ events recorded on a held stream stay pending until the stream is released or
 synchronized, which is how the tests check that the adapter waits on events.
 
 :class:`FakeAcceleratorDevice` runs the shared adapter
-(:class:`offcore_torch.accelerator.TorchAcceleratorDevice`) on that module, with
+(:class:`offcore_accelerator.TorchAcceleratorDevice`) on that module, with
 "device" tensors that are CPU tensors the device allocated and "pinned" memory that
 is the CPU blocks its pool allocated (recognised by the adapter's own block ranges).
 """
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
-from offcore_torch.accelerator import TorchAcceleratorDevice
+from offcore_accelerator import TorchAcceleratorDevice
 
 from offcore.protocols import Availability
 

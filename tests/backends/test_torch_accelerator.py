@@ -1,4 +1,4 @@
-"""The shared torch-accelerator adapter (offcore_torch.accelerator) on a CPU stand-in module.
+"""The shared torch-accelerator adapter (offcore_accelerator) on a CPU stand-in module.
 
 What runs here without hardware: option checks, stream/event plumbing, the pinned
 pool and its lifetime rule, the copy paths (direct, staged pageable, host-to-host),
@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fake_accelerator import FakeAcceleratorDevice, FakeAcceleratorModule, GiB  # noqa: E402
-from offcore_torch.accelerator import AcceleratorOptions, match_layout, tensor_over, typed_view  # noqa: E402
+from offcore_accelerator import AcceleratorOptions, match_layout, tensor_over, typed_view  # noqa: E402
 
 import offcore  # noqa: E402
 from offcore import Tier  # noqa: E402

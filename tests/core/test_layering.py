@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = {"offcore_cpu", "offcore_cuda", "offcore_npu"}
+SHARED = {"offcore_accelerator"}  # the torch-accelerator base the CUDA and NPU adapters share (backends layer)
 PLUGINS = {"offcore_torch", "pytest_offcore"}
 
 
@@ -32,7 +33,7 @@ def sources(folder: str) -> list[Path]:
 
 @pytest.mark.parametrize("path", sources("offcore"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_core_imports_no_backend_and_no_plugin(path: Path) -> None:
-    bad = imported_top_level_names(path) & (BACKENDS | PLUGINS)
+    bad = imported_top_level_names(path) & (BACKENDS | SHARED | PLUGINS)
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the core may import neither backends nor plugins"
 
 
@@ -48,6 +49,15 @@ def test_a_backend_never_reaches_into_another(backend: str) -> None:
     for path in sources(f"backends/{backend}"):
         bad = imported_top_level_names(path) & (BACKENDS - {backend})
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("package", sorted(BACKENDS | SHARED))
+def test_the_backends_layer_imports_no_plugin(package: str) -> None:
+    paths = sources(f"backends/{package}")
+    assert paths, f"backends/{package} has no sources"
+    for path in paths:
+        bad = imported_top_level_names(path) & PLUGINS
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: backends sit below plugins"
 
 
 def test_the_checker_sees_lazy_imports(tmp_path: Path) -> None:

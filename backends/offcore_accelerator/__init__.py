@@ -6,7 +6,8 @@ few hardware details (how host memory is pinned, NPU private formats). Everythin
 else -- streams, events, the budgeted pinned pool, copies with explicit events,
 memory statistics -- lives once, here, in :class:`TorchAcceleratorDevice`,
 parametrised by the device module. Backends subclass it; they never import each
-other (layering: ``backends/* -> offcore_torch.accelerator -> offcore``).
+other (layering: ``offcore_cuda, offcore_npu -> offcore_accelerator -> offcore``; it sits in the
+backends layer and imports no plugin).
 
 This module imports torch only when a device is used, never at import time, so a
 backend whose torch is missing or broken still imports and reports why.
