@@ -429,6 +429,7 @@ class OffloadHandle:
         self._in_backward = False
         self._t_backward = 0.0
         self._plan: PrefetchPlan | None = None
+        self._no_prefetch_round = -2  # a backward round that starts no more prefetches
         self._outstanding = 0  # prefetched bytes not yet handed to autograd
         self._vtime = 0.0  # the prefetch plan's clock at the last trigger
         self._graph_task = -1  # the autograd graph task of the current backward round
@@ -1174,6 +1175,8 @@ class OffloadHandle:
 
     def _start_due(self, plan: PrefetchPlan, due: list[int]) -> None:
         """Start the reloads ``plan`` says are due now (deadline order), within the prefetch budget."""
+        if self._no_prefetch_round == (self._round if self._in_backward else self._round + 1):
+            return  # Note [No speculative allocation after a refusal]
         for k in due:
             entry = self._by_key.get(k)
             if entry is not None and not entry.disposed and not entry.landed:
@@ -1194,11 +1197,21 @@ class OffloadHandle:
             plan.issued(k)
 
     def _start_prefetch(self, entry: _Entry) -> bool:
+        # Note [No speculative allocation after a refusal]: a prefetch is speculative. Asking a
+        # caching allocator for memory that is not there makes it free its whole cache, with a
+        # device-wide synchronize, before it raises. So a prefetch that cannot fit within the
+        # capacity is not asked for (the next trigger looks again), and after one refusal by
+        # the allocator the round prefetches no more (what is left reloads on demand).
+        if self._capacity > 0:
+            stats = self.device.memory_stats()
+            if int(stats.get("allocated_bytes", 0) or 0) + entry.nbytes > self._capacity:
+                self._kept["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
+                return False
         try:
             dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
             if _is_oom(exc):
-                self._kept["prefetch_oom"] += 1
+                self._refuse_prefetches("prefetch_oom")
                 return False
             raise
         try:
@@ -1215,6 +1228,10 @@ class OffloadHandle:
         self._stats.prefetched_bytes += entry.nbytes
         self._stats.reloaded_bytes += entry.nbytes
         return True
+
+    def _refuse_prefetches(self, reason: str) -> None:
+        self._kept[reason] += 1
+        self._no_prefetch_round = self._round if self._in_backward else self._round + 1
 
     # -- release -------------------------------------------------------------------------
     def _item_died(self, entry: _Entry) -> None:
