@@ -84,6 +84,9 @@ class Capability(str, enum.Enum):
     """Poisons freed memory and in-flight buffers, jitters copies."""
     PRIVATE_FORMATS = "private_formats"
     """Tensors may carry a device-private memory format that must be restored (Ascend NZ)."""
+    TIMING_READ_SYNCHRONIZES = "timing_read_synchronizes"
+    """Reading ``elapsed_time`` is a barrier (torch_npu drains every task queue and synchronizes
+    both events): copy timings are read only between steps, never while one runs."""
 
 
 @dataclass(frozen=True)

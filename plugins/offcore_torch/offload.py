@@ -460,6 +460,8 @@ class OffloadHandle:
             )
         self._entered = True
         self.runtime.poll()
+        if self.runtime.timings_between_steps:
+            self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
         if _inside_checkpoint():
             # torch.utils.checkpoint discards and recomputes what is saved in here; offloading
             # in forward but not in its recomputation would desynchronise it, so step aside.
@@ -1298,6 +1300,7 @@ class OffloadHandle:
             except Exception:  # a bracket around a failed copy: resolved without a sample
                 pass
         self.runtime.poll()
+        self.runtime.resolve_timings()
         s = self._stats
         c = self._counters
         peak = self._peak_final if self._peak_final is not None else self._peak_now()

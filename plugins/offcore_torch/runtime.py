@@ -110,7 +110,10 @@ class DeviceRuntime:
         self.d2h_link = BandwidthEstimator()
         self.h2d_link = BandwidthEstimator()
         self.scheduler = Scheduler()
-        self.timing = Capability.EVENT_TIMING in frozenset(getattr(device, "capabilities", ()))
+        capabilities = frozenset(getattr(device, "capabilities", ()))
+        self.timing = Capability.EVENT_TIMING in capabilities
+        # reading a timing is a barrier on this backend: only between steps (resolve_timings)
+        self.timings_between_steps = Capability.TIMING_READ_SYNCHRONIZES in capabilities
         self.lock = threading.RLock()
         self._pools: dict[tuple[int, bool], HostBufferPool] = {}
         # releases waiting for an event, one FIFO per stream (Note [Deferred releases in stream order])
@@ -205,10 +208,11 @@ class DeviceRuntime:
         if self._deferred_total:
             for release in self._ready_releases():
                 release()
-        for queue in self._timed.values():
-            if queue and _landed(queue[0].end)[0]:
-                self._resolve_timed()
-                break
+        if not self.timings_between_steps:
+            for queue in self._timed.values():
+                if queue and _landed(queue[0].end)[0]:
+                    self._resolve_timed()
+                    break
         regions = self._regions
         finished = False
         for ref in regions:
@@ -251,6 +255,8 @@ class DeviceRuntime:
                     for item in list(queue):
                         _wait(item.end)
             self.poll()
+            if wait:
+                self._resolve_timed()  # a barrier already: read what timings completed
             if not wait or not self._deferred_total:
                 return
 
@@ -302,6 +308,10 @@ class DeviceRuntime:
             if queue is None:
                 queue = self._timed[key] = collections.deque()
             queue.append(_Timed(start, end, nbytes, direction, issued, label, counters))
+
+    def resolve_timings(self) -> None:
+        """Read the copy timings whose copies completed (between steps where reading one is a barrier)."""
+        self._resolve_timed()
 
     def _resolve_timed(self) -> None:
         done: list[_Timed] = []
