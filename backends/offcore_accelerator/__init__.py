@@ -595,19 +595,21 @@ class TorchAcceleratorDevice:
     def memory_stats(self) -> MemoryStats:
         """Device memory in bytes from the device module, plus the pinned pool's figures.
 
-        ``allocated_bytes`` / ``peak_allocated_bytes``: ``memory_allocated`` /
-        ``max_memory_allocated``; ``reserved_bytes``: the caching allocator's
-        reservation; ``free_bytes``: what may still be allocated within ``capacity``.
+        ``allocated_bytes`` / ``peak_allocated_bytes``: the caching allocator's
+        ``allocated_bytes.all.current`` / ``.peak``; ``reserved_bytes``: its reservation;
+        ``free_bytes``: what may still be allocated within ``capacity``. The allocator's
+        statistics are read once per call (Note [One read of the allocator statistics]).
         """
         mod, index = self._mod, self.index
         self._slots.drain(blocking=False)
+        allocated, peak, reserved, peak_reserved = self._allocator_figures()
         stats = MemoryStats(
-            allocated_bytes=int(mod.memory_allocated(index)),
-            peak_allocated_bytes=int(mod.max_memory_allocated(index)),
+            allocated_bytes=allocated,
+            peak_allocated_bytes=peak,
             capacity_bytes=int(self.capacity),
             total_bytes=int(self.total_memory),
-            reserved_bytes=int(mod.memory_reserved(index)),
-            peak_reserved_bytes=int(mod.max_memory_reserved(index)),
+            reserved_bytes=reserved,
+            peak_reserved_bytes=peak_reserved,
             pinned_used_bytes=self.pinned_pool.used_bytes,
             pinned_peak_used_bytes=self.pinned_pool.peak_used_bytes,
             pinned_reserved_bytes=self.pinned_pool.reserved_bytes,
@@ -616,10 +618,45 @@ class TorchAcceleratorDevice:
         try:
             device_free, _ = mod.mem_get_info(index)
         except Exception:  # older runtimes without mem_get_info: derive from the reservation
-            device_free = self.total_memory - stats["reserved_bytes"]
+            device_free = self.total_memory - reserved
         stats["device_free_bytes"] = int(device_free)
-        stats["free_bytes"] = int(max(0, min(device_free, self.capacity - stats["reserved_bytes"])))
+        stats["free_bytes"] = int(max(0, min(device_free, self.capacity - reserved)))
         return stats
+
+    # Note [One read of the allocator statistics]
+    # torch.cuda.memory_allocated, max_memory_allocated, memory_reserved and
+    # max_memory_reserved each call memory_stats(), which asks the allocator for its
+    # whole statistics dict, flattens it and sorts it (torch/cuda/memory.py; torch_npu's
+    # torch_npu/npu/memory.py is the same code), so four figures cost four full
+    # rebuilds -- and the watermark policy asks for memory_stats() at every saved
+    # tensor. The adapter reads the statistics once: ``memory_stats_as_nested_dict``
+    # where the module has it (the dict before flattening and sorting), else
+    # ``memory_stats``, and takes the four figures from the same keys torch's helpers
+    # read ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+    # "reserved_bytes.all.current", "reserved_bytes.all.peak"); a missing key counts 0,
+    # as in torch (an allocator not yet initialised reports {}).
+
+    def _allocator_figures(self) -> tuple[int, int, int, int]:
+        """(allocated, peak allocated, reserved, peak reserved) bytes from one statistics read."""
+        mod, index = self._mod, self.index
+        nested = getattr(mod, "memory_stats_as_nested_dict", None)
+        if nested is not None:
+            raw = nested(index)
+            allocated = raw.get("allocated_bytes", {}).get("all", {})
+            reserved = raw.get("reserved_bytes", {}).get("all", {})
+            return (
+                int(allocated.get("current", 0)),
+                int(allocated.get("peak", 0)),
+                int(reserved.get("current", 0)),
+                int(reserved.get("peak", 0)),
+            )
+        flat = mod.memory_stats(index)
+        return (
+            int(flat.get("allocated_bytes.all.current", 0)),
+            int(flat.get("allocated_bytes.all.peak", 0)),
+            int(flat.get("reserved_bytes.all.current", 0)),
+            int(flat.get("reserved_bytes.all.peak", 0)),
+        )
 
     def reset_peak_memory_stats(self) -> None:
         """Restart peak tracking (device allocator and pinned pool) from the current level."""

@@ -8,8 +8,9 @@
   pageable host side is always staged through a pinned buffer (host-to-device stays
   asynchronous; device-to-pageable blocks the caller until the bytes landed). Only
   when the pinned budget is exhausted does a copy run directly (and synchronously).
-- Memory figures: ``torch.npu.memory_allocated`` / ``max_memory_allocated`` /
-  ``mem_get_info`` / ``reset_peak_memory_stats`` -- not ``torch.accelerator.memory_*``,
+- Memory figures: one read of ``torch.npu.memory_stats_as_nested_dict`` per
+  ``memory_stats()`` (``allocated_bytes.all.current`` / ``.peak``, ``reserved_bytes``),
+  ``mem_get_info`` and ``reset_peak_memory_stats`` -- not ``torch.accelerator.memory_*``,
   which asserts on released torch_npu builds.
 - Private formats: an NPU tensor may be stored in a device-private layout (e.g. NZ,
   ``acl_format`` 29). Copies to the host come back in the base format (ND), so the

@@ -15,6 +15,7 @@ is the CPU blocks its pool allocated (recognised by the adapter's own block rang
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -114,6 +115,7 @@ class FakeAcceleratorModule:
         self.free = [total] * count
         self.fractions = [1.0] * count
         self.mem_get_info_raises = False
+        self.calls: collections.Counter[str] = collections.Counter()
         self._default = FakeStream(self)
         self._current = self._default
         self.stream_log: list[FakeStream] = []
@@ -165,17 +167,45 @@ class FakeAcceleratorModule:
     def get_device_properties(self, index: int) -> SimpleNamespace:
         return SimpleNamespace(name="Fake Accelerator", total_memory=self.total)
 
-    # memory
+    # memory: torch's four helpers each rebuild the whole statistics dict; the adapter
+    # must read it once (memory_stats_as_nested_dict or memory_stats), so calls are counted
+    def _count(self, name: str) -> None:
+        self.calls[name] += 1
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
+        self._count("memory_stats_as_nested_dict")
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated[device], "peak": self.peak[device]}},
+            "reserved_bytes": {"all": {"current": self.reserved[device], "peak": self.peak_reserved[device]}},
+            "num_ooms": 0,
+        }
+
+    def memory_stats(self, device: int) -> dict[str, Any]:
+        """Flattened and sorted, as torch.cuda.memory_stats / torch.npu.memory_stats return it."""
+        self._count("memory_stats")
+        flat = {
+            "allocated_bytes.all.current": self.allocated[device],
+            "allocated_bytes.all.peak": self.peak[device],
+            "reserved_bytes.all.current": self.reserved[device],
+            "reserved_bytes.all.peak": self.peak_reserved[device],
+            "num_ooms": 0,
+        }
+        return dict(sorted(flat.items()))
+
     def memory_allocated(self, device: int) -> int:
+        self._count("memory_allocated")
         return self.allocated[device]
 
     def max_memory_allocated(self, device: int) -> int:
+        self._count("max_memory_allocated")
         return self.peak[device]
 
     def memory_reserved(self, device: int) -> int:
+        self._count("memory_reserved")
         return self.reserved[device]
 
     def max_memory_reserved(self, device: int) -> int:
+        self._count("max_memory_reserved")
         return self.peak_reserved[device]
 
     def reset_peak_memory_stats(self, device: int) -> None:

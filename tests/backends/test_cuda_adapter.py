@@ -238,7 +238,9 @@ def test_memory_figures_are_read_for_the_right_index(fake_cuda: FakeAcceleratorM
     fake_cuda.peak = [1, 3 * GiB]
     fake_cuda.reserved = [1, 4 * GiB]
     dev = CudaDevice(1, capacity="40GiB")
+    fake_cuda.calls.clear()
     stats = dev.memory_stats()
+    assert fake_cuda.calls == {"memory_stats_as_nested_dict": 1}, "one read of torch.cuda's statistics, not four"
     assert (stats.allocated_bytes, stats.peak_allocated_bytes, stats["reserved_bytes"]) == (2 * GiB, 3 * GiB, 4 * GiB)
     assert stats.capacity_bytes == 40 * GiB and fake_cuda.fractions[1] == pytest.approx(0.5)
     assert stats["free_bytes"] == 36 * GiB

@@ -230,8 +230,10 @@ def test_memory_figures_come_from_torch_npu(fake_npu: tuple[FakeTorchNpu, FakeAc
     _, npu = fake_npu
     npu.allocated[1], npu.peak[1], npu.free[1] = 5 * GiB, 6 * GiB, 50 * GiB
     dev = NpuDevice(1, capacity="32GiB")
+    npu.calls.clear()
     stats = dev.memory_stats()
     assert (stats.allocated_bytes, stats.peak_allocated_bytes, stats.capacity_bytes) == (5 * GiB, 6 * GiB, 32 * GiB)
+    assert npu.calls == {"memory_stats_as_nested_dict": 1}, "one read of torch.npu's statistics, not four"
     assert npu.fractions[1] == pytest.approx(0.5)
     dev.reset_peak_memory_stats()
     assert dev.memory_stats().peak_allocated_bytes == 5 * GiB

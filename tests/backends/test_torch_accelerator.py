@@ -394,6 +394,44 @@ def test_memory_stats_come_from_the_device_module(dev: Any, module: FakeAccelera
     del held
 
 
+def test_memory_stats_read_the_allocator_statistics_once(dev: Any, module: FakeAcceleratorModule) -> None:
+    """torch's memory_allocated & co. each rebuild and sort the whole statistics dict: one read per call."""
+    module.allocated[1], module.peak[1], module.reserved[1], module.peak_reserved[1] = 1, 2, 3, 4
+    module.calls.clear()
+    stats = dev.memory_stats()
+    assert (stats.allocated_bytes, stats.peak_allocated_bytes) == (1, 2)
+    assert (stats["reserved_bytes"], stats["peak_reserved_bytes"]) == (3, 4)
+    assert module.calls == {"memory_stats_as_nested_dict": 1}, dict(module.calls)
+
+
+def test_memory_stats_fall_back_to_the_flat_statistics(
+    dev: Any, module: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device module without memory_stats_as_nested_dict: one memory_stats() read, same figures."""
+    monkeypatch.delattr(FakeAcceleratorModule, "memory_stats_as_nested_dict")
+    module.allocated[1], module.peak[1], module.reserved[1], module.peak_reserved[1] = 5, 6, 7, 8
+    module.calls.clear()
+    stats = dev.memory_stats()
+    assert (stats.allocated_bytes, stats.peak_allocated_bytes, stats["reserved_bytes"]) == (5, 6, 7)
+    assert stats["peak_reserved_bytes"] == 8
+    assert module.calls == {"memory_stats": 1}, dict(module.calls)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+def test_memory_stats_of_an_uninitialised_allocator_are_zero(
+    dev: Any, module: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch, nested: bool
+) -> None:
+    """Before the first allocation torch.cuda.memory_stats_as_nested_dict returns {} (torch/cuda/memory.py)."""
+    monkeypatch.setattr(module, "memory_stats_as_nested_dict", lambda device: {}, raising=False)
+    if not nested:
+        monkeypatch.delattr(FakeAcceleratorModule, "memory_stats_as_nested_dict")
+        monkeypatch.delattr(module, "memory_stats_as_nested_dict")
+        monkeypatch.setattr(module, "memory_stats", lambda device: {})
+    stats = dev.memory_stats()
+    assert (stats.allocated_bytes, stats.peak_allocated_bytes, stats["reserved_bytes"]) == (0, 0, 0)
+    assert stats["free_bytes"] == 16 * GiB
+
+
 def test_free_bytes_respects_the_capacity_cap(module: FakeAcceleratorModule) -> None:
     device = FakeAcceleratorDevice(0, capacity="1GiB")
     module.reserved[0], module.free[0] = 900 * MiB, 15 * GiB
