@@ -4,7 +4,10 @@ Pinned allocation is slow (milliseconds per ``cudaHostAlloc``) and PyTorch's hos
 caching allocator rounds requests up to powers of two. This pool instead asks the
 backend for a few large blocks (up to ``budget`` bytes in all) and sub-allocates
 exact-size slices from them (first fit, neighbours merged on release), so buffers
-are reused from step to step and never rounded beyond ``alignment``.
+are reused from step to step and never rounded beyond ``alignment``. Idle blocks go
+back to the backend with :meth:`HostBufferPool.trim`, and a request that fits no
+block and not the rest of the budget first gives the idle blocks back (they were too
+small for it) before it is refused.
 
     >>> from offcore.pool import HostBufferPool
     >>> import numpy as np
@@ -32,7 +35,10 @@ __all__ = ["HostBufferPool", "HostBuffer"]
 
 @dataclass(eq=False)
 class HostBuffer:
-    """A slice of a pool block: ``view`` is a raw uint8 buffer of exactly ``nbytes``."""
+    """A slice of a pool block: ``view`` is a raw uint8 buffer of exactly ``nbytes``.
+
+    ``block`` identifies the block (stable while the buffer is out, whatever is trimmed).
+    """
 
     view: Any
     nbytes: int
@@ -104,7 +110,8 @@ class HostBufferPool:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ConfigurationError(f"alignment must be a power of two, got {alignment}")
         self.alignment = alignment
-        self._blocks: list[_Block] = []
+        self._blocks: dict[int, _Block] = {}  # by block id, oldest first (first fit in that order)
+        self._next_block = 0
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.peak_used_bytes = 0
@@ -113,28 +120,30 @@ class HostBufferPool:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of blocks held from the backend (what the pool costs the host)."""
-        return sum(b.size for b in self._blocks)
+        return sum(b.size for b in self._blocks.values())
 
     def _round(self, nbytes: int) -> int:
         return max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
 
     def acquire(self, nbytes: int) -> HostBuffer:
-        """An exact-size buffer of ``nbytes``; contents are undefined."""
+        """An exact-size buffer of ``nbytes``; contents are undefined.
+
+        When no block has room and the rest of the budget is too small, idle blocks (all
+        too small for this request, or it would have fit one) go back to the backend
+        first; :class:`~offcore.CapacityExceededError` only when even that is not enough.
+        """
         if nbytes <= 0:
             raise ConfigurationError(f"cannot acquire a host buffer of {nbytes} bytes")
         size = self._round(nbytes)
         with self._lock:
-            for index, block in enumerate(self._blocks):
+            for block_id, block in self._blocks.items():
                 offset = block.take(size)
                 if offset is not None:
-                    return self._hand_out(index, offset, size, nbytes)
-            new_size = max(size, self.block_size)
-            room = self.budget - self.reserved_bytes
-            if new_size > room:
-                # the rest of the budget as one block (not one exact block per request, which
-                # would cost a pinned allocation per tensor); it may still be too small
-                new_size = max(size, room // self.alignment * self.alignment)
-            if new_size > room:
+                    return self._hand_out(block_id, offset, size, nbytes)
+            new_size = self._new_block_size(size)
+            if new_size is None and self._free_idle_blocks():
+                new_size = self._new_block_size(size)
+            if new_size is None:
                 raise CapacityExceededError(
                     f"host pool budget exhausted: {format_bytes(nbytes)} requested, "
                     f"{format_bytes(self.used_bytes)} of {format_bytes(self.budget)} in use. "
@@ -143,29 +152,54 @@ class HostBufferPool:
             block = _Block(self._allocate_block(new_size), new_size)
             if self._on_block is not None:
                 self._on_block(new_size)
-            self._blocks.append(block)
+            block_id = self._next_block
+            self._next_block += 1
+            self._blocks[block_id] = block
             offset = block.take(size)
             assert offset is not None
-            return self._hand_out(len(self._blocks) - 1, offset, size, nbytes)
+            return self._hand_out(block_id, offset, size, nbytes)
 
-    def _hand_out(self, index: int, offset: int, size: int, nbytes: int) -> HostBuffer:
+    def _new_block_size(self, size: int) -> int | None:
+        """Bytes of a new block for a request of ``size``; None if the budget has no room for it."""
+        new_size = max(size, self.block_size)
+        room = self.budget - self.reserved_bytes
+        if new_size > room:
+            # the rest of the budget as one block (not one exact block per request, which
+            # would cost a pinned allocation per tensor); it may still be too small
+            new_size = max(size, room // self.alignment * self.alignment)
+        return None if new_size > room else new_size
+
+    def _free_idle_blocks(self) -> int:
+        """Drop every block with no buffer out (lock held); returns the bytes given back."""
+        idle = [block_id for block_id, block in self._blocks.items() if block.idle]
+        freed = sum(self._blocks.pop(block_id).size for block_id in idle)
+        if self._on_block is not None and freed:
+            self._on_block(-freed)
+        return freed
+
+    def _hand_out(self, block_id: int, offset: int, size: int, nbytes: int) -> HostBuffer:
         self.used_bytes += size
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
-        view = self._blocks[index].buffer[offset : offset + nbytes]
-        return HostBuffer(view=view, nbytes=nbytes, block=index, offset=offset, size=size)
+        view = self._blocks[block_id].buffer[offset : offset + nbytes]
+        return HostBuffer(view=view, nbytes=nbytes, block=block_id, offset=offset, size=size)
 
     def release(self, buffer: HostBuffer) -> None:
         """Return a buffer; the caller guarantees no copy still reads or writes it."""
         with self._lock:
-            self._blocks[buffer.block].give(buffer.offset, buffer.size)
+            block = self._blocks.get(buffer.block)
+            if block is None:  # its block went back to the backend, so this buffer was already released
+                raise IllegalTransitionError(
+                    f"host buffer at offset {buffer.offset} ({buffer.size} bytes) belongs to a block this pool "
+                    "no longer holds; release each buffer exactly once"
+                )
+            block.give(buffer.offset, buffer.size)
             self.used_bytes -= buffer.size
 
     def trim(self) -> int:
-        """Give idle trailing blocks back to the backend; returns the bytes freed."""
-        freed = 0
+        """Give every idle block (no buffer out) back to the backend; returns the bytes freed.
+
+        Blocks with buffers out stay, wherever they are. A freed block's memory is released
+        when the last view of it dies (a caller may still hold a released buffer's ``view``).
+        """
         with self._lock:
-            while self._blocks and self._blocks[-1].idle:
-                freed += self._blocks.pop().size
-            if self._on_block is not None and freed:
-                self._on_block(-freed)
-        return freed
+            return self._free_idle_blocks()

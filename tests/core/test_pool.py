@@ -129,6 +129,65 @@ def test_trim_keeps_blocks_in_use() -> None:
     assert pool.trim() == 64 * KiB and pool.reserved_bytes == 0
 
 
+def test_trim_gives_back_idle_blocks_anywhere_not_only_trailing_ones() -> None:
+    pool, source = make_pool("256KiB", "64KiB")
+    first = pool.acquire(64 * KiB)
+    second = pool.acquire(64 * KiB)
+    pool.release(first)  # the oldest block is idle, the newest is not
+    assert pool.trim() == 64 * KiB and source.changes == [64 * KiB, 64 * KiB, -64 * KiB]
+    assert pool.reserved_bytes == 64 * KiB
+    pool.release(second)  # its block id still names its block after the other one went
+    again = pool.acquire(64 * KiB)
+    assert again.block == second.block and source.sizes == [64 * KiB, 64 * KiB], "served by the kept block"
+    pool.release(again)
+
+
+def test_a_buffer_of_a_trimmed_block_cannot_be_released_again() -> None:
+    pool, _ = make_pool("64KiB", "64KiB")
+    buffer = pool.acquire(KiB)
+    pool.release(buffer)
+    pool.trim()
+    with pytest.raises(offcore.IllegalTransitionError, match="exactly once"):
+        pool.release(buffer)
+    assert pool.used_bytes == 0
+
+
+def test_growing_sizes_reuse_the_budget_of_idle_blocks() -> None:
+    """Issue 16 item 1: hw_check's sweep (64 MiB, 256 MiB, 1 GiB; two buffers each, budget 2 x 1 GiB + 64 MiB)
+    failed at the second 1 GiB buffer, the smaller sizes' idle blocks still holding the budget."""
+    MiB, GiB = 1 << 20, 1 << 30
+    pool, source = make_pool(2 * GiB + 64 * MiB, "64MiB")  # numpy zeros: calloc, no page touched
+    for size in (64 * MiB, 256 * MiB, 1 * GiB):
+        pair = pool.acquire(size), pool.acquire(size)  # without reclaiming: 'host pool budget exhausted'
+        assert all(b.nbytes == size for b in pair) and pool.reserved_bytes <= pool.budget
+        for buffer in pair:
+            pool.release(buffer)
+    assert source.sizes == [64 * MiB, 64 * MiB, 256 * MiB, 256 * MiB, 1 * GiB, 1 * GiB]
+    # with a trim between sizes (what hw_check does) nothing needs reclaiming in acquire
+    pool, source = make_pool(2 * GiB + 64 * MiB, "64MiB")
+    for size in (64 * MiB, 256 * MiB, 1 * GiB):
+        pair = pool.acquire(size), pool.acquire(size)
+        for buffer in pair:
+            pool.release(buffer)
+        assert pool.trim() == 2 * size and pool.reserved_bytes == 0
+    assert source.changes == [s for size in (64 * MiB, 256 * MiB, 1 * GiB) for s in (size, size, -2 * size)]
+
+
+def test_a_request_reclaims_idle_blocks_only_when_it_would_fail() -> None:
+    pool, source = make_pool("128KiB", "64KiB")
+    small = pool.acquire(KiB)
+    pool.release(small)  # one idle 64 KiB block
+    held = pool.acquire(64 * KiB)  # fits the idle block: nothing reclaimed, no new block
+    assert source.sizes == [64 * KiB] and held.block == small.block
+    pool.release(held)
+    big = pool.acquire(100 * KiB)  # fits no block; 64 KiB of room left: the idle block goes first
+    assert source.changes == [64 * KiB, -64 * KiB, 100 * KiB] and pool.reserved_bytes == 100 * KiB
+    with pytest.raises(offcore.CapacityExceededError):
+        pool.acquire(64 * KiB)  # nothing idle to give back: refused, and the busy block stays
+    assert pool.reserved_bytes == 100 * KiB
+    pool.release(big)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
