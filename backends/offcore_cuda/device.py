@@ -17,7 +17,10 @@ Options (all keyword, all checked): ``host_budget``, ``block_size``, ``capacity`
 
 - ``"register"`` (default): each block is ordinary host memory page-locked with
   ``cudaHostRegister`` (through ``torch.cuda.cudart()``), so a block costs exactly
-  its size rounded to a page; it is unregistered when the last view of it dies.
+  its size rounded to a page; it is unregistered when the last view of it dies. A
+  failed call's error is cleared from the runtime (Note [A failed cudaHostRegister
+  leaves the last error set]); where that cannot be done, blocks are pinned as with
+  ``"allocator"``.
 - ``"allocator"``: blocks from ``torch.empty(..., pin_memory=True)``, i.e. PyTorch's
   caching host allocator, which rounds each request up to a power of two (a 96 MiB
   block reserves 128 MiB) and keeps freed blocks cached.
@@ -30,9 +33,12 @@ without making the copy stream wait on the host.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from offcore_accelerator import TorchAcceleratorDevice, import_torch, tensor_over
@@ -45,6 +51,72 @@ __all__ = ["CudaDevice"]
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _PINNING_MODES = ("register", "allocator")
+
+
+# Note [A failed cudaHostRegister leaves the last error set]
+# The CUDA runtime records every failing call as the calling thread's "last error"
+# until cudaGetLastError() reads and resets it. torch's binding of cudaHostRegister /
+# cudaHostUnregister (torch/csrc/cuda/shared/cudart.cpp) wraps the call in
+# C10_CUDA_ERROR_HANDLED, which is the bare expression: it returns the code and
+# leaves the last error set. The next kernel launch on that thread then fails its
+# C10_CUDA_KERNEL_LAUNCH_CHECK (= C10_CUDA_CHECK(cudaGetLastError())) with *our*
+# error, in unrelated code. So after a failed register or unregister the adapter
+# calls cudaGetLastError on the same thread. torch.cuda.cudart() does not bind it
+# (it binds cudaGetErrorString, cudaProfilerStart/Stop, cudaHostRegister/Unregister,
+# cudaStreamCreate/Destroy and cudaMemGetInfo), so it is looked up with ctypes in
+# the runtime torch already loaded: dlsym on torch's own libc10_cuda.so /
+# libtorch_cuda.so searches their dependencies, i.e. the very libcudart whose error
+# state torch's checks read; RTLD_NOLOAD never loads a second copy. When it cannot be
+# found, the adapter does not call cudaHostRegister at all and pins through torch's
+# caching host allocator instead (whose C10_CUDA_CHECK clears the error itself).
+
+
+def _loaded_function(paths: Iterable[str], symbol: str) -> Callable[[], int] | None:
+    """``symbol`` (no arguments, returns an int) from the first already-loaded library of ``paths``.
+
+    Looked up in that library and its dependencies; a library that is not loaded yet
+    is skipped, never loaded.
+    """
+    mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
+    for path in paths:
+        try:
+            function = getattr(ctypes.CDLL(path, mode=mode), symbol)
+        except (OSError, AttributeError):
+            continue
+        function.restype = ctypes.c_int
+        function.argtypes = []
+        return function
+    return None
+
+
+def _mapped_libraries(prefix: str) -> list[str]:
+    """Paths of the shared libraries mapped into this process whose file name starts with ``prefix``."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith(prefix) and fields[5] not in found:
+            found.append(fields[5])
+    return found
+
+
+def find_get_last_error(torch: Any, cudart: Any) -> Callable[[], int] | None:
+    """The runtime's ``cudaGetLastError`` (``hipGetLastError`` on ROCm) as torch uses it, or None.
+
+    See Note [A failed cudaHostRegister leaves the last error set].
+    """
+    bound = getattr(cudart, "cudaGetLastError", None)  # should a later torch bind it
+    if callable(bound):
+        return bound
+    hip = bool(getattr(torch.version, "hip", None))
+    lib = Path(torch.__file__).parent / "lib"
+    own = ("libc10_hip.so", "libtorch_hip.so") if hip else ("libc10_cuda.so", "libtorch_cuda.so")
+    runtime = "libamdhip64.so" if hip else "libcudart.so"
+    paths = [str(lib / name) for name in own] + _mapped_libraries(runtime)
+    return _loaded_function(paths, "hipGetLastError" if hip else "cudaGetLastError")
 
 
 class CudaDevice(TorchAcceleratorDevice):
@@ -96,8 +168,23 @@ class CudaDevice(TorchAcceleratorDevice):
             raise ConfigurationError(f"pinning must be one of {_PINNING_MODES}, got {pinning!r}")
         self.pinning = pinning
 
+    def _last_error_reset(self) -> Callable[[], int] | None:
+        """cudaGetLastError for clearing our own failures, looked up once (None: not found)."""
+        if not hasattr(self, "_get_last_error"):
+            self._get_last_error = find_get_last_error(self._torch, self._torch.cuda.cudart())
+        return self._get_last_error
+
     def _allocate_pinned_block(self, nbytes: int) -> Any:
         """A pinned block of exactly ``nbytes`` (page-locked with ``cudaHostRegister``)."""
+        if self.pinning == "register" and self._last_error_reset() is None:
+            warnings.warn(
+                "offcore cuda: cudaGetLastError of the CUDA runtime torch uses was not found, so a failed "
+                "cudaHostRegister could not be cleared; pinning through torch's caching host allocator instead "
+                "(pinning='allocator')",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.pinning = "allocator"
         if self.pinning == "allocator":
             return super()._allocate_pinned_block(nbytes)
         page = mmap.PAGESIZE
@@ -107,14 +194,18 @@ class CudaDevice(TorchAcceleratorDevice):
         backing = self._torch.empty(span + page, dtype=self._torch.uint8)
         start = -(-backing.data_ptr() // page) * page
         cudart = self._torch.cuda.cudart()
+        reset = self._get_last_error
         error = int(cudart.cudaHostRegister(start, span, _CUDA_HOST_REGISTER_PORTABLE))
         if error != 0:
+            reset()  # Note [A failed cudaHostRegister leaves the last error set]
             raise CapacityExceededError(
                 f"page-locking {format_bytes(span)} of host memory with cudaHostRegister failed (cudaError {error}); "
                 "lower host_budget, or pass pinning='allocator'"
             )
 
         def unregister() -> None:
-            cudart.cudaHostUnregister(start)
+            # runs where the last view died, on any thread: clear the error on that thread
+            if int(cudart.cudaHostUnregister(start)) != 0:
+                reset()
 
         return tensor_over(start, nbytes, on_free=unregister, keepalive=backing)

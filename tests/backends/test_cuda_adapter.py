@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import offcore_accelerator  # noqa: E402
+import offcore_cuda.device as cuda_device  # noqa: E402
 from fake_accelerator import FakeAcceleratorModule, GiB  # noqa: E402
 from offcore_cuda.device import CudaDevice  # noqa: E402
 
@@ -150,10 +154,18 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeAcceleratorModule:
 
 
 class FakeCudart:
-    """``torch.cuda.cudart()``'s two host-registration calls, recorded."""
+    """``torch.cuda.cudart()``'s two host-registration calls, recorded, over a runtime with a last error.
 
-    def __init__(self, error: int = 0) -> None:
+    As in the CUDA runtime, a failing call leaves its code as the thread's last error
+    until ``cudaGetLastError`` reads and resets it, and a kernel launch checks that error
+    (``C10_CUDA_KERNEL_LAUNCH_CHECK``). torch's binding exposes no ``cudaGetLastError``:
+    the runtime's own function is :meth:`runtime_get_last_error`, reached through ctypes.
+    """
+
+    def __init__(self, error: int = 0, unregister_error: int = 0) -> None:
         self.error = error
+        self.unregister_error = unregister_error
+        self.last_error = 0
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
 
@@ -161,11 +173,43 @@ class FakeCudart:
         assert flags == 1, "cudaHostRegisterPortable, so every context sees the memory as pinned"
         if self.error == 0:
             self.registered[address] = size
+        else:
+            self.last_error = self.error
         return self.error
 
     def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
         self.unregistered.append(address)
-        return 0
+        if self.unregister_error:
+            self.last_error = self.unregister_error
+        return self.unregister_error
+
+    def runtime_get_last_error(self) -> int:
+        error, self.last_error = self.last_error, 0
+        return error
+
+    def launch_kernel(self) -> None:
+        """What torch does after every kernel launch: C10_CUDA_CHECK(cudaGetLastError())."""
+        error = self.runtime_get_last_error()
+        if error:
+            raise RuntimeError(f"CUDA error {error} raised by an unrelated kernel launch")
+
+
+@pytest.fixture
+def cudart(fake_cuda: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """torch.cuda.cudart() replaced, and cudaGetLastError found in torch's libc10_cuda.so (by ctypes)."""
+    runtime = FakeCudart()
+    looked_up: list[tuple[list[str], str]] = []
+
+    def loaded_function(paths: Any, symbol: str) -> Any:
+        paths = list(paths)
+        looked_up.append((paths, symbol))
+        found = symbol == "cudaGetLastError" and any(path.endswith("/lib/libc10_cuda.so") for path in paths)
+        return runtime.runtime_get_last_error if found else None
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(cuda_device, "_loaded_function", loaded_function)
+    runtime.looked_up = looked_up  # type: ignore[attr-defined]
+    return runtime
 
 
 def test_device_spec_with_an_index(fake_cuda: FakeAcceleratorModule) -> None:
@@ -190,11 +234,7 @@ def test_pinning_option_is_checked(fake_cuda: FakeAcceleratorModule) -> None:
         CudaDevice(0, h2d_bandwidth="32GiB/s")
 
 
-def test_registered_blocks_are_exact_page_aligned_and_unregistered_last(
-    fake_cuda: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cudart = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+def test_registered_blocks_are_exact_page_aligned_and_unregistered_last(cudart: FakeCudart) -> None:
     dev = CudaDevice(0, host_budget="1GiB", block_size="1MiB")
     raw = dev.allocate(5000, Tier.PINNED)
     ((address, size),) = cudart.registered.items()
@@ -215,15 +255,62 @@ def test_registered_blocks_are_exact_page_aligned_and_unregistered_last(
     assert cudart.unregistered == [address]
 
 
-def test_registration_failure_is_a_capacity_error(
-    fake_cuda: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))  # cudaErrorMemoryAllocation
+def test_registration_failure_is_a_capacity_error_and_leaves_no_cuda_error_behind(cudart: FakeCudart) -> None:
+    """torch's binding returns cudaHostRegister's code but leaves it as the runtime's last error."""
+    cudart.error = 2  # cudaErrorMemoryAllocation
     dev = CudaDevice(0, host_budget="64MiB", block_size="1MiB")
     with pytest.raises(
         offcore.CapacityExceededError, match=r"cudaHostRegister failed \(cudaError 2\).*pinning='allocator'"
     ):
         dev.allocate(100, Tier.PINNED)
+    cudart.launch_kernel()  # would raise "CUDA error 2" had the adapter not cleared it
+    ((paths, symbol),) = cudart.looked_up  # looked up once, in torch's own CUDA libraries first
+    lib = Path(torch.__file__).parent / "lib"
+    assert symbol == "cudaGetLastError" and paths[:2] == [str(lib / "libc10_cuda.so"), str(lib / "libtorch_cuda.so")]
+
+
+def test_failed_unregistration_in_a_finalizer_leaves_no_cuda_error_behind(cudart: FakeCudart) -> None:
+    cudart.unregister_error = 1  # cudaErrorInvalidValue
+    dev = CudaDevice(0, host_budget="64MiB", block_size="1MiB")
+    buffer = dev.allocate(4096, Tier.PINNED)
+    del buffer
+    dev.close()  # trims the idle block: its last view dies and the finalizer unregisters
+    gc.collect()
+    assert cudart.unregistered == list(cudart.registered)
+    cudart.launch_kernel()
+
+
+def test_without_cuda_get_last_error_blocks_are_pinned_by_the_allocator(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never call cudaHostRegister when a failure could not be cleared."""
+    monkeypatch.setattr(cuda_device, "_loaded_function", lambda paths, symbol: None)
+    pinned_by_allocator: list[int] = []
+    monkeypatch.setattr(
+        offcore_accelerator.TorchAcceleratorDevice,
+        "_allocate_pinned_block",
+        lambda self, nbytes: pinned_by_allocator.append(nbytes) or torch.empty(nbytes, dtype=torch.uint8),
+    )
+    dev = CudaDevice(0, host_budget="64MiB", block_size="1MiB")
+    with pytest.warns(RuntimeWarning, match="cudaGetLastError .* not found.*pinning='allocator'"):
+        dev.allocate(100, Tier.PINNED)
+    assert dev.pinning == "allocator" and pinned_by_allocator == [1 << 20] and cudart.registered == {}
+
+
+def test_cuda_get_last_error_is_found_through_a_library_s_dependencies() -> None:
+    """dlsym on a loaded library's handle also searches what it links (how libc10_cuda.so reaches libcudart)."""
+    libc10 = str(Path(torch.__file__).parent / "lib" / "libc10.so")
+    getpid = cuda_device._loaded_function([libc10], "getpid")  # defined in libc, which libc10 links
+    assert getpid is not None and getpid() == os.getpid()
+    never_loaded = cuda_device._loaded_function(["/nonexistent/libcudart.so.12"], "cudaGetLastError")
+    assert never_loaded is None
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="checks the look-up on a CPU-only build")
+def test_cuda_get_last_error_is_not_found_on_a_cpu_only_build() -> None:
+    assert cuda_device.find_get_last_error(torch, object()) is None
+    assert cuda_device._mapped_libraries("libcudart.so") == []
+    assert any("libc10" in path for path in cuda_device._mapped_libraries("libc10"))
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="checks what the allocator path does on a CPU-only build")
@@ -257,11 +344,7 @@ def test_enter_makes_the_device_current(fake_cuda: FakeAcceleratorModule) -> Non
     assert fake_cuda.device_stack == []
 
 
-def test_close_gives_idle_registered_blocks_back(
-    fake_cuda: FakeAcceleratorModule, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cudart = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+def test_close_gives_idle_registered_blocks_back(cudart: FakeCudart) -> None:
     dev = CudaDevice(0, host_budget="64MiB", block_size="1MiB")
     buffer = dev.allocate(4096, Tier.PINNED)
     del buffer
