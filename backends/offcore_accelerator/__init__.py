@@ -38,11 +38,13 @@ from offcore.units import format_bytes, parse_size
 
 __all__ = [
     "AcceleratorOptions",
+    "PinnedHostPool",
     "PinnedSlots",
     "TorchAcceleratorDevice",
     "import_torch",
     "tensor_over",
     "default_host_budget",
+    "power_of_two_ceil",
 ]
 
 _DEFAULT_HOST_BUDGET_CAP = 8 * 1024**3
@@ -130,6 +132,106 @@ def tensor_over(address: int, nbytes: int, *, on_free: Callable[[], None], keepa
     finalizer = weakref.finalize(span, _run_quietly, on_free, keepalive)
     finalizer.atexit = False  # at interpreter exit the runtime may already be torn down
     return torch.from_numpy(np.asarray(span))
+
+
+def power_of_two_ceil(nbytes: int) -> int:
+    """The smallest power of two >= ``nbytes``: what a caching host allocator pins for it.
+
+    >>> power_of_two_ceil(96 << 20) >> 20, power_of_two_ceil(64 << 20) >> 20
+    (128, 64)
+    """
+    return 1 << max(0, (nbytes - 1).bit_length())
+
+
+# Note [The pinned budget counts what is really pinned]
+# PyTorch's caching host allocator (ATen's CachingHostAllocatorImpl::allocate, which
+# torch.empty(..., pin_memory=True) reaches on CUDA, and which torch_npu's
+# NPUCachingHostAllocatorImpl inherits) rounds every request up to a power of two
+# (c10::llvm::PowerOf2Ceil; torch 2.13 skips the rounding only above
+# pinned_max_round_threshold, unlimited by default). A 96 MiB pool block thus pins
+# 128 MiB. The pool's budget would count 96, and a host_budget of 16 GiB could pin up
+# to 32 GiB. So pinned pools count each block at its *footprint* (what the backend
+# really pins for it: a power of two through the allocator, whole pages with
+# cudaHostRegister), refuse a block whose footprint does not fit, and size the last
+# block of the budget so that its footprint fits. Blocks of a power-of-two
+# ``block_size`` (the default 64 MiB) cost nothing extra; a larger single buffer does,
+# and that is what the budget now says.
+
+
+class PinnedHostPool(HostBufferPool):
+    """A :class:`offcore.HostBufferPool` whose budget counts the host memory really pinned.
+
+    ``footprint(nbytes)`` is what the backend pins for a block of ``nbytes``;
+    ``reserved_bytes`` is the sum of the footprints of the blocks held (Note [The pinned
+    budget counts what is really pinned]).
+
+        >>> import numpy as np
+        >>> pool = PinnedHostPool(lambda n: np.zeros(n, np.uint8), footprint=power_of_two_ceil, budget=8 << 20,
+        ...                       block_size=3 << 20)
+        >>> buffer = pool.acquire(1000)
+        >>> pool.reserved_bytes >> 20      # a 3 MiB block pins 4 MiB
+        4
+    """
+
+    def __init__(
+        self,
+        allocate_block: Callable[[int], Any],
+        *,
+        footprint: Callable[[int], int],
+        budget: int | str,
+        block_size: int | str = "64MiB",
+    ) -> None:
+        self._footprint = footprint
+        self._allocate_pinned = allocate_block
+        self._overhead: dict[int, int] = {}  # id(block) -> footprint - size, while the block lives
+        super().__init__(self._allocate_counted, budget=budget, block_size=block_size)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of host memory pinned for the blocks held (their footprints)."""
+        return super().reserved_bytes + sum(list(self._overhead.values()))
+
+    def _new_block_size(self, size: int) -> int | None:
+        new_size = super()._new_block_size(size)
+        if new_size is None:
+            return None
+        room = self.budget - self.reserved_bytes
+        if self._footprint(new_size) <= room:
+            return new_size
+        # the largest block whose footprint still fits (footprints grow with the size)
+        low, high = 0, room // self.alignment
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._footprint(middle * self.alignment) <= room:
+                low = middle
+            else:
+                high = middle - 1
+        new_size = max(size, low * self.alignment)
+        return new_size if self._footprint(new_size) <= room else None
+
+    def _allocate_counted(self, nbytes: int) -> Any:
+        real = self._footprint(nbytes)
+        reserved = self.reserved_bytes
+        if reserved + real > self.budget:
+            raise CapacityExceededError(
+                f"host pool budget exhausted: a block of {format_bytes(nbytes)} pins {format_bytes(real)} "
+                f"(the host allocator rounds it up), {format_bytes(reserved)} of {format_bytes(self.budget)} "
+                "already pinned. Raise the host budget or use a power-of-two block_size."
+            )
+        block = self._allocate_pinned(nbytes)
+        if self._footprint(nbytes) != real:  # the backend changed how it pins (cuda: register -> allocator)
+            real = self._footprint(nbytes)
+            if reserved + real > self.budget:
+                del block
+                raise CapacityExceededError(
+                    f"host pool budget exhausted: a block of {format_bytes(nbytes)} pins {format_bytes(real)}, "
+                    f"{format_bytes(reserved)} of {format_bytes(self.budget)} already pinned"
+                )
+        if real > nbytes:
+            key = id(block)
+            self._overhead[key] = real - nbytes
+            weakref.finalize(block, self._overhead.pop, key, None).atexit = False
+        return block
 
 
 class PinnedSlots:
@@ -445,6 +547,14 @@ class TorchAcceleratorDevice:
         weakref.finalize(block, ranges.pop, start, None).atexit = False
         return block
 
+    def _pinned_footprint(self, nbytes: int) -> int:
+        """Host bytes really pinned for a block of ``nbytes`` (override with ``_allocate_pinned_block``).
+
+        ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator,
+        which rounds up to a power of two (Note [The pinned budget counts what is really pinned]).
+        """
+        return power_of_two_ceil(nbytes)
+
     def _allocate_pageable_block(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8)
 
@@ -456,8 +566,13 @@ class TorchAcceleratorDevice:
         >>> done = dev.copy_(buf.view, x, stream=s)       # doctest: +SKIP
         >>> done.synchronize(); pool.release(buf)         # doctest: +SKIP
         """
-        allocate_block = self._tracked_pinned_block if pinned else self._allocate_pageable_block
-        return HostBufferPool(allocate_block, budget=budget, block_size=self.options.block_size)
+        if not pinned:
+            return HostBufferPool(self._allocate_pageable_block, budget=budget, block_size=self.options.block_size)
+        # blocks as large as what pinning them costs anyway (64 MiB stays 64 MiB, 96 MiB becomes 128 MiB)
+        block_size = self._pinned_footprint(self.options.block_size)
+        return PinnedHostPool(
+            self._tracked_pinned_block, footprint=self._pinned_footprint, budget=budget, block_size=block_size
+        )
 
     def allocate(self, nbytes: int, tier: Tier) -> Any:
         """A raw ``uint8`` buffer of exactly ``nbytes`` on ``tier``.

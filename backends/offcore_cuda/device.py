@@ -174,6 +174,12 @@ class CudaDevice(TorchAcceleratorDevice):
             self._get_last_error = find_get_last_error(self._torch, self._torch.cuda.cudart())
         return self._get_last_error
 
+    def _pinned_footprint(self, nbytes: int) -> int:
+        """Whole pages with ``cudaHostRegister``; a power of two through the caching host allocator."""
+        if self.pinning == "register":
+            return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        return super()._pinned_footprint(nbytes)
+
     def _allocate_pinned_block(self, nbytes: int) -> Any:
         """A pinned block of exactly ``nbytes`` (page-locked with ``cudaHostRegister``)."""
         if self.pinning == "register" and self._last_error_reset() is None:

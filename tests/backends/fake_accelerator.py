@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
-from offcore_accelerator import TorchAcceleratorDevice
+from offcore_accelerator import TorchAcceleratorDevice, power_of_two_ceil, tensor_over
 
 from offcore.protocols import Availability
 
@@ -246,6 +247,7 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
 
     def _setup(self) -> None:
         self.pinned_block_sizes: list[int] = []
+        self._pinned_held: collections.Counter[str] = collections.Counter()
         self.device_tensors: list[Any] = []
         self.device_storages: set[int] = set()
         super()._setup()
@@ -271,6 +273,16 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
         return isinstance(buffer, torch.Tensor) and buffer.untyped_storage().data_ptr() in self.device_storages
 
     def _allocate_pinned_block(self, nbytes: int) -> Any:
-        block = torch.empty(nbytes, dtype=torch.uint8)
+        """Like torch's caching host allocator: the block reserves a power of two (``pinned_bytes``)."""
+        real = power_of_two_ceil(nbytes)
+        backing = torch.empty(real, dtype=torch.uint8)
         self.pinned_block_sizes.append(nbytes)
-        return block
+        held = self._pinned_held  # not the device: a finalizer must not keep it alive
+        held["bytes"] += real
+        unpinned = functools.partial(held.subtract, {"bytes": real})
+        return tensor_over(backing.data_ptr(), real, on_free=unpinned, keepalive=backing)[:nbytes]
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the stand-in allocator holds pinned now (blocks rounded to a power of two)."""
+        return self._pinned_held["bytes"]

@@ -320,6 +320,18 @@ def test_allocator_pinning_without_cuda_is_a_clear_error(fake_cuda: FakeAccelera
         dev.allocate(100, Tier.PINNED)
 
 
+def test_pinned_footprint_is_whole_pages_registered_or_a_power_of_two_from_the_allocator(
+    fake_cuda: FakeAcceleratorModule,
+) -> None:
+    page = mmap.PAGESIZE
+    registered = CudaDevice(0, host_budget="64MiB", block_size="96MiB")
+    assert registered._pinned_footprint(96 << 20) == 96 << 20 and registered._pinned_footprint(1) == page
+    assert registered.pinned_pool.block_size == 96 << 20
+    allocated = CudaDevice(0, host_budget="64MiB", block_size="96MiB", pinning="allocator")
+    assert allocated._pinned_footprint(96 << 20) == 128 << 20
+    assert allocated.pinned_pool.block_size == 128 << 20, "blocks as large as what pinning them costs"
+
+
 def test_memory_figures_are_read_for_the_right_index(fake_cuda: FakeAcceleratorModule) -> None:
     fake_cuda.allocated = [1, 2 * GiB]
     fake_cuda.peak = [1, 3 * GiB]

@@ -258,3 +258,28 @@ def test_pinned_blocks_come_from_pin_memory(
     with pytest.raises(offcore.BackendUnavailableError, match="returned pageable memory"):
         dev.allocate(1000, Tier.PINNED)
     assert any(r.get("pin_memory") is True for r in requests)
+
+
+def test_pinned_budget_counts_the_host_allocator_s_power_of_two_rounding(
+    fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_npu's caching host allocator (ATen's CachingHostAllocatorImpl) pins a power of two per block."""
+    requests: list[int] = []
+    real_empty = torch.empty
+
+    def pinned_empty(size: int, **kwargs: Any) -> Any:
+        if kwargs.pop("pin_memory", False):
+            requests.append(size)
+        return real_empty(size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    dev = NpuDevice(0, host_budget="12MiB", block_size="3MiB")
+    small = dev.allocate(1000, Tier.PINNED)
+    assert requests == [4 << 20], "block_size 3 MiB pins 4 MiB: ask for the 4 MiB"
+    big = dev.allocate(5 << 20, Tier.PINNED)  # a block of its own: 5 MiB pins 8 MiB
+    assert dev.memory_stats()["pinned_reserved_bytes"] == 12 << 20
+    with pytest.raises(offcore.CapacityExceededError, match="budget"):
+        dev.allocate(4 << 20, Tier.PINNED)
+    assert requests == [4 << 20, 5 << 20]
+    del small, big

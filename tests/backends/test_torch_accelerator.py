@@ -16,7 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fake_accelerator import FakeAcceleratorDevice, FakeAcceleratorModule, GiB  # noqa: E402
-from offcore_accelerator import AcceleratorOptions, match_layout, tensor_over, typed_view  # noqa: E402
+from offcore_accelerator import (  # noqa: E402
+    AcceleratorOptions,
+    PinnedHostPool,
+    match_layout,
+    tensor_over,
+    typed_view,
+)
 
 import offcore  # noqa: E402
 from offcore import Tier  # noqa: E402
@@ -232,6 +238,68 @@ def test_pinned_budget_is_enforced(module: FakeAcceleratorModule) -> None:
     with pytest.raises(offcore.CapacityExceededError, match="budget"):
         device.allocate(512 * 1024, Tier.PINNED)
     del held
+
+
+# --------------------------------------------------------------------------- pinned budget counts what is pinned
+
+
+def test_a_non_power_of_two_block_size_is_rounded_up_to_what_the_allocator_pins(module: FakeAcceleratorModule) -> None:
+    device = FakeAcceleratorDevice(0, host_budget="64MiB", block_size="3MiB")
+    held = device.allocate(1000, Tier.PINNED)
+    assert device.pinned_block_sizes == [4 * MiB], "a 3 MiB block pins 4 MiB anyway: use all of it"
+    assert device.memory_stats()["pinned_reserved_bytes"] == device.pinned_bytes == 4 * MiB
+    del held
+
+
+def test_the_pinned_budget_counts_power_of_two_rounding(module: FakeAcceleratorModule) -> None:
+    """A buffer larger than block_size gets a block of its own, which the host allocator rounds up."""
+    device = FakeAcceleratorDevice(0, host_budget="12MiB", block_size="1MiB")
+    big = device.allocate(5 * MiB + 1, Tier.PINNED)  # a block of 5 MiB + 512 pins 8 MiB
+    assert device.pinned_pool.reserved_bytes == device.pinned_bytes == 8 * MiB
+    with pytest.raises(offcore.CapacityExceededError, match="budget"):
+        device.allocate(4 * MiB + 1, Tier.PINNED)  # would pin another 8 MiB: 16 MiB of a 12 MiB budget
+    assert device.pinned_bytes == 8 * MiB, "nothing was pinned for the refused request"
+    fits = device.allocate(3 * MiB, Tier.PINNED)  # a 3 MiB block pins 4 MiB: exactly the rest
+    stats = device.memory_stats()
+    assert stats["pinned_reserved_bytes"] == device.pinned_bytes == 12 * MiB == stats["pinned_budget_bytes"]
+    del big, fits
+    device.pinned_pool.trim()
+    gc.collect()
+    assert device.pinned_pool.reserved_bytes == device.pinned_bytes == 0
+
+
+def test_the_last_block_is_sized_so_that_what_it_pins_fits(module: FakeAcceleratorModule) -> None:
+    """Budget 3 MiB: the rest-of-budget block is 2 MiB (pins 2 MiB), not 3 MiB (would pin 4 MiB)."""
+    device = FakeAcceleratorDevice(0, host_budget="3MiB", block_size="4MiB")
+    first = device.allocate(MiB, Tier.PINNED)
+    second = device.allocate(MiB, Tier.PINNED)
+    third = device.allocate(MiB // 2, Tier.PINNED)
+    assert device.pinned_block_sizes == [2 * MiB, MiB]
+    assert device.pinned_bytes == device.pinned_pool.reserved_bytes == 3 * MiB
+    with pytest.raises(offcore.CapacityExceededError, match="budget"):
+        device.allocate(MiB, Tier.PINNED)
+    del first, second, third
+
+
+def test_a_standalone_pinned_pool_counts_rounding_too(dev: Any) -> None:
+    pool = dev.host_pool("12MiB")
+    buffer = pool.acquire(5 * MiB)
+    assert pool.reserved_bytes == 8 * MiB and dev.pinned_pool.reserved_bytes == 0
+    with pytest.raises(offcore.CapacityExceededError, match="budget"):
+        pool.acquire(5 * MiB)
+    pool.release(buffer)
+    pool.trim()
+    assert pool.reserved_bytes == 0
+
+
+def test_pinned_pool_with_exact_footprint_is_a_plain_pool() -> None:
+    import numpy as np
+
+    pool = PinnedHostPool(lambda n: np.zeros(n, np.uint8), footprint=lambda n: n, budget=3 * MiB, block_size=2 * MiB)
+    a, b = pool.acquire(2 * MiB), pool.acquire(MiB)
+    assert pool.reserved_bytes == 3 * MiB
+    pool.release(a)
+    pool.release(b)
 
 
 def test_host_pool_hands_out_pinned_or_pageable_blocks(dev: Any) -> None:
