@@ -613,6 +613,14 @@ class TorchAcceleratorDevice:
             ) from exc
 
     def holds(self, buffer: Any) -> bool:
+        """True when ``buffer`` is a tensor in this device's memory (that offcore may move).
+
+        A backend may answer False for a device tensor it must not move (the NPU's private
+        formats, see offcore_npu); its own copies still accept it (:meth:`_resident`).
+        """
+        return self._resident(buffer)
+
+    def _resident(self, buffer: Any) -> bool:
         """True when ``buffer`` is a tensor in this device's memory."""
         device = getattr(buffer, "device", None)
         return device is not None and device.type == self.device_type and device.index == self.index
@@ -629,7 +637,7 @@ class TorchAcceleratorDevice:
             raise ConfigurationError(
                 f"the {self.name} backend copies torch tensors; {role} is a {type(tensor).__name__}"
             )
-        if self.holds(tensor):
+        if self._resident(tensor):
             return "device"
         if tensor.device.type == "cpu":
             return "host"

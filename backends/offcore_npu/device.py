@@ -13,10 +13,12 @@
   ``mem_get_info`` and ``reset_peak_memory_stats`` -- not ``torch.accelerator.memory_*``,
   which asserts on released torch_npu builds.
 - Private formats: an NPU tensor may be stored in a device-private layout (e.g. NZ,
-  ``acl_format`` 29). Copies to the host come back in the base format (ND), so the
-  binding records :meth:`NpuDevice.format_of` (``torch_npu.get_npu_format``) at
-  offload and calls :meth:`NpuDevice.restore_format` (``torch_npu.npu_format_cast``)
-  after reload.
+  ``acl_format`` 29) whose bytes are tiled and padded. Until restoring them is verified
+  on hardware, such tensors stay on the device: :meth:`NpuDevice.holds` says False for
+  them (Note [NPU private formats stay on the device]). ``private_formats="offload"``
+  opts in to moving them anyway: the binding records :meth:`NpuDevice.format_of`
+  (``torch_npu.get_npu_format``) at offload and calls :meth:`NpuDevice.restore_format`
+  (``torch_npu.npu_format_cast``) after reload.
 
 **CPU-only machines with torch_npu installed.** torch >= 2.5 auto-imports installed
 device extensions at ``import torch``; where torch_npu is installed but CANN or the
@@ -39,9 +41,33 @@ from typing import Any, ClassVar
 
 from offcore_accelerator import TorchAcceleratorDevice, import_torch
 
+from offcore.errors import ConfigurationError
 from offcore.protocols import Availability, Capability
 
-__all__ = ["NpuDevice", "import_torch_npu"]
+__all__ = ["NpuDevice", "import_torch_npu", "PLAIN_FORMATS"]
+
+_FORMAT_NCHW, _FORMAT_ND, _FORMAT_NCDHW = 0, 2, 30  # aclFormat values (torch_npu.Format)
+PLAIN_FORMATS = frozenset({_FORMAT_NCHW, _FORMAT_ND, _FORMAT_NCDHW})
+"""Formats whose bytes are torch's own layout of the tensor (unpadded, dims in order)."""
+_PRIVATE_FORMAT_MODES = ("keep", "offload")
+
+# Note [NPU private formats stay on the device]
+# torch_npu keeps a format descriptor per storage. ND, NCHW and NCDHW lay the bytes out
+# as torch does (torch_npu's FormatHelper: InferShapeofND / InferShapeofNCHW /
+# InferShapeOfNCDHW keep the dims in order, isPadded false); the others do not: NHWC
+# and NDHWC permute the dims, NC1HWC0, FRACTAL_Z, FRACTAL_NZ, NDC1HWC0 and
+# FRACTAL_Z_3D tile and pad them (NZ: 16x16 tiles). Reading torch_npu against the
+# binding's restore path found it probably wrong for those: ``set_(storage)`` carries
+# the storage's format descriptor; the op-api copy path memcpy's NZ-tiled bytes into
+# a plain storage which ``npu_format_cast`` then tiles once more; the legacy path runs
+# a format cast on a uint8 view of an NZ storage. Nothing of this can be checked
+# without an Ascend device, so by default (``private_formats="keep"``) a tensor whose
+# storage is in any other format is reported as not held -- the activation binding
+# then keeps it where it is (reason "not_on_device"), exactly as it keeps a tensor on
+# another device. copy_ still accepts such tensors (they are resident). Tensors in
+# the plain formats are offloaded; NCHW/NCDHW come back as ND and are recast (the
+# descriptor only: base formats are byte-identical). ``private_formats="offload"``
+# restores the previous, unverified behaviour for a hardware test.
 
 
 def import_torch_npu() -> tuple[Any, str]:
@@ -80,6 +106,7 @@ class NpuDevice(TorchAcceleratorDevice):
     )
 
     hardware: ClassVar[str] = "the Ascend NPU"
+    extra_options: ClassVar[tuple[str, ...]] = ("private_formats",)
 
     @classmethod
     def device_module(cls) -> Any:
@@ -117,18 +144,40 @@ class NpuDevice(TorchAcceleratorDevice):
             return Availability(False, f"torch_npu {version} sees no Ascend NPU: {why}")
         return Availability(True, "", count)
 
+    def _configure(self, private_formats: str = "keep", **_: Any) -> None:
+        if private_formats not in _PRIVATE_FORMAT_MODES:
+            raise ConfigurationError(
+                f"private_formats must be one of {_PRIVATE_FORMAT_MODES}, got {private_formats!r} "
+                "('keep': tensors in NZ and other private formats stay on the NPU; 'offload': move them and "
+                "restore the format with npu_format_cast, not yet verified on hardware)"
+            )
+        self.private_formats = private_formats
+
     def _setup(self) -> None:
         super()._setup()
         import torch_npu
 
         self._torch_npu = torch_npu
 
+    def holds(self, buffer: Any) -> bool:
+        """True for a tensor on this NPU that offcore may move.
+
+        With ``private_formats="keep"`` (the default) a tensor whose storage is in a
+        private format (not ND, NCHW or NCDHW) is not: it stays on the device (Note [NPU
+        private formats stay on the device]).
+        """
+        if not self._resident(buffer):
+            return False
+        if self.private_formats == "offload":
+            return True
+        return int(self._torch_npu.get_npu_format(buffer)) in PLAIN_FORMATS
+
     def format_of(self, tensor: Any) -> int | None:
         """``torch_npu.get_npu_format(tensor)`` for a tensor on this NPU, else None.
 
         >>> fmt = dev.format_of(weight)     # 29 for FRACTAL_NZ, 2 for ND   # doctest: +SKIP
         """
-        if not self.holds(tensor):
+        if not self._resident(tensor):
             return None
         return int(self._torch_npu.get_npu_format(tensor))
 
@@ -138,7 +187,7 @@ class NpuDevice(TorchAcceleratorDevice):
         Returns ``tensor`` itself when ``fmt`` is None, the tensor is not on this NPU,
         or it already has that format.
         """
-        if fmt is None or not self.holds(tensor):
+        if fmt is None or not self._resident(tensor):
             return tensor
         if int(self._torch_npu.get_npu_format(tensor)) == fmt:
             return tensor

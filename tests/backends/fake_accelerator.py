@@ -269,7 +269,7 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
         typed.copy_(host)
         return typed
 
-    def holds(self, buffer: Any) -> bool:
+    def _resident(self, buffer: Any) -> bool:
         return isinstance(buffer, torch.Tensor) and buffer.untyped_storage().data_ptr() in self.device_storages
 
     def _allocate_pinned_block(self, nbytes: int) -> Any:

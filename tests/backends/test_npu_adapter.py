@@ -186,8 +186,8 @@ class FormatTestNpu(NpuDevice):
         self.device_storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
-    def holds(self, buffer: Any) -> bool:
-        return buffer.untyped_storage().data_ptr() in self.device_storages
+    def _resident(self, buffer: Any) -> bool:
+        return isinstance(buffer, torch.Tensor) and buffer.untyped_storage().data_ptr() in self.device_storages
 
 
 def test_capabilities_and_options(fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule]) -> None:
@@ -213,6 +213,54 @@ def test_private_format_is_recorded_and_restored(fake_npu: tuple[FakeTorchNpu, F
     restored = dev.restore_format(reloaded, fmt)
     assert torch_npu.casts == [FakeTorchNpu.FRACTAL_NZ]
     assert torch_npu.get_npu_format(restored) == FakeTorchNpu.FRACTAL_NZ and torch.equal(restored, weight)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "moved"),
+    [(2, True), (0, True), (30, True), (29, False), (3, False), (4, False), (1, False), (27, False), (33, False)],
+    ids=["ND", "NCHW", "NCDHW", "FRACTAL_NZ", "NC1HWC0", "FRACTAL_Z", "NHWC", "NDHWC", "FRACTAL_Z_3D"],
+)
+def test_private_formats_stay_on_the_device_by_default(
+    fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule], fmt: int, moved: bool
+) -> None:
+    """Restoring tiled/permuted layouts is unverified on hardware: such tensors are reported as not held.
+
+    The activation binding keeps a tensor the device does not hold where it is
+    (offcore_torch.offload: reason "not_on_device"), so it is never copied or restored.
+    """
+    torch_npu, _ = fake_npu
+    dev = FormatTestNpu(0)
+    assert dev.private_formats == "keep"
+    tensor = dev.place(torch.randn(4, 4, 4, 4))
+    torch_npu.formats[tensor.untyped_storage().data_ptr()] = fmt
+    assert dev.holds(tensor) is moved
+    assert dev.holds(tensor[1:]) is moved, "a view is judged by its storage's format"
+    assert dev.format_of(tensor) == fmt, "the format is still reported"
+    assert not dev.holds(torch.randn(3)), "a host tensor is never held"
+
+
+def test_private_formats_offload_is_an_opt_in(fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule]) -> None:
+    torch_npu, _ = fake_npu
+    dev = FormatTestNpu(0, private_formats="offload")
+    weight = dev.place(torch.randn(32, 32))
+    torch_npu.formats[weight.untyped_storage().data_ptr()] = FakeTorchNpu.FRACTAL_NZ
+    assert dev.holds(weight) and dev.format_of(weight) == FakeTorchNpu.FRACTAL_NZ
+    with pytest.raises(offcore.ConfigurationError, match=r"private_formats must be one of \('keep', 'offload'\)"):
+        NpuDevice(0, private_formats="cast")
+
+
+def test_a_tensor_kept_for_its_format_can_still_be_copied(
+    fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule],
+) -> None:
+    """Not held means "do not move it", not "not on this NPU": copy_ accepts it."""
+    torch_npu, _ = fake_npu
+    dev = FormatTestNpu(0, host_budget="8MiB", block_size="1MiB")
+    weight = dev.place(torch.randn(8, 8))
+    torch_npu.formats[weight.untyped_storage().data_ptr()] = FakeTorchNpu.FRACTAL_NZ
+    assert not dev.holds(weight)
+    host = torch.zeros(8, 8)  # pageable (pinning needs the real torch_npu here): a direct copy
+    dev.copy_(host, weight, stream=dev.new_stream()).synchronize()
+    assert torch.equal(host, weight)
 
 
 def test_restore_format_is_a_no_op_when_nothing_to_do(fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule]) -> None:
