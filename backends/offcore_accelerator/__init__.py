@@ -598,10 +598,14 @@ class TorchAcceleratorDevice:
             "NVMe files are handled by offcore's storage tier, not by a device backend"
         )
 
+    def _empty_device(self, nbytes: int) -> Any:
+        """``nbytes`` of uninitialised device memory from the caching allocator, as ``uint8``."""
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.torch_device)
+
     def _allocate_device(self, nbytes: int) -> Any:
         torch = self._torch
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+            return self._empty_device(nbytes)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # some runtimes report a full device as a plain RuntimeError

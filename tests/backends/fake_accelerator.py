@@ -1,16 +1,20 @@
 """CPU stand-ins for a torch accelerator module, to test the CUDA and NPU adapters' logic here.
 
 :class:`FakeAcceleratorModule` has the shape of ``torch.cuda`` / ``torch.npu`` (Stream,
-Event, stream(), device(), current_stream(), memory figures, memory fraction) and
+Event, stream(), device(), current_stream(), memory statistics, memory fraction) and
 records what the adapter asks of it. It is not a device emulation -- the CPU fake
 device (``offcore_cpu``) is that. Its streams complete work at once unless *held*:
 events recorded on a held stream stay pending until the stream is released or
-synchronized, which is how the tests check that the adapter waits on events.
+synchronized, which is how the tests check that the adapter waits on events. Its
+allocator (:meth:`FakeAcceleratorModule.empty_device`) counts device memory per
+device until each storage dies and refuses what exceeds the per-process memory
+fraction with ``torch.OutOfMemoryError``, as the caching allocator does.
 
 :class:`FakeAcceleratorDevice` runs the shared adapter
 (:class:`offcore_accelerator.TorchAcceleratorDevice`) on that module, with
-"device" tensors that are CPU tensors the device allocated and "pinned" memory that
-is the CPU blocks its pool allocated (recognised by the adapter's own block ranges).
+"device" tensors that are CPU tensors from that allocator and "pinned" memory that
+is the CPU blocks its pool allocated (recognised by the adapter's own block ranges),
+rounded up to a power of two as torch's caching host allocator does.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ class FakeAcceleratorModule:
         self.fractions = [1.0] * count
         self.mem_get_info_raises = False
         self.calls: collections.Counter[str] = collections.Counter()
+        self.live: dict[int, int] = {}  # storage address -> device index, for every live device allocation
+        self.oom_as_runtime_error = False
         self._default = FakeStream(self)
         self._current = self._default
         self.stream_log: list[FakeStream] = []
@@ -218,6 +224,50 @@ class FakeAcceleratorModule:
             raise RuntimeError("mem_get_info is not supported by this runtime")
         return self.free[device], self.total
 
+    # the caching allocator: device memory is counted per device, capped by the memory fraction
+    def empty_device(self, nbytes: int, device: int) -> Any:
+        """A uint8 "device" tensor of ``nbytes`` (CPU memory), counted until its storage dies.
+
+        As torch's caching allocator: sizes are rounded up to 512 bytes, and a request
+        beyond ``fraction * total`` raises ``torch.OutOfMemoryError`` (or, with
+        ``oom_as_runtime_error``, a plain RuntimeError saying "out of memory", as some
+        runtimes do).
+        """
+        size = max(512, -(-nbytes // 512) * 512)
+        limit = int(self.fractions[device] * self.total)
+        if self.reserved[device] + size > limit:
+            message = (
+                f"Fake accelerator out of memory. Tried to allocate {nbytes} bytes. Device {device} has "
+                f"{self.reserved[device]} bytes reserved of the {limit} bytes this process may use "
+                f"(memory fraction {self.fractions[device]:g} of {self.total} bytes)"
+            )
+            raise RuntimeError(message) if self.oom_as_runtime_error else torch.OutOfMemoryError(message)
+        backing = torch.empty(size, dtype=torch.uint8)
+        address = backing.data_ptr()
+        self._count_allocation(device, size)
+        self.live[address] = device
+        tensor = tensor_over(
+            address, size, on_free=functools.partial(self._count_free, device, size, address), keepalive=backing
+        )
+        return tensor[:nbytes]
+
+    def _count_allocation(self, device: int, size: int) -> None:
+        self.allocated[device] += size
+        self.reserved[device] += size
+        self.free[device] -= size
+        self.peak[device] = max(self.peak[device], self.allocated[device])
+        self.peak_reserved[device] = max(self.peak_reserved[device], self.reserved[device])
+
+    def _count_free(self, device: int, size: int, address: int) -> None:
+        self.live.pop(address, None)
+        self.allocated[device] -= size
+        self.reserved[device] -= size
+        self.free[device] += size
+
+    def device_of(self, tensor: Any) -> int | None:
+        """The device whose memory holds ``tensor``'s storage, or None (a host tensor)."""
+        return self.live.get(tensor.untyped_storage().data_ptr())
+
     def set_per_process_memory_fraction(self, fraction: float, device: int) -> None:
         if not isinstance(fraction, float) or not 0 <= fraction <= 1:
             raise ValueError(f"invalid fraction {fraction!r}")
@@ -248,19 +298,14 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
     def _setup(self) -> None:
         self.pinned_block_sizes: list[int] = []
         self._pinned_held: collections.Counter[str] = collections.Counter()
-        self.device_tensors: list[Any] = []
-        self.device_storages: set[int] = set()
         super()._setup()
 
     @property
     def torch_device(self) -> Any:
         return torch.device("cpu")
 
-    def _allocate_device(self, nbytes: int) -> Any:
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
-        self.device_tensors.append(tensor)
-        self.device_storages.add(tensor.untyped_storage().data_ptr())
-        return tensor
+    def _empty_device(self, nbytes: int) -> Any:
+        return self._mod.empty_device(nbytes, self.index)
 
     def to_device(self, host: Any) -> Any:
         """A 'device' tensor holding a copy of ``host`` (same dtype and shape)."""
@@ -270,7 +315,7 @@ class FakeAcceleratorDevice(TorchAcceleratorDevice):
         return typed
 
     def _resident(self, buffer: Any) -> bool:
-        return isinstance(buffer, torch.Tensor) and buffer.untyped_storage().data_ptr() in self.device_storages
+        return isinstance(buffer, torch.Tensor) and self._mod.device_of(buffer) == self.index
 
     def _allocate_pinned_block(self, nbytes: int) -> Any:
         """Like torch's caching host allocator: the block reserves a power of two (``pinned_bytes``)."""

@@ -124,6 +124,21 @@ def test_capacity_above_the_hardware_is_refused(module: FakeAcceleratorModule) -
         FakeAcceleratorDevice(0, capacity="17GiB")
 
 
+def test_out_of_memory_reported_as_a_plain_runtime_error_becomes_out_of_memory_error(
+    module: FakeAcceleratorModule,
+) -> None:
+    """Some runtimes raise RuntimeError("... out of memory ..."): the adapter raises torch.OutOfMemoryError."""
+    device = FakeAcceleratorDevice(0, capacity="8MiB")
+    module.oom_as_runtime_error = True
+    with pytest.raises(torch.OutOfMemoryError, match=r"fakeacc:0 out of memory allocating 16\.00 MiB") as caught:
+        device.allocate(16 * MiB, Tier.DEVICE)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    kept = device.allocate(4 * MiB, Tier.DEVICE)
+    assert device.memory_stats().allocated_bytes == 4 * MiB
+    del kept
+    assert device.memory_stats().allocated_bytes == 0, "freed when its storage died"
+
+
 def test_without_capacity_the_whole_device_and_no_cap(module: FakeAcceleratorModule) -> None:
     device = FakeAcceleratorDevice(0)
     assert device.capacity == 16 * GiB and module.fractions == [1.0, 1.0]

@@ -1,12 +1,14 @@
-"""The conformance suite's copy, stream, event and host-pool tests on the shared adapter, here.
+"""The conformance suite's tests on the shared adapter, here -- all of them.
 
 :class:`~fake_accelerator.FakeAcceleratorDevice` runs the very code offcore_cuda and
 offcore_npu run (``TorchAcceleratorDevice``) with ``torch.cuda`` replaced by a CPU
 stand-in, so every copy path -- pinned, pageable (staged), host-to-host,
 device-to-device, non-contiguous, every dtype, random shapes -- is checked byte for
-byte without a GPU. The stand-in has no memory allocator, so the capacity and
-memory-statistics tests are left to the hardware runs (test_conformance_cuda.py,
-test_conformance_npu.py).
+byte without a GPU. The stand-in's allocator counts device memory and enforces the
+memory fraction that ``capacity=`` sets, so the out-of-memory, fill-and-free and
+memory-statistics tests run here too (against the adapter's capacity cap and its
+one read of the allocator statistics); on hardware test_conformance_cuda/npu.py run
+them against the real allocator.
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ from fake_accelerator import FakeAcceleratorDevice, FakeAcceleratorModule  # noq
 
 from offcore.testing import BackendConformance  # noqa: E402
 
-_HARDWARE_ONLY = (
-    "the stand-in torch.cuda has no memory allocator; this runs in test_conformance_cuda/npu.py on hardware"
-)
-
 
 class TestSharedAdapterOnStandIn(BackendConformance):
     buffer_kind = "torch"
@@ -38,18 +36,7 @@ class TestSharedAdapterOnStandIn(BackendConformance):
     @pytest.fixture
     def backend(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         monkeypatch.setattr(FakeAcceleratorDevice, "module", FakeAcceleratorModule(), raising=False)
-        device = FakeAcceleratorDevice(0, host_budget="256MiB", block_size="16MiB")
+        # capacity 64 MiB (a memory fraction of the stand-in's 16 GiB): small enough to fill
+        device = FakeAcceleratorDevice(0, host_budget="256MiB", block_size="16MiB", capacity="64MiB")
         yield device
         device.close()
-
-    def test_allocation_beyond_capacity_raises_a_clear_out_of_memory_error(self) -> None:
-        pytest.skip(_HARDWARE_ONLY)
-
-    def test_filling_the_device_raises_and_freeing_makes_room(self) -> None:
-        pytest.skip(_HARDWARE_ONLY)
-
-    def test_memory_stats_count_device_allocations(self) -> None:
-        pytest.skip(_HARDWARE_ONLY)
-
-    def test_peak_and_reset(self) -> None:
-        pytest.skip(_HARDWARE_ONLY)
