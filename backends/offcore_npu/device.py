@@ -101,8 +101,16 @@ class NpuDevice(TorchAcceleratorDevice):
     device_type: ClassVar[str] = "npu"
     # DUPLEX_COPY is not claimed: simultaneous H2D and D2H are not verified on Ascend
     # hardware yet, and without the flag the scheduler assumes one shared link (safe).
+    # torch_npu's Event.elapsed_time drains every task queue and synchronizes both events
+    # (NPUEvent.cpp): copy timings are read between steps only
     capabilities = frozenset(
-        {Capability.TORCH, Capability.PINNED_MEMORY, Capability.EVENT_TIMING, Capability.PRIVATE_FORMATS}
+        {
+            Capability.TORCH,
+            Capability.PINNED_MEMORY,
+            Capability.EVENT_TIMING,
+            Capability.PRIVATE_FORMATS,
+            Capability.TIMING_READ_SYNCHRONIZES,
+        }
     )
 
     hardware: ClassVar[str] = "the Ascend NPU"

@@ -193,6 +193,7 @@ class FormatTestNpu(NpuDevice):
 def test_capabilities_and_options(fake_npu: tuple[FakeTorchNpu, FakeAcceleratorModule]) -> None:
     dev = NpuDevice(1, host_budget="32MiB")
     assert Capability.PRIVATE_FORMATS in dev.capabilities and Capability.DUPLEX_COPY not in dev.capabilities
+    assert Capability.TIMING_READ_SYNCHRONIZES in dev.capabilities  # elapsed_time is a barrier on torch_npu
     assert dev.index == 1 and dev.capacity == 64 * GiB
     with pytest.raises(offcore.ConfigurationError, match="unknown option"):
         NpuDevice(0, pinning="register")  # a CUDA-only option
