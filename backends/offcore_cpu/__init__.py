@@ -26,11 +26,20 @@ __all__ = [
     "StreamWorkError",
     "EventNotReadyError",
     "InjectedFault",
+    "GateTimeoutError",
+    "SanitizerViolation",
 ]
 
 if TYPE_CHECKING:
     from offcore_cpu.device import FakeDevice
-    from offcore_cpu.errors import EventNotReadyError, FakeDeviceOutOfMemoryError, InjectedFault, StreamWorkError
+    from offcore_cpu.errors import (
+        EventNotReadyError,
+        FakeDeviceOutOfMemoryError,
+        GateTimeoutError,
+        InjectedFault,
+        SanitizerViolation,
+        StreamWorkError,
+    )
 
 
 @offcore.hookimpl
@@ -48,7 +57,14 @@ def __getattr__(name: str) -> Any:
         from offcore_cpu.device import FakeDevice
 
         return FakeDevice
-    if name in ("FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError", "InjectedFault"):  # no torch
+    if name in (
+        "FakeDeviceOutOfMemoryError",
+        "StreamWorkError",
+        "EventNotReadyError",
+        "InjectedFault",
+        "GateTimeoutError",
+        "SanitizerViolation",
+    ):  # no torch
         from offcore_cpu import errors
 
         return getattr(errors, name)

@@ -51,6 +51,22 @@ class BufferOps(Protocol):
     def poison(self, buffer: Any) -> None:
         """Overwrite every byte of ``buffer`` with 0xFF (NaN for floating point, -1 for integers)."""
 
+    def alias(self, buffer: Any) -> Any:
+        """A new view of exactly ``buffer``'s elements that the fake device holds while a copy uses it.
+
+        Holding the alias instead of the caller's object lets :meth:`sole_owner` tell when
+        every other reference to the memory is gone (Note [Use after free] in sanitizer.py).
+        """
+
+    def sole_owner(self, alias: Any) -> bool:
+        """True when ``alias`` (from :meth:`alias`) is the last reference to its memory: the program freed it."""
+
+    def byte_range(self, buffer: Any) -> tuple[int, int]:
+        """``(first, end)`` addresses of the bytes ``buffer`` spans (``first == end`` when empty)."""
+
+    def address(self, buffer: Any) -> int:
+        """The address of ``buffer``'s first element (what ``dev.copy_log()`` records per side)."""
+
 
 def describe(buffer: Any) -> str:
     """A short description for error messages (``float32[4, 8] (non-contiguous)``)."""
@@ -99,7 +115,48 @@ class NumpyBuffers:
         if buffer.size:
             buffer[...] = np.frombuffer(b"\xff" * buffer.dtype.itemsize, dtype=buffer.dtype)[0]
 
+    def alias(self, buffer: np.ndarray) -> np.ndarray:
+        return buffer.view()
 
+    def sole_owner(self, alias: np.ndarray) -> bool:
+        # only arrays that own their memory (np.empty, allocate): memory borrowed from another
+        # object (frombuffer, a memoryview) may be held through that object instead
+        return _numpy_holders(alias) <= _NUMPY_SOLE_HOLDERS
+
+    def address(self, buffer: np.ndarray) -> int:
+        return int(buffer.__array_interface__["data"][0])
+
+    def byte_range(self, buffer: np.ndarray) -> tuple[int, int]:
+        first = end = int(buffer.__array_interface__["data"][0])
+        if buffer.size == 0:
+            return first, end
+        for size, stride in zip(buffer.shape, buffer.strides, strict=True):
+            if stride < 0:
+                first += (size - 1) * stride
+            else:
+                end += (size - 1) * stride
+        return first, end + buffer.itemsize
+
+
+def _numpy_holders(alias: np.ndarray) -> int:
+    """References to the array owning ``alias``'s memory (a large number when no array owns it)."""
+    owner = alias.base
+    while isinstance(owner, np.ndarray) and isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if not isinstance(owner, np.ndarray) or owner.base is not None:
+        return sys.maxsize
+    return sys.getrefcount(owner)
+
+
+def _calibrate_numpy() -> int:
+    """What :func:`_numpy_holders` counts when the alias is the only reference (this interpreter's baseline)."""
+    owner = np.empty(1, dtype=np.uint8)
+    alias = owner.view()
+    del owner
+    return _numpy_holders(alias)
+
+
+_NUMPY_SOLE_HOLDERS = _calibrate_numpy()
 NUMPY_OPS = NumpyBuffers()
 
 

@@ -17,7 +17,7 @@ The pieces, one module each: :mod:`~offcore_cpu.options` (settings),
 :mod:`~offcore_cpu.arena` (byte accounting), :mod:`~offcore_cpu.tracking` (torch
 tensors created while active), :mod:`~offcore_cpu.streams` (streams, events, worker
 threads), :mod:`~offcore_cpu.link` (bandwidth and latency), :mod:`~offcore_cpu.sanitizer`
-and :mod:`~offcore_cpu.host_pool`.
+and :mod:`~offcore_cpu.host_pool`; :mod:`~offcore_cpu.gates` holds streams and copies for tests.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from offcore.protocols import Availability, Capability, MemoryStats
 from offcore.units import format_bandwidth, format_bytes, parse_size
 from offcore_cpu.arena import MemoryArena
 from offcore_cpu.buffers import NUMPY_OPS, BufferOps, describe, ops_for
-from offcore_cpu.errors import InjectedFault
+from offcore_cpu.errors import InjectedFault, SanitizerViolation
+from offcore_cpu.gates import Gate, GateSet
 from offcore_cpu.host_pool import FakeHostBufferPool
 from offcore_cpu.link import Link
 from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable, parse_fail_copy, parse_fault_mode
-from offcore_cpu.sanitizer import Sanitizer
+from offcore_cpu.sanitizer import Flight, Sanitizer
 from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 
 __all__ = ["FakeDevice"]
@@ -69,7 +70,8 @@ class FakeDevice:
       ``torch.OutOfMemoryError``).
     - ``h2d_bandwidth`` / ``d2h_bandwidth`` (``"32GiB/s"``, ``"inf"`` for unlimited) and
       ``latency`` (``"10us"``) per copy; ``duplex`` (True): each direction has its own link.
-    - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`.
+    - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`
+      (poison, jitter, use-after-free checks; :meth:`sanitizer_violations`, :meth:`check_sanitizer`).
     - ``buffers``: ``"torch"`` (default when torch is installed) or ``"numpy"``.
     - ``fail_copy`` (None) and ``fail_copy_mode`` (``"submit"``): fault injection, the
       ``fail_copy``-th ``copy_`` call fails (Note [Injected copy faults]; re-arm with
@@ -99,7 +101,8 @@ class FakeDevice:
         self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
         self._compute = ComputeStream()
         self._streams: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
-        # (stream, direction, bytes, enqueued, start, end, jitter) per copy: a ring of tuples, so
+        self._gates = GateSet()  # Note [Gates] in gates.py
+        # (stream, direction, bytes, enqueued, start, end, jitter, number, src, dst) per copy: a ring of tuples, so
         # a long run keeps the latest copy_log_limit of them (about 200 bytes each), never more
         self._copy_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=self.options.copy_log_limit)
         self._local = threading.local()  # .depth of `with dev:` on this thread
@@ -205,8 +208,55 @@ class FakeDevice:
             raise errors[0]
 
     def close(self) -> None:
-        """Finish queued work and stop every stream's worker thread."""
+        """Open every gate, finish queued work and stop every stream's worker thread."""
+        self._gates.open_all()
         self._finalizer()
+
+    # -- gates (Note [Gates] in gates.py) ------------------------------------------------
+    def gate(self, stream: Any = None, *, direction: Direction | str | None = None, timeout: float = 60.0) -> Gate:
+        """A closed copy gate: copies on copy streams stop in mid-flight until it opens.
+
+        ``stream`` (a stream of this device) and ``direction`` (``"h2d"``, ``"d2h"``...)
+        narrow which copies it holds. A held copy's destination already holds poison
+        (with the sanitizer) and its source has not been read. Use it as a context
+        manager (it opens on exit); ``gate.wait_held(n)`` blocks until ``n`` copies wait.
+
+            >>> with dev.gate(copy_stream) as gate:          # doctest: +SKIP
+            ...     done = dev.copy_(host, device, stream=copy_stream)
+            ...     gate.wait_held(1)                         # the copy is in flight, for sure
+        """
+        state = None if stream is None else self._worker_state(stream, "gate")
+        if direction is not None and type(direction) is not Direction:
+            try:
+                direction = Direction(direction)
+            except ValueError:
+                raise ConfigurationError(f"unknown direction {direction!r}: use 'h2d', 'd2h', 'h2h' or 'd2d'") from None
+        label = f"copies{'' if stream is None else f' on {stream.name!r}'}{'' if direction is None else f' {direction.value}'}"
+        return self._gates.add(Gate(label, timeout=timeout, stream=state, direction=direction), copies=True)
+
+    def hold(self, stream: Any, *, timeout: float = 60.0) -> Gate:
+        """A closed stream gate: ``stream`` stops at this point of its queue until the gate opens.
+
+        >>> with dev.hold(copy_stream) as gate:          # doctest: +SKIP
+        ...     done = dev.copy_(host, device, stream=copy_stream)
+        ...     assert not done.query()                   # queued behind the gate
+        """
+        self._worker_state(stream, "hold")
+        gate = self._gates.add(Gate(f"stream {stream.name!r}", timeout=timeout), copies=False)
+        stream.launch_host_func(functools.partial(gate.pass_, {"hold": stream.name, "stream": stream.name}))
+        return gate
+
+    def open_gates(self) -> None:
+        """Open every gate of this device (test teardown: no stream stays blocked)."""
+        self._gates.open_all()
+
+    def _worker_state(self, stream: Any, what: str) -> Any:
+        if not isinstance(stream, WorkerStream) or stream not in self._streams:
+            raise ConfigurationError(
+                f"{what} needs a copy stream of this device (dev.new_stream()), got {stream!r}: the compute "
+                "stream runs copies on the calling thread and cannot be held"
+            )
+        return stream._state
 
     # -- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, tier: Tier | str) -> Any:
@@ -308,7 +358,7 @@ class FakeDevice:
         tier = Tier.PINNED if pinned else Tier.PAGEABLE
         return FakeHostBufferPool(
             lambda nbytes: self.allocate(nbytes, tier),
-            poison=self.poison,
+            poison=self._release_host,
             budget=budget,
             block_size=block_size,
             alignment=alignment,
@@ -324,9 +374,48 @@ class FakeDevice:
             raise ConfigurationError(f"cannot poison {type(buffer).__name__}: expected a tensor or a numpy array")
         if not self._sanitizer.enabled:
             return False
+        self._sanitizer.released(ops, buffer, f"{describe(buffer)} was passed to dev.poison (released)")
         with self._untracked():
             ops.poison(buffer)
         return True
+
+    def _release_host(self, buffer: Any) -> None:
+        """A host-pool buffer goes back to its pool: poisoned, and copies still using it are flagged."""
+        ops = ops_for(buffer)
+        if ops is None or not self._sanitizer.enabled:
+            return
+        self._sanitizer.released(ops, buffer, f"host buffer {describe(buffer)} was returned to its pool")
+        with self._untracked():
+            ops.poison(buffer)
+
+    # -- sanitizer records (Note [Use after free] in sanitizer.py) --------------------------
+    def sanitizer_violations(self, *, clear: bool = False) -> list[dict[str, Any]]:
+        """Buffers the sanitizer saw freed or released while a copy still used them, oldest first.
+
+        Each record: ``kind`` (``"use-after-free"`` for device memory whose last reference
+        died, ``"released-in-flight"`` for a buffer returned to its pool or passed to
+        :meth:`poison`), ``copy`` (the copy's number), ``stream``, ``direction``, ``side``
+        (``"source"`` / ``"destination"``) and ``message``. ``clear=True`` forgets them.
+        Always empty without the sanitizer.
+        """
+        return self._sanitizer.violations(clear=clear)
+
+    def check_sanitizer(self, *, clear: bool = True) -> None:
+        """Raise :class:`~offcore_cpu.errors.SanitizerViolation` listing every violation seen (then forgotten)."""
+        found = self._sanitizer.violations(clear=clear)
+        if found:
+            lines = "\n".join(f"- {v['message']}" for v in found[:20])
+            more = f"\n(and {len(found) - 20} more)" if len(found) > 20 else ""
+            raise SanitizerViolation(
+                f"the sanitizer of fake device {self._label} saw {len(found)} buffer(s) freed or released while a "
+                f"copy still used them:\n{lines}{more}",
+                found,
+            )
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Sanitized copies enqueued on copy streams whose bytes have not landed yet (0 without the sanitizer)."""
+        return self._sanitizer.in_flight()
 
     # -- copies --------------------------------------------------------------------------
     def direction(self, dst: Any, src: Any) -> Direction:
@@ -358,16 +447,16 @@ class FakeDevice:
             )
         if ops is NUMPY_OPS and not dst.flags.writeable:
             raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
+        src_on_device, dst_on_device = self._on_device(ops, src), self._on_device(ops, dst)
         direction = Direction.between(
-            Tier.DEVICE if self._on_device(ops, src) else Tier.PINNED,
-            Tier.DEVICE if self._on_device(ops, dst) else Tier.PINNED,
+            Tier.DEVICE if src_on_device else Tier.PINNED, Tier.DEVICE if dst_on_device else Tier.PINNED
         )
         compute = self._compute
         if stream is not compute and (not isinstance(stream, WorkerStream) or stream not in self._streams):
             raise ConfigurationError(
                 f"copy_ needs a stream of this device (dev.new_stream() or dev.current_stream()), got {stream!r}"
             )
-        fault = self._count_copy()
+        number, fault = self._count_copy()
         if fault is not None:
             if fault.mode == "submit":
                 raise fault  # before anything is drawn, booked or enqueued
@@ -376,18 +465,29 @@ class FakeDevice:
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
         if stream is compute:
             with self._untracked():
-                self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter())
+                self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter(), number)
             return compute.record_event(FakeEvent(compute, enable_timing=True))
-        if nbytes <= _INLINE_COPY_LIMIT and not sanitizer.enabled:
+        state = stream._state
+        if sanitizer.enabled:
+            # Note [Use after free]: the queued copy holds device memory through aliases of its own
+            with self._untracked():
+                flight = Flight(
+                    number, stream.name, direction, nbytes, ops, dst, src, {"src": src_on_device, "dst": dst_on_device}
+                )
+            sanitizer.start(flight)
+            del dst, src  # the work item must not keep the caller's buffers alive
+            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter())
+            return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+        if nbytes <= _INLINE_COPY_LIMIT and not self._gates.any_closed_for(state, direction):
             # Note [Inline copies on an idle stream]
             event = stream.try_inline(
-                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, stream.name)
+                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, stream.name, number)
             )
             if event is not None:
                 return event
         # one work item runs the copy and completes the event (one hand-off to the worker per copy)
         run = functools.partial(
-            self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter()
+            self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter(), number, state
         )
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
 
@@ -433,16 +533,17 @@ class FakeDevice:
         with self._fault_lock:
             return self._fault is not None
 
-    def _count_copy(self) -> InjectedFault | None:
+    def _count_copy(self) -> tuple[int, InjectedFault | None]:
         """Number this copy_ call; the error to fail it with when the armed fault is due."""
         with self._fault_lock:
             self._copies += 1
+            count = self._copies
             fault = self._fault
-            if fault is None or fault[0] != self._copies:
-                return None
+            if fault is None or fault[0] != count:
+                return count, None
             self._fault = None
         number, mode, source = fault
-        return InjectedFault(
+        return count, InjectedFault(
             f"copy #{number} on fake device {self._label} failed: fault injected by {source} (mode {mode!r})",
             copy_number=number,
             mode=mode,
@@ -467,7 +568,15 @@ class FakeDevice:
         raise fault
 
     def _inline_copy(
-        self, ops: BufferOps, dst: Any, src: Any, direction: Direction, nbytes: int, stream_name: str, not_before: float
+        self,
+        ops: BufferOps,
+        dst: Any,
+        src: Any,
+        direction: Direction,
+        nbytes: int,
+        stream_name: str,
+        number: int,
+        not_before: float,
     ) -> float | None:
         """Copy now on the calling thread and book the link; returns when the copy lands (None: queue it)."""
         enqueued = time.perf_counter()
@@ -478,7 +587,9 @@ class FakeDevice:
         with self._untracked():
             ops.copy(dst, src)
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, 0.0))
+        self._copy_log.append(
+            (stream_name, direction, nbytes, enqueued, start, end, 0.0, number, ops.address(src), ops.address(dst))
+        )
         return end
 
     def _run_copy(
@@ -491,24 +602,68 @@ class FakeDevice:
         jitter: float,
         stream_name: str,
         enqueued: float,
+        number: int,
+        state: Any = None,
     ) -> None:
+        """A copy without the sanitizer (or on the compute stream, run by ``copy_`` itself)."""
         sanitize = self._sanitizer.enabled
         if sanitize:  # Note [What the sanitizer poisons, and when], point 1
             ops.poison(dst)
+        if state is not None and self._gates.any_closed_for(state, direction):  # Note [Gates]
+            self._gates.pass_copy(state, direction, _held(number, stream_name, direction, nbytes))
         start, end = self._link.transfer(
             direction, nbytes, functools.partial(ops.copy, dst, src), extra_delay=jitter, data_first=not sanitize
         )
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         # a tuple per copy; copy_log() builds the dicts only when asked
-        self._copy_log.append((stream_name, direction, nbytes, enqueued, start, end, jitter))
+        self._copy_log.append(
+            (stream_name, direction, nbytes, enqueued, start, end, jitter, number, ops.address(src), ops.address(dst))
+        )
+
+    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float) -> None:
+        """A sanitized queued copy (Note [Use after free]): checks for frees when reached, before and after landing."""
+        sanitizer, ops = self._sanitizer, flight.ops
+        try:
+            sanitizer.check_freed(flight, "before its stream reached it")
+            ops.poison(flight.dst)  # Note [What the sanitizer poisons, and when], point 1
+            if self._gates.any_closed_for(state, flight.direction):  # Note [Gates]
+                self._gates.pass_copy(
+                    state, flight.direction, _held(flight.number, flight.stream, flight.direction, flight.nbytes)
+                )
+            start, end = self._link.transfer(
+                flight.direction, flight.nbytes, functools.partial(self._land, flight), extra_delay=jitter
+            )
+        finally:
+            sanitizer.finish(flight)
+            flight.src = flight.dst = None  # the copy holds no memory once its bytes landed
+        self.ledger.record_copy(flight.direction, flight.nbytes, seconds=end - start)
+        src, dst = flight.ranges["src"][0], flight.ranges["dst"][0]
+        self._copy_log.append(
+            (flight.stream, flight.direction, flight.nbytes, enqueued, start, end, jitter, flight.number, src, dst)
+        )
+
+    def _land(self, flight: Flight) -> None:
+        """Move a sanitized copy's bytes, or poison, when a side was freed or released (Note [Use after free])."""
+        ops = flight.ops
+        self._sanitizer.check_freed(flight, "while the copy was in flight")
+        if flight.lost:  # a freed or released source delivers poison; a released destination gets poison
+            ops.poison(flight.dst)
+            return
+        ops.copy(flight.dst, flight.src)
+        self._sanitizer.check_freed(flight, "while its bytes were moving")
+        if "src" in flight.lost:
+            ops.poison(flight.dst)
 
     def copy_log(self) -> list[dict[str, Any]]:
         """The latest completed copies, oldest first, for traces.
 
         A ring: it keeps the last ``copy_log_limit`` copies (an option, 4096 by default; 0
         keeps none), so it never grows with the length of a run; ``dev.ledger`` keeps the
-        totals of every copy. Failed copies are not logged. Each entry: ``stream``, ``direction`` (``"d2h"``...), ``bytes``, ``enqueued``,
-        ``start``, ``end`` (``time.perf_counter()`` seconds) and ``emulated_seconds``.
+        totals of every copy. Failed copies are not logged. Each entry: ``stream``, ``direction``
+        (``"d2h"``...), ``bytes``, ``enqueued``, ``start``, ``end`` (``time.perf_counter()``
+        seconds), ``emulated_seconds``, ``number`` (the copy's 1-based number among the device's
+        ``copy_`` calls: the order they were issued in) and ``src`` / ``dst`` (the address of each
+        side's first byte, to tell which buffers a copy moved).
         """
         duration = self._link.duration
         return [
@@ -520,8 +675,11 @@ class FakeDevice:
                 "start": start,
                 "end": end,
                 "emulated_seconds": duration(direction, nbytes) + jitter,
+                "number": number,
+                "src": src,
+                "dst": dst,
             }
-            for stream_name, direction, nbytes, enqueued, start, end, jitter in list(self._copy_log)
+            for stream_name, direction, nbytes, enqueued, start, end, jitter, number, src, dst in list(self._copy_log)
         ]
 
     def clear_copy_log(self) -> None:
@@ -536,3 +694,8 @@ class FakeDevice:
             f"latency={o.latency * 1e6:g}us {'duplex' if o.duplex else 'shared link'}"
             f"{' sanitize' if o.sanitize else ''} buffers={o.buffers}>"
         )
+
+
+def _held(number: int, stream_name: str, direction: Direction, nbytes: int) -> dict[str, Any]:
+    """What a copy gate reports about a copy it holds."""
+    return {"copy": number, "stream": stream_name, "direction": direction.value, "bytes": nbytes}

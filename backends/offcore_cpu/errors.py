@@ -29,7 +29,15 @@ from __future__ import annotations
 from offcore.errors import CapacityExceededError, OffcoreError
 from offcore.units import format_bytes
 
-__all__ = ["FakeDeviceOutOfMemoryError", "StreamWorkError", "EventNotReadyError", "InjectedFault", "out_of_memory"]
+__all__ = [
+    "FakeDeviceOutOfMemoryError",
+    "StreamWorkError",
+    "EventNotReadyError",
+    "InjectedFault",
+    "GateTimeoutError",
+    "SanitizerViolation",
+    "out_of_memory",
+]
 
 
 class FakeDeviceOutOfMemoryError(CapacityExceededError):
@@ -106,3 +114,21 @@ def out_of_memory(
         "(offcore.device('cpu', capacity=...))."
     )
     return error_class(message, requested_bytes=requested, allocated_bytes=allocated, capacity_bytes=capacity)
+
+
+class GateTimeoutError(OffcoreError, AssertionError):
+    """A test's gate (``dev.gate`` / ``dev.hold``) did not see what it waited for, or was left closed.
+
+    An ``AssertionError`` too: it always means the test (not the program under test) went wrong.
+    """
+
+
+class SanitizerViolation(OffcoreError, AssertionError):
+    """The sanitizer saw memory freed or released while a copy still used it (``dev.check_sanitizer()``).
+
+    ``violations`` holds the records of ``dev.sanitizer_violations()``.
+    """
+
+    def __init__(self, message: str, violations: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self.violations = list(violations or [])

@@ -3,7 +3,8 @@
 Blocks come from ``FakeDevice.allocate(n, Tier.PINNED or Tier.PAGEABLE)``, so they
 show in ``memory_stats()`` as pinned or pageable bytes; with the sanitizer on, a
 buffer is poisoned when it returns to the pool, so a copy still reading it (a missing
-wait before release) moves garbage instead of the right numbers.
+wait before release) moves garbage instead of the right numbers, and the device
+records the early release as a violation (Note [Use after free] in sanitizer.py).
 
     >>> import offcore
     >>> dev = offcore.device("cpu", buffers="numpy", sanitize=True)
@@ -28,7 +29,7 @@ __all__ = ["FakeHostBufferPool"]
 class FakeHostBufferPool(HostBufferPool):
     """A :class:`offcore.HostBufferPool` that poisons released buffers through ``poison``."""
 
-    def __init__(self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], bool], **kwargs: Any) -> None:
+    def __init__(self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], object], **kwargs: Any) -> None:
         super().__init__(allocate_block, **kwargs)
         self._poison = poison
 

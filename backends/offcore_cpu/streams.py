@@ -408,10 +408,14 @@ class WorkerStream:
         marker = event._new_marker(self.name)
 
         def item(state: _WorkerState) -> None:
+            nonlocal fn
             try:
                 fn()
             except BaseException as exc:  # Note [Failures on a worker stream]
                 state.fail(exc)
+            # the work (a copy and its buffers) is dropped *before* its event completes: a
+            # program that frees its last reference after waiting then really frees the memory
+            fn = None  # type: ignore[assignment]
             marker.complete(state.error)
 
         self._state.submit(item)

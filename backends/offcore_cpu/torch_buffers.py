@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 
@@ -77,6 +78,55 @@ class TorchBuffers:
         if buffer.numel():
             pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
             buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
+
+    def alias(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.detach()  # a TensorImpl of its own over the same storage (no autograd history)
+
+    def sole_owner(self, alias: torch.Tensor) -> bool:
+        if _use_count is None:  # a torch without the counter: the sanitizer cannot tell
+            return False
+        uses, holders = _storage_holders(alias)
+        return uses <= _SOLE_USES and holders <= _SOLE_HOLDERS
+
+    def address(self, buffer: torch.Tensor) -> int:
+        return int(buffer.data_ptr())
+
+    def byte_range(self, buffer: torch.Tensor) -> tuple[int, int]:
+        first = int(buffer.data_ptr())
+        if buffer.numel() == 0:
+            return first, first
+        span = 1 + sum((size - 1) * stride for size, stride in zip(buffer.shape, buffer.stride(), strict=True))
+        return first, first + span * buffer.element_size()
+
+
+# Note [Who holds a storage]
+# A storage's memory is freed when its StorageImpl's use count drops to zero. Every
+# tensor over it holds one use, and so does its Python object (``untyped_storage()``),
+# which torch keeps alive while any tensor uses the storage; a Python reference to
+# that object (``entry.restored = storage``) is a holder too, counted by Python's
+# reference count. The fake device holds a queued copy's device buffers through an alias
+# (a tensor of its own), so "only the alias is left" is: the use count and the Python
+# object's reference count are what they are for a fresh alias of a dropped tensor,
+# measured once at import (:func:`_calibrate`) so the figures match this interpreter.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_holders(alias: torch.Tensor) -> tuple[int, int]:
+    storage = alias.untyped_storage()
+    return int(_use_count(storage._cdata)), sys.getrefcount(storage)
+
+
+def _calibrate() -> tuple[int, int]:
+    if _use_count is None:
+        return 0, 0
+    dropped = torch.empty(1, dtype=torch.uint8)
+    dropped.untyped_storage()  # its Python object exists, as for every tensor the device counts
+    alias = dropped.detach()
+    del dropped
+    return _storage_holders(alias)
+
+
+_SOLE_USES, _SOLE_HOLDERS = _calibrate()
 
 
 # Note [Small copies keep the GIL]
