@@ -1,4 +1,10 @@
-"""Fixtures of the PyTorch tests (helpers live in ``torch_test_devices``)."""
+"""Fixtures of the PyTorch tests (helpers live in ``torch_test_devices``).
+
+Every device a fixture hands out is checked: a fake device must run its sanitizer
+(:func:`torch_test_devices.assert_sanitized`), and at teardown its gates are opened, its
+copies waited for, and any buffer it saw freed or released while a copy still used it
+fails the test (:func:`torch_test_devices.finish_device`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_test_devices import fake_device  # noqa: E402
+from torch_test_devices import assert_sanitized, fake_device, finish_device  # noqa: E402
 
 import offcore  # noqa: E402
 
@@ -20,7 +26,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def make_fake_device() -> Iterator[Callable[..., Any]]:
-    """``make_fake_device(**kwargs)`` builds a :func:`torch_test_devices.fake_device`; all are closed after the test."""
+    """``make_fake_device(**kwargs)`` builds a :func:`torch_test_devices.fake_device`; all are checked and closed after the test."""
     made: list[Any] = []
 
     def make(**kwargs: Any) -> Any:
@@ -29,21 +35,35 @@ def make_fake_device() -> Iterator[Callable[..., Any]]:
         return device
 
     yield make
+    errors: list[BaseException] = []
     for device in made:
-        device.synchronize()
-        device.close()
+        try:
+            finish_device(device)
+        except BaseException as exc:  # every device is closed even when one fails
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
-def _plugin_provides_backend() -> bool:
+def _plugin_provides_backend_name() -> bool:
     try:
         import pytest_offcore
     except ImportError:
         return False
-    return hasattr(pytest_offcore, "backend")
+    return hasattr(pytest_offcore, "backend_name")
 
 
-if not _plugin_provides_backend():  # until pytest_offcore ships its ``backend`` fixture
+if not _plugin_provides_backend_name():  # pragma: no cover - pytest_offcore ships in this repository
 
     @pytest.fixture(params=["cpu"])
-    def backend(request: pytest.FixtureRequest) -> Any:
-        return offcore.device(request.param, sanitize=True)
+    def backend_name(request: pytest.FixtureRequest) -> str:
+        return str(request.param)
+
+
+@pytest.fixture
+def backend(backend_name: str) -> Iterator[Any]:
+    """The backend under test (pytest_offcore's ``backend_name``); the CPU fake device runs its sanitizer."""
+    options = {"sanitize": True} if backend_name.split(":")[0] == "cpu" else {}
+    device = assert_sanitized(offcore.device(backend_name, **options))
+    yield device
+    finish_device(device)

@@ -1,9 +1,11 @@
 """Devices for the PyTorch tests: fake devices with emulated links, built from the ``backend`` fixture.
 
-The tests run on every backend the ``backend`` fixture (plugin ``pytest_offcore``)
-yields. On the CPU fake device they also vary the emulated link (bandwidth and
-latency) and turn the sanitizer on; on real accelerators the link is the hardware's,
-so the emulated variants skip with that reason.
+The tests run on every backend the ``backend`` fixture yields. On the CPU fake device
+they also vary the emulated link (bandwidth and latency) and always run with the
+sanitizer on (every fixture asserts it: :func:`assert_sanitized`), so a missing wait or
+a buffer freed while a copy still uses it gives NaNs and a recorded violation, which
+every fixture checks at teardown (:func:`finish_device`). On real accelerators the link
+is the hardware's, so the emulated variants skip with that reason.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore  # noqa: E402
+from offcore import Capability  # noqa: E402
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # bit-identical cuBLAS runs on CUDA
 
@@ -33,9 +36,35 @@ def is_fake_device(backend: Any) -> bool:
     return getattr(backend, "name", None) == "cpu"
 
 
-def fake_device(*, capacity: int | str = "4GiB", link: str = "unlimited", sanitize: bool = True, **options: Any) -> Any:
+def assert_sanitized(device: Any) -> Any:
+    """Fail unless a fake device runs its sanitizer (poison, jitter, use-after-free checks); returns it."""
+    if is_fake_device(device):
+        assert Capability.SANITIZER in device.capabilities and device.options.sanitize, (
+            f"{device!r}: the PyTorch tests run the fake device with its sanitizer on; without it a missing "
+            "wait or an early free passes unnoticed"
+        )
+    return device
+
+
+def finish_device(device: Any) -> None:
+    """Teardown of a test's device: open its gates, let its copies land, fail on any sanitizer violation, close it."""
+    try:
+        if is_fake_device(device):
+            device.open_gates()  # a failed test must not leave a stream held
+        device.synchronize()
+        if is_fake_device(device):
+            device.check_sanitizer()  # raises SanitizerViolation naming every early free it saw
+    finally:
+        close = getattr(device, "close", None)
+        if callable(close):
+            close()
+
+
+def fake_device(*, capacity: int | str = "4GiB", link: str = "unlimited", **options: Any) -> Any:
     """A CPU fake device with the sanitizer on and one of the :data:`LINKS`."""
-    return offcore.device("cpu", capacity=capacity, sanitize=sanitize, **LINKS[link], **options)
+    if options.pop("sanitize", True) is not True:
+        raise AssertionError("the PyTorch tests never turn the fake device's sanitizer off")
+    return assert_sanitized(offcore.device("cpu", capacity=capacity, sanitize=True, **{**LINKS[link], **options}))
 
 
 def device_with_link(backend: Any, link: str, make: Callable[..., Any] = fake_device) -> Any:
