@@ -2,11 +2,13 @@
 
 Numpy-only tests come first (``buffers="numpy"``, they run under ``tox -e core``);
 torch tests skip when torch is not installed. No test asserts a wall-clock duration:
-ordering is made deterministic with gates (``launch_host_func(gate.wait)``) and events.
+ordering is made deterministic with gates (``launch_host_func(gate.wait)``, set in a
+``finally`` so that a failing test never leaves a stream blocked) and events.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import subprocess
@@ -60,11 +62,18 @@ def tdev(make_device: Any, torch: Any) -> FakeDevice:
     return make_device(capacity="64MiB", buffers="torch", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
 
 
-def _gate(stream: Any) -> threading.Event:
-    """Block ``stream`` until the returned gate is set (deterministic 'copy has not landed yet')."""
+@contextlib.contextmanager
+def _gate(stream: Any) -> Iterator[threading.Event]:
+    """Block ``stream`` until the gate is set (deterministic 'copy has not landed yet').
+
+    Set in ``finally``: a failing test never leaves the stream blocked (closing the device
+    would then wait forever)."""
     gate = threading.Event()
     stream.launch_host_func(gate.wait)
-    return gate
+    try:
+        yield gate
+    finally:
+        gate.set()
 
 
 # ============================================================================ registry and options
@@ -169,10 +178,10 @@ def test_compute_stream_is_the_calling_thread(ndev: FakeDevice) -> None:
 def test_compute_wait_event_blocks_until_the_copy_stream_reaches_the_event(ndev: FakeDevice) -> None:
     stream = ndev.new_stream()
     order: list[str] = []
-    gate = _gate(stream)
-    stream.launch_host_func(lambda: order.append("copy stream"))
-    reached = stream.record_event()
-    threading.Timer(0.05, gate.set).start()  # only delays the worker; the test waits on events
+    with _gate(stream) as gate:
+        stream.launch_host_func(lambda: order.append("copy stream"))
+        reached = stream.record_event()
+        threading.Timer(0.05, gate.set).start()  # only delays the worker; the test waits on events
     ndev.current_stream().wait_event(reached)
     order.append("compute")
     assert order == ["copy stream", "compute"]
@@ -207,39 +216,39 @@ def test_copies_on_one_stream_never_overlap(make_device: Any) -> None:
 def test_cross_stream_wait_holds_the_consumer_until_the_producer_reaches_the_event(ndev: FakeDevice) -> None:
     producer, consumer = ndev.new_stream(name="producer"), ndev.new_stream(name="consumer")
     order: list[str] = []
-    gate = _gate(producer)
-    producer.launch_host_func(lambda: order.append("producer"))
-    consumer.wait_event(producer.record_event())
-    consumer.launch_host_func(lambda: order.append("consumer"))
-    consumer_done = consumer.record_event()
-    assert not consumer_done.query(), "the consumer ran past a wait whose event cannot have completed"
-    gate.set()
+    with _gate(producer) as gate:
+        producer.launch_host_func(lambda: order.append("producer"))
+        consumer.wait_event(producer.record_event())
+        consumer.launch_host_func(lambda: order.append("consumer"))
+        consumer_done = consumer.record_event()
+        assert not consumer_done.query(), "the consumer ran past a wait whose event cannot have completed"
+        gate.set()
     consumer_done.synchronize()
     assert order == ["producer", "consumer"]
 
 
 def test_wait_stream_orders_after_everything_enqueued_so_far(ndev: FakeDevice) -> None:
     producer, consumer = ndev.new_stream(), ndev.new_stream()
-    gate = _gate(producer)
-    consumer.wait_stream(producer)
-    done = consumer.record_event()
-    assert not done.query()
-    gate.set()
+    with _gate(producer) as gate:
+        consumer.wait_stream(producer)
+        done = consumer.record_event()
+        assert not done.query()
+        gate.set()
     done.synchronize()
     assert producer.query()
 
 
 def test_a_wait_keeps_the_recording_it_saw(ndev: FakeDevice) -> None:
     producer, consumer = ndev.new_stream(), ndev.new_stream()
-    gate = _gate(producer)
-    event = ndev.new_event()
-    event.record(producer)
-    consumer.wait_event(event)
-    event.record()  # re-recorded on the compute stream: complete at once
-    assert event.query()
-    done = consumer.record_event()
-    assert not done.query(), "the consumer must still wait for the first recording"
-    gate.set()
+    with _gate(producer) as gate:
+        event = ndev.new_event()
+        event.record(producer)
+        consumer.wait_event(event)
+        event.record()  # re-recorded on the compute stream: complete at once
+        assert event.query()
+        done = consumer.record_event()
+        assert not done.query(), "the consumer must still wait for the first recording"
+        gate.set()
     done.synchronize()
 
 
@@ -248,10 +257,10 @@ def test_event_record_and_wait_default_to_the_compute_stream(ndev: FakeDevice) -
     event = ndev.new_event()
     event.record()
     assert event.query()
-    gate = _gate(stream)
-    pending = stream.record_event()
-    assert not pending.query()
-    gate.set()
+    with _gate(stream) as gate:
+        pending = stream.record_event()
+        assert not pending.query()
+        gate.set()
     pending.wait()  # the compute stream: blocks until complete
     assert pending.query()
 
@@ -287,11 +296,11 @@ def test_elapsed_time_errors_say_what_is_missing(ndev: FakeDevice) -> None:
     with pytest.raises(ConfigurationError, match="never recorded"):
         start.elapsed_time(end)
     start.record()
-    gate = _gate(stream)
-    end.record(stream)
-    with pytest.raises(EventNotReadyError, match="synchronize"):
-        start.elapsed_time(end)
-    gate.set()
+    with _gate(stream) as gate:
+        end.record(stream)
+        with pytest.raises(EventNotReadyError, match="synchronize"):
+            start.elapsed_time(end)
+        gate.set()
     end.synchronize()
     assert start.elapsed_time(end) >= 0.0
 
@@ -460,9 +469,9 @@ def test_copy_log_is_a_bounded_ring(make_device: Any) -> None:
     for n in range(1, 21):  # inline, queued and compute-stream copies share the ring
         small.copy_(host[:n], device[:n], stream=stream if n % 2 else small.current_stream())
         if n % 5 == 0:
-            gate = _gate(stream)
-            small.copy_(host[:n], device[:n], stream=stream)
-            gate.set()
+            with _gate(stream) as gate:
+                small.copy_(host[:n], device[:n], stream=stream)
+                gate.set()
             stream.synchronize()
     stream.synchronize()
     log = small.copy_log()
@@ -728,9 +737,11 @@ def test_jitter_is_reproducible_by_seed(make_device: Any) -> None:
     def jitters(seed: int) -> list[float]:
         dev = make_device(buffers="numpy", sanitize=True, seed=seed, latency=0, jitter="1ms")
         stream = dev.new_stream()
-        for _ in range(5):
-            dev.copy_(dev.allocate(64, Tier.DEVICE), dev.allocate(64, Tier.PINNED), stream=stream)
+        kept = [(dev.allocate(64, Tier.DEVICE), dev.allocate(64, Tier.PINNED)) for _ in range(5)]
+        for device, host in kept:
+            dev.copy_(device, host, stream=stream)
         stream.synchronize()
+        assert dev.sanitizer_violations() == []  # every buffer outlived its copy
         return [entry["emulated_seconds"] for entry in dev.copy_log()]
 
     first = jitters(3)
@@ -1047,10 +1058,10 @@ def test_a_copy_behind_queued_work_is_not_run_inline(make_device: Any) -> None:
     stream = dev.new_stream()
     device, host = dev.allocate(4096, Tier.DEVICE), dev.allocate(4096, Tier.PINNED)
     device[:], host[:] = 1, 0
-    gate = _gate(stream)
-    done = dev.copy_(host, device, stream=stream)
-    assert not done.query() and int(host.sum()) == 0  # queued behind the gate, untouched
-    gate.set()
+    with _gate(stream) as gate:
+        done = dev.copy_(host, device, stream=stream)
+        assert not done.query() and int(host.sum()) == 0  # queued behind the gate, untouched
+        gate.set()
     done.synchronize()
     assert int(host.sum()) == 4096
 

@@ -6,6 +6,7 @@ says otherwise; no test asserts a wall-clock duration (gates order the work).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from collections.abc import Iterator
@@ -37,10 +38,15 @@ def make_device() -> Iterator[Any]:
         dev.close()
 
 
-def _gate(stream: Any) -> threading.Event:
+@contextlib.contextmanager
+def _gate(stream: Any) -> Iterator[threading.Event]:
+    """Block ``stream`` until the gate is set; set in ``finally`` so a failing test never hangs the run."""
     gate = threading.Event()
     stream.launch_host_func(gate.wait)
-    return gate
+    try:
+        yield gate
+    finally:
+        gate.set()
 
 
 def _buffers(dev: FakeDevice, nbytes: int) -> tuple[Any, Any]:
@@ -177,16 +183,15 @@ def test_stream_fault_fails_on_the_stream_like_a_real_failure(make_device: Any, 
     stream = dev.new_stream(name=name)
     nbytes = 2 * MiB if path == "large" else 4 * KiB
     device, host = _buffers(dev, nbytes)
-    gate = _gate(stream) if path == "queued" else None
-    before = stream.record_event()
-
-    failed = dev.copy_(host, device, stream=stream)  # enqueued: no error yet
-    if path == "inline":
-        assert not _worker_started(name), "an inline copy must fail on the calling thread"
-    later = stream.record_event()
-    if gate is not None:
-        assert not failed.query()  # still queued behind the gate
-        gate.set()
+    with _gate(stream) if path == "queued" else contextlib.nullcontext() as gate:
+        before = stream.record_event()
+        failed = dev.copy_(host, device, stream=stream)  # enqueued: no error yet
+        if path == "inline":
+            assert not _worker_started(name), "an inline copy must fail on the calling thread"
+        later = stream.record_event()
+        if gate is not None:
+            assert not failed.query()  # still queued behind the gate
+            gate.set()
 
     with pytest.raises(StreamWorkError, match=r"InjectedFault: copy #1 .*fail_copy=1 \(mode 'stream'\)") as caught:
         failed.synchronize()
@@ -228,10 +233,10 @@ def test_a_stream_waiting_on_the_failed_copy_inherits_the_failure(make_device: A
     dev = make_device(fail_copy=1, fail_copy_mode="stream", **FAST)
     producer, consumer = dev.new_stream(), dev.new_stream()
     device, host = _buffers(dev, 4 * KiB)
-    gate = _gate(producer)
-    failed = dev.copy_(host, device, stream=producer)
-    consumer.wait_event(failed)
-    gate.set()
+    with _gate(producer) as gate:
+        failed = dev.copy_(host, device, stream=producer)
+        consumer.wait_event(failed)
+        gate.set()
     with pytest.raises(StreamWorkError, match="fail_copy=1"):
         consumer.synchronize()
     with pytest.raises(StreamWorkError):
