@@ -43,7 +43,7 @@ from offcore_cpu.gates import Gate, GateSet
 from offcore_cpu.host_pool import FakeHostBufferPool
 from offcore_cpu.link import Link
 from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable, parse_fail_copy, parse_fault_mode
-from offcore_cpu.sanitizer import Flight, Sanitizer
+from offcore_cpu.sanitizer import Flight, Ordering, Sanitizer
 from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 
 __all__ = ["FakeDevice"]
@@ -100,6 +100,8 @@ class FakeDevice:
         )
         self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
         self._compute = ComputeStream()
+        if self.options.sanitize:  # Note [Copies ordered by the program] in sanitizer.py
+            self._compute.order = Ordering()
         self._streams: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
         self._gates = GateSet()  # Note [Gates] in gates.py
         # (stream, direction, bytes, enqueued, start, end, jitter, number, src, dst) per copy: a ring of tuples, so
@@ -463,6 +465,8 @@ class FakeDevice:
             return self._enqueue_fault(ops, dst, nbytes, stream, fault)
         sanitizer = self._sanitizer
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
+        if sanitizer.enabled:  # Note [Copies ordered by the program]
+            self._check_order(ops, dst, src, direction, stream, number)
         if stream is compute:
             with self._untracked():
                 self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter(), number)
@@ -490,6 +494,30 @@ class FakeDevice:
             self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter(), number, state
         )
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+
+    def _check_order(self, ops: BufferOps, dst: Any, src: Any, direction: Direction, stream: Any, number: int) -> None:
+        """Record a sanitized copy's accesses; report the earlier copies it races with (Note [Copies ordered by the program])."""
+        order = self._compute.order
+        sid = order.COMPUTE if stream is self._compute else stream._sid
+        ranges = {"src": ops.byte_range(src), "dst": ops.byte_range(dst)}
+        for earlier, side in order.copy(sid, ranges, number, stream.name, direction):
+            this = f"copy #{number} ({direction.value}, stream {stream.name!r})"
+            other = f"copy #{earlier.number} ({earlier.direction.value}, stream {earlier.stream_name!r})"
+            if side == "src":
+                what = f"reads bytes that {other} writes"
+            elif _overlaps(ranges["dst"], earlier.ranges["dst"]):
+                what = f"writes bytes that {other} also writes"
+            else:
+                what = f"writes bytes that {other} reads"
+            self._sanitizer.report(
+                "unordered",
+                number,
+                stream.name,
+                direction,
+                side,
+                f"{this} {what}, and nothing orders it after that copy: a missing wait_event / wait_stream "
+                "between the streams (or a synchronize before enqueueing it). On a GPU it may run first.",
+            )
 
     # -- fault injection -----------------------------------------------------------------
     # Note [Injected copy faults]
@@ -699,3 +727,7 @@ class FakeDevice:
 def _held(number: int, stream_name: str, direction: Direction, nbytes: int) -> dict[str, Any]:
     """What a copy gate reports about a copy it holds."""
     return {"copy": number, "stream": stream_name, "direction": direction.value, "bytes": nbytes}
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]

@@ -21,6 +21,9 @@ reads the buffer, so the bug passes every test and corrupts gradients on a GPU. 
 #    reproducible), so a read that only works because copies are fast stops working.
 # 5. Memory freed while a copy still uses it is poisoned, and the copy delivers poison
 #    (Note [Use after free]); each such free is a *violation* the device records.
+# 6. Two copies on different streams that touch the same bytes (one of them writing)
+#    must be ordered by the program (an event waited on, a synchronize): one that is not
+#    is a violation however the copies happened to run (Note [Copies ordered by the program]).
 # A correct program (every read of a copy's destination ordered after the copy's
 # event, every buffer kept until the copies using it landed) gives bit-identical
 # results with the sanitizer on or off, and records no violation.
@@ -48,6 +51,25 @@ reads the buffer, so the bug passes every test and corrupts gradients on a GPU. 
 # :class:`~offcore_cpu.errors.SanitizerViolation` listing them. Copies on the compute
 # stream run inside ``copy_``, so they are never in flight.
 
+# Note [Copies ordered by the program]
+# Poison shows a missing wait only when the racing copy has not landed yet; on a fast
+# CPU a consumer that forgot to wait for its producer usually reads landed data. So the
+# sanitizer also checks *order*, as CUDA's racecheck and torch's CUDA sanitizer do, from
+# what the program asked for, never from timing. Every stream has a vector clock (the
+# compute stream, i.e. the host, too). Enqueueing a copy ticks its stream's clock;
+# ``record_event`` stamps the event with its stream's clock; ``wait_event`` /
+# ``wait_stream`` join the event's clock into the waiting stream's; the host *observing*
+# completion (``event.synchronize()``, ``event.query()`` returning True,
+# ``stream.synchronize()``, a true ``stream.query()``) joins into the compute stream's
+# clock, and everything the host enqueues afterwards comes after what it observed. A copy
+# B on stream S is ordered after an earlier copy A when S's clock or the host's covers
+# A's tick. If B reads bytes A writes, or writes bytes A reads or writes, and B is not
+# ordered after A, that is an ``unordered`` violation, found when B is enqueued: a
+# missing cross-stream wait is caught on every run, whether or not the copies overlapped
+# in time. Copies the host has observed are forgotten (nothing enqueued later can race
+# with them). Tensor operators on the compute stream are not tracked: a computation
+# reading a copy's destination too early is caught by poison (point 1) instead.
+
     >>> sanitizer = Sanitizer(enabled=True, seed=0, jitter=2e-3)
     >>> 0.0 <= sanitizer.draw_jitter() <= 2e-3
     True
@@ -61,7 +83,7 @@ from typing import Any
 
 from offcore.kinds import Direction
 
-__all__ = ["Sanitizer", "Flight"]
+__all__ = ["Sanitizer", "Flight", "Ordering"]
 
 
 class Flight:
@@ -181,13 +203,16 @@ class Sanitizer:
 
     # -- violations ----------------------------------------------------------------------
     def _report(self, kind: str, flight: Flight, side: str, message: str) -> None:
+        self.report(kind, flight.number, flight.stream, flight.direction, side, message)
+
+    def report(self, kind: str, number: int, stream: str, direction: Direction, side: str, message: str) -> None:
         with self._lock:
             self._violations.append(
                 {
                     "kind": kind,
-                    "copy": flight.number,
-                    "stream": flight.stream,
-                    "direction": flight.direction.value,
+                    "copy": number,
+                    "stream": stream,
+                    "direction": direction.value,
                     "side": "source" if side == "src" else "destination",
                     "message": message,
                 }
@@ -199,3 +224,117 @@ class Sanitizer:
             if clear:
                 self._violations.clear()
         return found
+
+
+Clock = dict[int, int]
+
+
+class _Access:
+    __slots__ = ("stream", "tick", "ranges", "number", "stream_name", "direction")
+
+    def __init__(
+        self, stream: int, tick: int, ranges: dict[str, tuple[int, int]], number: int, name: str, direction: Direction
+    ) -> None:
+        self.stream, self.tick, self.ranges = stream, tick, ranges
+        self.number, self.stream_name, self.direction = number, name, direction
+
+
+def _join(into: Clock, other: Clock | None) -> None:
+    if other:
+        for key, value in other.items():
+            if into.get(key, 0) < value:
+                into[key] = value
+
+
+class Ordering:
+    """Vector clocks of one sanitized device's streams (Note [Copies ordered by the program]).
+
+    Stream ids: 0 is the compute stream (the host); copy streams get theirs from
+    :meth:`new_stream_id`. Streams and events call the ``record`` / ``wait`` /
+    ``observe`` methods; the device calls :meth:`copy` for every copy it enqueues.
+
+        >>> order = Ordering()
+        >>> a, b = order.new_stream_id(), order.new_stream_id()
+        >>> order.copy(a, {"src": (0, 8), "dst": (100, 108)}, 1, "a", Direction.H2D)
+        []
+        >>> [c.number for c, side in order.copy(b, {"src": (100, 108), "dst": (200, 208)}, 2, "b", Direction.D2D)]
+        [1]
+    """
+
+    COMPUTE = 0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 1
+        self._clocks: dict[int, Clock] = {self.COMPUTE: {}}
+        self._accesses: list[_Access] = []
+
+    def new_stream_id(self) -> int:
+        with self._lock:
+            sid = self._next
+            self._next += 1
+            self._clocks[sid] = {}
+            return sid
+
+    def record(self, stream: int) -> Clock:
+        """The clock an event recorded on ``stream`` now carries."""
+        with self._lock:
+            return dict(self._clocks[stream])
+
+    def wait(self, stream: int, clock: Clock | None) -> None:
+        """``stream`` waits on an event stamped ``clock`` (compute: the host blocks on it)."""
+        if clock:
+            with self._lock:
+                _join(self._clocks[stream], clock)
+
+    def observe(self, clock: Clock | None) -> None:
+        """The host saw work stamped ``clock`` complete: everything it enqueues later comes after it."""
+        if clock:
+            with self._lock:
+                _join(self._clocks[self.COMPUTE], clock)
+
+    def observe_stream(self, stream: int) -> None:
+        """The host saw everything enqueued so far on ``stream`` complete."""
+        with self._lock:
+            _join(self._clocks[self.COMPUTE], self._clocks[stream])
+
+    def copy(
+        self, stream: int, ranges: dict[str, tuple[int, int]], number: int, name: str, direction: Direction
+    ) -> list[tuple[_Access, str]]:
+        """Tick ``stream`` for a copy touching ``ranges`` (``src`` read, ``dst`` written).
+
+        Returns the earlier copies it conflicts with and is not ordered after, with the
+        side of *this* copy that conflicts.
+        """
+        with self._lock:
+            clock = self._clocks[stream]
+            tick = clock.get(stream, 0) + 1
+            clock[stream] = tick
+            host = self._clocks[self.COMPUTE]
+            conflicts: list[tuple[_Access, str]] = []
+            kept: list[_Access] = []
+            for earlier in self._accesses:
+                if host.get(earlier.stream, 0) >= earlier.tick:
+                    continue  # observed by the host: nothing enqueued from now on can race with it
+                kept.append(earlier)
+                if clock.get(earlier.stream, 0) >= earlier.tick:
+                    continue  # ordered by the program
+                side = _conflict(ranges, earlier.ranges)
+                if side is not None:
+                    conflicts.append((earlier, side))
+            kept.append(_Access(stream, tick, ranges, number, name, direction))
+            self._accesses = kept
+            return conflicts
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _conflict(new: dict[str, tuple[int, int]], old: dict[str, tuple[int, int]]) -> str | None:
+    """The side of ``new`` that conflicts with ``old`` (read-write, write-read, write-write), or None."""
+    if _overlap(new["src"], old["dst"]):
+        return "src"
+    if _overlap(new["dst"], old["dst"]) or _overlap(new["dst"], old["src"]):
+        return "dst"
+    return None

@@ -41,6 +41,11 @@ Two kinds of stream:
 # that waits on such an event inherits the failure. ``Stream.synchronize()`` raises it
 # once and clears it. This is how an asynchronous CUDA error surfaces at the next
 # synchronisation instead of where it happened.
+
+# With the sanitizer the compute stream carries an ``order`` (offcore_cpu.sanitizer.Ordering):
+# events are stamped with their stream's vector clock when recorded, waits join clocks, and
+# the host observing completion joins into the compute stream's clock (Note [Copies ordered
+# by the program] in sanitizer.py). Without it ``order`` is None and none of this runs.
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ class FakeEvent:
         self._compute = compute
         self.enable_timing = enable_timing
         self._marker: _Marker | None = None
+        self._clock: dict[int, int] | None = None  # the sanitizer's stamp of the last recording
 
     def _new_marker(self, stream_name: str, *, completed: bool = False) -> _Marker:
         marker = _Marker(stream_name, completed=completed)
@@ -182,6 +188,7 @@ class FakeEvent:
             return True
         if not marker.is_set:
             return False
+        self._observed()
         marker.raise_error()
         return True
 
@@ -191,7 +198,14 @@ class FakeEvent:
         if marker is None:
             return
         marker.wait()
+        self._observed()
         marker.raise_error()
+
+    def _observed(self) -> None:
+        """The host saw this recording complete (the sanitizer's ordering)."""
+        order = self._compute.order
+        if order is not None:
+            order.observe(self._clock)
 
     def elapsed_time(self, end_event: FakeEvent) -> float:
         """Milliseconds from this event to ``end_event`` (host clock when each was reached)."""
@@ -235,6 +249,7 @@ class ComputeStream:
     """
 
     name = "compute"
+    order: Any = None  # the sanitizer's Ordering (set by a sanitized device), or None
 
     def query(self) -> bool:
         return True
@@ -247,6 +262,8 @@ class ComputeStream:
         event = event if event is not None else FakeEvent(self)
         _marker_of(event)
         event._new_marker(self.name, completed=True)
+        if self.order is not None:
+            event._clock = self.order.record(self.order.COMPUTE)
         return event
 
     def wait_event(self, event: FakeEvent) -> None:
@@ -254,6 +271,8 @@ class ComputeStream:
         marker = _marker_of(event)
         if marker is not None:
             marker.wait()
+            if self.order is not None:
+                self.order.observe(event._clock)
             marker.raise_error()
 
     def wait_stream(self, stream: Any) -> None:
@@ -350,6 +369,8 @@ class WorkerStream:
         self.name = name or f"stream-{next(_stream_numbers)}"
         self.priority = priority  # accepted for torch compatibility; the fake device has one queue per stream
         self._compute = compute
+        self._order = compute.order
+        self._sid = self._order.new_stream_id() if self._order is not None else 0
         self._state = _WorkerState(f"offcore-cpu {self.name}")
         self._finalizer = weakref.finalize(self, self._state.close, 5.0)
 
@@ -362,6 +383,8 @@ class WorkerStream:
         """Record ``event`` (or a new one) at the current end of the queue and return it."""
         event = event if event is not None else FakeEvent(self._compute)
         _marker_of(event)
+        if self._order is not None:
+            event._clock = self._order.record(self._sid)
         state = self._state
         with state.lock:
             if not state.pending and state.error is None and not state.closed:
@@ -406,6 +429,8 @@ class WorkerStream:
         """
         _marker_of(event)
         marker = event._new_marker(self.name)
+        if self._order is not None:
+            event._clock = self._order.record(self._sid)
 
         def item(state: _WorkerState) -> None:
             nonlocal fn
@@ -424,6 +449,8 @@ class WorkerStream:
     def wait_event(self, event: FakeEvent) -> None:
         """Later work on this stream starts only after ``event`` completes (the host does not block)."""
         marker = _marker_of(event)
+        if self._order is not None:  # ordered after the event whether or not it has completed yet
+            self._order.wait(self._sid, event._clock)
         if marker is None or (marker.is_set and marker.error is None):
             return
         if isinstance(marker, _DueMarker):
@@ -449,7 +476,10 @@ class WorkerStream:
     def query(self) -> bool:
         """True when all work enqueued so far has completed."""
         with self._state.lock:
-            return self._state.pending == 0 and time.perf_counter() >= self._state.busy_until
+            done = self._state.pending == 0 and time.perf_counter() >= self._state.busy_until
+        if done and self._order is not None:
+            self._order.observe_stream(self._sid)
+        return done
 
     def synchronize(self) -> None:
         """Block until all enqueued work has completed; raise (once) if any of it failed."""
@@ -457,6 +487,9 @@ class WorkerStream:
             done = self.record_event(FakeEvent(self._compute))
             assert done._marker is not None
             done._marker.wait()
+            done._observed()
+        elif self._order is not None:
+            self._order.observe_stream(self._sid)
         sleep_until(self._state.busy_until)
         with self._state.lock:
             error, self._state.error = self._state.error, None
