@@ -35,8 +35,11 @@ def make_device() -> Iterator[Any]:
         return dev
 
     yield make
+    leftover = []
     for dev in made:
         dev.close()  # opens every gate first: never hangs
+        leftover += dev.sanitizer_violations()
+    assert leftover == [], "a test left violations it did not expect (tests that plant one clear it)"
 
 
 @pytest.fixture(params=["numpy", "torch"])

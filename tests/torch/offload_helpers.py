@@ -13,6 +13,8 @@ import offcore_torch  # noqa: E402
 from offcore_torch.runtime import runtime_for  # noqa: E402
 from torch_test_devices import device_with_link, is_fake_device  # noqa: E402
 
+from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation  # noqa: E402
+
 
 def sanitized_device(backend: Any, make_fake_device: Any, *, link: str = "slow", **options: Any) -> Any:
     """On the fake device: a fresh sanitized one (``link``, extra options); elsewhere the backend itself."""
@@ -58,3 +60,46 @@ class Probe(torch.autograd.Function):
         saved = ctx.saved_tensors
         Probe.seen.append(tuple(t.detach() for t in saved))
         return tuple(grad.expand_as(t) for t in saved)
+
+
+def copied_bytes(device: Any) -> dict[str, int]:
+    """Bytes the device itself moved so far per direction (``d2h``, ``h2d``), from its ledger, not offcore's counters."""
+    copies = device.ledger.snapshot()["copies"]
+    return {direction: int(copies.get(direction, {}).get("bytes", 0)) for direction in ("d2h", "h2d")}
+
+
+def moved_since(device: Any, before: dict[str, int]) -> dict[str, int]:
+    """Bytes moved per direction since ``before`` (a :func:`copied_bytes`)."""
+    now = copied_bytes(device)
+    return {direction: now[direction] - before[direction] for direction in now}
+
+
+class FixedScheduler(Scheduler):
+    """A scheduler whose plans depend on no measured time, so what it decides is the same on every run.
+
+    Backward is predicted to use the saved tensors in reverse save order, ``spacing``
+    seconds apart; every reload is predicted to take ``duration`` seconds. With
+    ``eager=True`` the duration is so long that every reload is due at the end of
+    forward (Note [Prefetch from the end of forward]). Each plan it makes is kept in
+    ``plans``.
+    """
+
+    def __init__(self, *, spacing: float = 1.0, duration: float = 0.5, eager: bool = False) -> None:
+        super().__init__(margin=0.0)
+        self.spacing, self.duration, self.eager = spacing, duration, eager
+        self.plans: list[PrefetchPlan] = []
+
+    def plan(
+        self,
+        step: StepObservation,
+        offloaded: Any,
+        duration: Any,
+        margin: float | None = None,
+        readers: Any = None,
+    ) -> PrefetchPlan:
+        keys = sorted(step.pack_times)
+        use_times = {key: (len(keys) - 1 - i) * self.spacing for i, key in enumerate(keys)}
+        fixed = self.spacing * (len(keys) + 1) if self.eager else self.duration
+        plan = PrefetchPlan(use_times, offloaded, lambda nbytes: fixed, margin=0.0, readers=readers)
+        self.plans.append(plan)
+        return plan
