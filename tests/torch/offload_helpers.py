@@ -77,17 +77,24 @@ def moved_since(device: Any, before: dict[str, int]) -> dict[str, int]:
 class FixedScheduler(Scheduler):
     """A scheduler whose plans depend on no measured time, so what it decides is the same on every run.
 
-    Backward is predicted to use the saved tensors in reverse save order, ``spacing``
-    seconds apart; every reload is predicted to take ``duration`` seconds. With
-    ``eager=True`` the duration is so long that every reload is due at the end of
-    forward (Note [Prefetch from the end of forward]). Each plan it makes is kept in
-    ``plans``.
+    It predicts that backward uses the saved tensors one ``spacing`` apart, in the order
+    the last observed backward first used them (an order, not times: the same on every
+    run), or in reverse save order before any backward was observed; every reload is
+    predicted to take ``duration`` seconds, so with ``duration < spacing`` a reload is due
+    exactly one unpack before its use. With ``eager=True`` every reload is due at the end
+    of forward (Note [Prefetch from the end of forward]). Each plan is kept in ``plans``.
     """
 
     def __init__(self, *, spacing: float = 1.0, duration: float = 0.5, eager: bool = False) -> None:
         super().__init__(margin=0.0)
         self.spacing, self.duration, self.eager = spacing, duration, eager
         self.plans: list[PrefetchPlan] = []
+        self.use_order: list[int] = []
+
+    def observe(self, step: StepObservation) -> None:
+        super().observe(step)
+        if step.first_use:
+            self.use_order = sorted(step.first_use, key=lambda key: (step.first_use[key], key))
 
     def plan(
         self,
@@ -97,9 +104,10 @@ class FixedScheduler(Scheduler):
         margin: float | None = None,
         readers: Any = None,
     ) -> PrefetchPlan:
-        keys = sorted(step.pack_times)
-        use_times = {key: (len(keys) - 1 - i) * self.spacing for i, key in enumerate(keys)}
-        fixed = self.spacing * (len(keys) + 1) if self.eager else self.duration
+        order = [k for k in self.use_order if k in step.pack_times]
+        order += sorted((k for k in step.pack_times if k not in set(order)), reverse=True)
+        use_times = {key: rank * self.spacing for rank, key in enumerate(order)}
+        fixed = self.spacing * (len(order) + 1) if self.eager else self.duration
         plan = PrefetchPlan(use_times, offloaded, lambda nbytes: fixed, margin=0.0, readers=readers)
         self.plans.append(plan)
         return plan
