@@ -26,7 +26,8 @@ from offcore_torch.executor import PlanExecutor, split_batch  # noqa: E402
 from offcore_torch.models import GPTConfig, gpt_workload  # noqa: E402
 from offcore_torch.profiler import measure_step  # noqa: E402
 from offcore_torch.testing import RunRecord, assert_bit_identical, bit_identical  # noqa: E402
-from torch_test_devices import fake_device  # noqa: E402
+from offload_helpers import copied_bytes, moved_since  # noqa: E402
+from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
 from offcore.sim import Plan, PrefetchPolicy  # noqa: E402
@@ -76,19 +77,28 @@ def baseline() -> RunRecord:
     """The keep-all run every plan is compared with (computed once)."""
     device = fake_device(link="slow")
     try:
-        return train(device, Plan.keep_all(4))
+        record = train(device, Plan.keep_all(4))
+        assert copied_bytes(device) == {"d2h": 0, "h2d": 0}, "keep-all copies nothing"
+        return record
     finally:
-        device.close()
+        finish_device(device)
 
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_is_bit_identical_to_the_baseline(name: str, baseline: RunRecord, make_fake_device: Any) -> None:
-    planned = train(slow_device(make_fake_device), PLANS[name])
+    device = slow_device(make_fake_device)
+    planned = train(device, PLANS[name])
     assert_bit_identical(baseline, planned, labels=("keep-all baseline", name))
     offloads = PLANS[name].count("offload")
     regions = [s for step in planned.stats for s in step]
     assert len(regions) == (STEPS if offloads else 0), "one offload region per step, only when a layer offloads"
     assert all(s.offloaded_bytes > 0 for s in regions), "offloaded layers must really offload"
+    # the device's own ledger, not offcore's counters: every offloaded byte crossed the link once each
+    # way it was counted, and a plan without offloading copies nothing
+    moved = copied_bytes(device)
+    assert moved["d2h"] == sum(s.offloaded_bytes for s in regions)
+    assert moved["h2d"] == sum(s.reloaded_bytes for s in regions)
+    assert (moved["d2h"] > 0) == bool(offloads)
 
 
 def test_offloaded_bytes_are_the_profiled_saved_bytes(make_fake_device: Any) -> None:
@@ -102,24 +112,31 @@ def test_offloaded_bytes_are_the_profiled_saved_bytes(make_fake_device: Any) -> 
         measurement = measure_step(model, lambda: work.loss(model, batch), device, link=False, batch_size=4)
         model.zero_grad(set_to_none=True)
         plan = Plan(["keep", "offload", "keep", "offload"])
+        device.synchronize()
+        before = copied_bytes(device)
         with PlanExecutor(model, plan, device) as executor:
             torch.manual_seed(0)
             outcome = executor.forward_backward(batch, work.loss)
         device.synchronize()
+        for handle in outcome.handles:
+            handle.synchronize()
     layers = measurement.profile.layers
     expected = layers[1].saved_bytes + layers[3].saved_bytes
     assert expected > 0
     assert sum(s.offloaded_bytes for s in outcome.stats()) == expected
+    assert moved_since(device, before)["d2h"] == expected, "the device copied exactly those bytes to the host"
 
 
 def test_accumulation_is_exact_against_accumulation_without_offload(make_fake_device: Any) -> None:
     reference = train(slow_device(make_fake_device), Plan.keep_all(4, microbatches=2))
+    device = slow_device(make_fake_device)
     planned = train(
-        slow_device(make_fake_device),
+        device,
         Plan(["offload", "recompute", "recompute", "keep"], checkpoint_interval=2, microbatches=2),
     )
     assert_bit_identical(reference, planned, labels=("accumulate, keep all", "accumulate, hybrid"))
     assert all(len(step) == 2 for step in planned.stats), "one offload region per micro-batch"
+    assert copied_bytes(device)["d2h"] == sum(s.offloaded_bytes for step in planned.stats for s in step) > 0
 
 
 def test_accumulation_matches_the_full_batch_up_to_summation_order(make_fake_device: Any) -> None:
@@ -128,7 +145,9 @@ def test_accumulation_matches_the_full_batch_up_to_summation_order(make_fake_dev
     differences into parameter differences of up to its learning rate on those entries."""
     config = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, seq_len=16, dropout=0.0)
     full = train(make_fake_device(), Plan.keep_all(4), config=config)
-    accumulated = train(make_fake_device(), Plan.uniform(4, "offload", microbatches=2), config=config)
+    device = make_fake_device()
+    accumulated = train(device, Plan.uniform(4, "offload", microbatches=2), config=config)
+    assert copied_bytes(device)["d2h"] > 0, "the accumulated run really offloaded"
     for a, b in zip(full.losses, accumulated.losses, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     for name, grad in full.grads[0].items():
