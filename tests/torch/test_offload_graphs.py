@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -9,9 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-from offload_helpers import pool_used_bytes, sanitized_device, settle  # noqa: E402
+from offload_helpers import copied_bytes, moved_since, pool_used_bytes, sanitized_device, settle  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
+from torch_test_devices import is_fake_device  # noqa: E402
 
 
 @pytest.fixture
@@ -152,18 +154,34 @@ def test_checkpoint_around_the_region_lets_checkpoint_own_the_saves(dev: Any) ->
 
 
 def test_graph_with_checkpoint_and_offload_nested_both_ways_over_steps(dev: Any) -> None:
-    with dev:
-        model = make_mlp(dev, depth=4)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(64, 128, device=dev.torch_device)
-        for _ in range(3):
-            with offcore_torch.offload_activations(dev, min_bytes=1):
-                h = checkpoint(model[:4], x, use_reentrant=False)
-                loss = model[4:](h).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        assert torch.isfinite(loss)
+    def train(offload: bool) -> tuple[list[Any], list[Any], list[Any]]:
+        """Three SGD steps; losses, final parameters and each region's stats."""
+        with dev:
+            model = make_mlp(dev, depth=4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            x = torch.randn(64, 128, device=dev.torch_device)
+            losses, stats = [], []
+            for _ in range(3):
+                with offcore_torch.offload_activations(dev, min_bytes=1) if offload else nullcontext() as handle:
+                    h = checkpoint(model[:4], x, use_reentrant=False)
+                    loss = model[4:](h).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach().clone())
+                if handle is not None:
+                    stats.append(handle.stats())
+            return losses, [p.detach().clone() for p in model.parameters()], stats
+
+    expected_losses, expected_params, _ = train(offload=False)
+    copies = copied_bytes(dev) if is_fake_device(dev) else None
+    losses, params, stats = train(offload=True)
+    assert_equal_grads(losses, expected_losses)  # bit-identical losses at every step ...
+    assert_equal_grads(params, expected_params)  # ... and parameters after the last
+    assert all(s.offloaded_storages > 0 for s in stats), "what lies outside the checkpointed part is offloaded"
+    if copies is not None:
+        settle(dev)
+        assert moved_since(dev, copies)["d2h"] == sum(s.offloaded_bytes for s in stats) > 0
 
 
 def test_a_backward_that_raised_does_not_poison_the_next_one(dev: Any) -> None:
