@@ -60,4 +60,28 @@ def test_benchmark_runs_both_scenarios_and_checks_every_target(tmp_path: Path) -
         "offcore (on demand): overhead <= 10 % of keep-all",
         "offcore (deadline): overhead <= 10 % of keep-all",
     }
-    assert all(isinstance(t["met"], bool) for t in window["targets"] + unlimited["targets"])
+    # Whether a target is met depends on timing (that is the benchmark's to report, not a test's to
+    # assert); what is asserted is that each verdict is the one its own figures give, and that the
+    # figures are what the variants did.
+    targets = {t["target"]: t["met"] for t in window["targets"] + unlimited["targets"]}
+    assert all(isinstance(met, bool) for met in targets.values())
+    for scenario, limit in ((window, 1.05), (unlimited, 1.10)):
+        rows = {row["variant"]: row for row in scenario["rows"]}
+        assert rows["keep-all"]["ratio_to_keep_all"] == 1.0
+        assert rows["keep-all"]["offloaded_bytes"] == 0 and rows["save_on_cpu"]["offloaded_bytes"] == 0
+        on_demand, deadline = rows["offcore (on demand)"], rows["offcore (deadline)"]
+        assert on_demand["offloaded_bytes"] == deadline["offloaded_bytes"] == report["offloaded_bytes_per_step"]
+        for row in scenario["rows"]:
+            assert row["step_ms"] > 0 and 0 <= row["exposed_wait_pct_of_step"] <= 100, row
+            ratio = row["step_ms"] / rows["keep-all"]["step_ms"]
+            assert abs(row["ratio_to_keep_all"] - ratio) <= 1e-9 * ratio, row
+        for name in ("offcore (on demand)", "offcore (deadline)"):
+            row = rows[name]
+            if scenario is window:
+                assert targets[f"{name}: exposed wait <= 3 % of step"] is (row["exposed_wait_pct_of_step"] <= 3.0)
+                assert targets[f"{name}: step <= 1.05 x keep-all"] is (row["ratio_to_keep_all"] <= limit)
+            else:
+                assert targets[f"{name}: overhead <= 10 % of keep-all"] is (row["ratio_to_keep_all"] <= limit)
+    fill = report["offloaded_bytes_per_step"] / (window["link"]["d2h_bandwidth"] * window["keep_all_forward_s"])
+    precondition = next(t for t in window["targets"] if t["target"].startswith("precondition"))
+    assert precondition["met"] is (fill <= 0.8 + 1e-9)

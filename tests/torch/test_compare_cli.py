@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from offload_helpers import copied_bytes, moved_since  # noqa: E402
+
 from offcore.cli import main  # noqa: E402
 from offcore.comparison import STRATEGIES  # noqa: E402
 
@@ -26,15 +28,32 @@ def compare(tmp_path: Path, *extra: str) -> tuple[int, Path]:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One default comparison (every strategy, capacity 70 % of the keep-all peak), shared by the tests below."""
+    """One default comparison (every strategy, capacity 70 % of the keep-all peak), shared by the tests below.
+
+    ``moved`` holds what each strategy's run copied, by the fake device's own ledger
+    (``{label: {"d2h": bytes, "h2d": bytes}}``), recorded around offcore's ``_train``.
+    """
     import contextlib
     import io
 
+    import offcore_torch.compare
+
+    original = offcore_torch.compare._train
+    moved: dict[str, dict[str, int]] = {}
+
+    def recorded(device: Any, *args: Any, label: str, **kwargs: Any) -> Any:
+        before = copied_bytes(device)
+        try:
+            return original(device, *args, label=label, **kwargs)
+        finally:
+            moved[label] = moved_since(device, before)
+
     out = tmp_path_factory.mktemp("compare") / "report"
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr(offcore_torch.compare, "_train", recorded)
         status = main(["compare", *TINY, *FAST, "--out", str(out)])
-    return {"status": status, "stdout": stdout.getvalue(), "out": out}
+    return {"status": status, "stdout": stdout.getvalue(), "out": out, "moved": moved}
 
 
 def test_the_table_has_every_strategy_and_the_baseline_runs_out_of_memory(default_run: dict[str, Any]) -> None:
@@ -62,6 +81,15 @@ def test_reports_are_written(default_run: dict[str, Any]) -> None:
     by_name = {s["name"]: s for s in report["strategies"]}
     assert by_name["baseline"]["status"] == "oom"
     assert by_name["checkpoint"]["bit_identical"] is True, "recompute changes no number"
+    # Note [Bit-identical plans]: keep, offload and recompute with one micro-batch change no number.
+    # Every strategy that ran such a plan must say so; only micro-batched ones may differ, and say why.
+    claims = [s for s in report["strategies"] if s["status"] == "ok" and s["plan_dict"]["microbatches"] == 1]
+    assert {s["name"] for s in claims} >= {"checkpoint", "offload", "hybrid"}
+    for strategy in claims:
+        assert strategy["bit_identical"] is True, f"{strategy['name']} ({strategy['plan']}) changed a number"
+    for strategy in report["strategies"]:
+        if strategy["status"] == "ok" and strategy["plan_dict"]["microbatches"] > 1 and not strategy["bit_identical"]:
+            assert "summation order" in strategy["equality_note"], strategy["name"]
     assert by_name["checkpoint"]["memory_series"], "the observed step's memory was sampled"
     assert by_name["checkpoint"]["predicted_step_s"] > 0
     assert {d["verdict"] for d in report["decisions"]} <= {"accept", "tune", "reject"}
@@ -168,3 +196,18 @@ def test_help_does_not_import_torch() -> None:
         "sys.exit(1 if 'torch' in sys.modules or 'matplotlib' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_offloading_strategies_really_move_bytes(default_run: dict[str, Any]) -> None:
+    """By the device's own ledger: a strategy copies to the host exactly when its plan offloads a layer."""
+    report = json.loads((default_run["out"] / "compare.json").read_text())
+    moved = default_run["moved"]
+    for strategy in report["strategies"]:
+        if strategy["status"] == "skipped":
+            continue
+        copies = moved[strategy["name"]]
+        offloads = "offload" in strategy["plan_dict"]["actions"]
+        assert (copies["d2h"] > 0) is offloads, (strategy["name"], strategy["plan"], copies)
+        if not offloads:
+            assert copies == {"d2h": 0, "h2d": 0}, strategy["name"]
+    assert moved["offload"]["d2h"] > moved["hybrid"]["d2h"] > 0, "offloading every layer moves more than some"
