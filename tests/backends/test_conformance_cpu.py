@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from offcore.testing import BackendConformance
+import pytest
+
+pytest.importorskip("hypothesis", reason="the conformance suite needs hypothesis (pip install offcore[test])")
+
+from offcore.testing import BackendConformance  # noqa: E402
 
 SANITIZED_LINK: dict[str, Any] = {
     "capacity": "64MiB",

@@ -6,11 +6,14 @@ import json
 import threading
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-import offcore
-from offcore import Direction, Kind, Ledger, Tier
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore import Direction, Kind, Ledger, Tier  # noqa: E402
 
 
 def test_bytes_and_peaks_per_tier_and_kind() -> None:

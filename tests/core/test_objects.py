@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-import offcore
-from offcore import Kind, ManagedObject, State, Tier
-from offcore.objects import TRANSITIONS
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore import Kind, ManagedObject, State, Tier  # noqa: E402
+from offcore.objects import TRANSITIONS  # noqa: E402
 
 
 class FakeEvent:

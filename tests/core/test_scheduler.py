@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from offcore.errors import ConfigurationError
-from offcore.scheduler import BandwidthEstimator, PrefetchPlan, Scheduler, StepObservation
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from offcore.errors import ConfigurationError  # noqa: E402
+from offcore.scheduler import BandwidthEstimator, PrefetchPlan, Scheduler, StepObservation  # noqa: E402
 
 # ------------------------------------------------------------------ BandwidthEstimator
 

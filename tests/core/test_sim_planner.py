@@ -6,11 +6,14 @@ import json
 import random
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
-from offcore import CapacityExceededError, ConfigurationError
-from offcore.sim import (
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from offcore import CapacityExceededError, ConfigurationError  # noqa: E402
+from offcore.sim import (  # noqa: E402
     Action,
     LayerProfile,
     Plan,

@@ -6,11 +6,14 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
-from offcore import ConfigurationError
-from offcore.sim import (
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from offcore import ConfigurationError  # noqa: E402
+from offcore.sim import (  # noqa: E402
     LayerProfile,
     Plan,
     PrefetchPolicy,

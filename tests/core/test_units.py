@@ -6,11 +6,14 @@ import math
 import re
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-import offcore
-from offcore.units import format_bandwidth, format_bytes, parse_bandwidth, parse_duration, parse_size
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore.units import format_bandwidth, format_bytes, parse_bandwidth, parse_duration, parse_size  # noqa: E402
 
 IEC = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 SI = {"kB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
