@@ -990,8 +990,8 @@ def markdown(report: dict[str, Any]) -> str:
             status = v["status"] + (f" ({v['note']})" if v.get("note") else "")
             lines.append(f"| {name} | {status} | {v['steps_run']} | {ms} | {ratio} | {peak} | {moved_s} | {budget} | "
                          f"{fallbacks} | {wait} | {bw} |")  # fmt: skip
-        lines += ["", "offcore's copy figures come from its runtime's own copy timings, whose start event is "
-                  "recorded before the adapter's `copy_` (host work included on an idle stream; issue 16, item 4).", ""]  # fmt: skip
+        lines += ["", "offcore's copy figures come from its runtime's own copy timings; the adapter records their "
+                  "start event right before the transfer (`copy_(..., start_event=...)`), after its host-side work.", ""]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -151,11 +151,15 @@ class Backend(Protocol):
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (a tensor or array) lives in this device's memory."""
 
-    def copy_(self, dst: Any, src: Any, *, stream: Stream) -> Event:
+    def copy_(self, dst: Any, src: Any, *, stream: Stream, start_event: Event | None = None) -> Event:
         """Enqueue ``dst[...] = src`` on ``stream`` and return an event that completes when it lands.
 
         ``dst`` and ``src`` have the same number of bytes; either side may be a
         non-contiguous view. The caller orders ``stream`` after the producer of ``src``.
+        ``start_event`` (a timing event, optional): recorded on ``stream`` immediately before
+        the copy's own work, after whatever the backend does on the host first (checks,
+        staging), so that ``start_event.elapsed_time(done)`` times the transfer alone
+        (Note [Copy timings start at the copy] in offcore_torch's runtime).
         """
 
     def memory_stats(self) -> MemoryStats:

@@ -650,13 +650,15 @@ class TorchAcceleratorDevice:
             f"copy between host memory and {self.name}:{self.index} only (use that device's own backend object)"
         )
 
-    def copy_(self, dst: Any, src: Any, *, stream: Any) -> Any:
+    def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> Any:
         """Enqueue ``dst[...] = src`` on ``stream``; return an event that completes when it landed.
 
         The bytes of ``src`` land in ``dst`` unchanged: when dtypes or shapes differ
         (a raw ``uint8`` host buffer and a typed tensor) the contiguous side is
         reinterpreted, never converted. The caller orders ``stream`` after the
         producer of ``src`` and keeps both tensors alive until the event completes.
+        ``start_event`` is recorded on ``stream`` right before the transfer itself (after
+        the checks and any staging memcpy), so it times the transfer alone.
         """
         if stream is None:
             raise ConfigurationError("copy_ needs the stream to enqueue on (e.g. dev.new_stream())")
@@ -665,21 +667,25 @@ class TorchAcceleratorDevice:
         self._slots.reap()
         if dst_side == "host" and src_side == "host":
             stream.synchronize()  # the source may be the target of earlier work on this stream
+            if start_event is not None:
+                start_event.record(stream)
             dst.copy_(src)
             return self._record(stream)
         if dst_side == "device" and src_side == "host" and not self._is_pinned(src):
-            return self._copy_from_pageable(dst, src, stream)
+            return self._copy_from_pageable(dst, src, stream, start_event)
         if dst_side == "host" and src_side == "device" and not self._is_pinned(dst):
-            return self._copy_to_pageable(dst, src, stream)
-        return self._copy_async(dst, src, stream)
+            return self._copy_to_pageable(dst, src, stream, start_event)
+        return self._copy_async(dst, src, stream, start_event)
 
     def _record(self, stream: Any) -> Any:
         event = self._mod.Event()
         event.record(stream)
         return event
 
-    def _copy_async(self, dst: Any, src: Any, stream: Any) -> Any:
+    def _copy_async(self, dst: Any, src: Any, stream: Any, start_event: Any = None) -> Any:
         with self._mod.stream(stream):
+            if start_event is not None:
+                start_event.record(stream)
             dst.copy_(src, non_blocking=True)
         return self._record(stream)
 
@@ -691,27 +697,27 @@ class TorchAcceleratorDevice:
         except CapacityExceededError:
             return None
 
-    def _copy_from_pageable(self, dst: Any, src: Any, stream: Any) -> Any:
+    def _copy_from_pageable(self, dst: Any, src: Any, stream: Any, start_event: Any = None) -> Any:
         staging = self._staging_buffer(src.numel() * src.element_size())
         if staging is None:
             self.direct_pageable_copies += 1
-            return self._copy_async(dst, src, stream)
+            return self._copy_async(dst, src, stream, start_event)
         pinned = typed_view(staging.view, src.dtype, src.shape)
         pinned.copy_(src)  # host memcpy; the slot is ours until the H2D below completes
-        event = self._copy_async(dst, pinned, stream)
+        event = self._copy_async(dst, pinned, stream, start_event)
         self._slots.hold_until(event, staging)
         self.staged_copies += 1
         return event
 
-    def _copy_to_pageable(self, dst: Any, src: Any, stream: Any) -> Any:
+    def _copy_to_pageable(self, dst: Any, src: Any, stream: Any, start_event: Any = None) -> Any:
         staging = self._staging_buffer(src.numel() * src.element_size())
         if staging is None:
             self.direct_pageable_copies += 1
-            event = self._copy_async(dst, src, stream)
+            event = self._copy_async(dst, src, stream, start_event)
             event.synchronize()
             return event
         pinned = typed_view(staging.view, src.dtype, src.shape)
-        event = self._copy_async(pinned, src, stream)
+        event = self._copy_async(pinned, src, stream, start_event)
         event.synchronize()  # the bytes must be in the staging buffer before the host copies them on
         dst.copy_(pinned)
         self._slots.release(staging)

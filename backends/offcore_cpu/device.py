@@ -426,8 +426,11 @@ class FakeDevice:
             Tier.DEVICE if self.holds(src) else Tier.PINNED, Tier.DEVICE if self.holds(dst) else Tier.PINNED
         )
 
-    def copy_(self, dst: Any, src: Any, *, stream: Any) -> FakeEvent:
+    def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> FakeEvent:
         """Enqueue ``dst[...] = src`` on ``stream``; the returned event completes when the data landed.
+
+        ``start_event`` (optional) is recorded on ``stream`` right before the copy is enqueued,
+        after the checks, so it times the copy alone.
 
         Buffers are both numpy arrays or both torch tensors with the same number of bytes;
         either may be a typed or non-contiguous view if the other is contiguous. On a copy
@@ -467,6 +470,8 @@ class FakeDevice:
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
         if sanitizer.enabled:  # Note [Copies ordered by the program]
             self._check_order(ops, dst, src, direction, stream, number)
+        if start_event is not None:
+            stream.record_event(start_event)
         if stream is compute:
             with self._untracked():
                 self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter(), number)

@@ -464,6 +464,22 @@ class BackendConformance:
         elapsed = start.elapsed_time(end)
         assert isinstance(elapsed, float) and math.isfinite(elapsed) and elapsed >= 0.0, elapsed
 
+    def test_a_start_event_times_the_copy_alone(self, backend: Any, buffers: _Buffers) -> None:
+        if Capability.EVENT_TIMING not in backend.capabilities:
+            pytest.skip(f"{type(backend).__name__} does not advertise event timing")
+        stream = buffers.copy_stream()
+        start = backend.new_event(enable_timing=True)
+        src = buffers.filled(Tier.PINNED, "float32", (1024, 256))
+        dst = buffers.empty(Tier.DEVICE, "float32", (1024, 256))
+        end = backend.new_event(enable_timing=True)
+        backend.copy_(dst, src, stream=stream, start_event=start)
+        end.record(stream)
+        end.synchronize()
+        assert start.query(), "copy_ recorded the start event on the stream"
+        elapsed = start.elapsed_time(end)
+        assert isinstance(elapsed, float) and math.isfinite(elapsed) and elapsed >= 0.0, elapsed
+        np.testing.assert_array_equal(buffers.kit.read(dst), buffers.kit.read(src))
+
     def test_elapsed_time_needs_timing_events(self, backend: Any) -> None:
         stream = backend.new_stream()
         start, end = backend.new_event(), backend.new_event()

@@ -719,9 +719,11 @@ class OffloadHandle:
         timed = runtime.timing and self._timed_copy(direction)
         with _range(_RANGE_NAMES[direction]):
             stream.wait_event(device.current_stream().record_event())
-            if timed:
-                start, issued = runtime.begin_timing(device, stream)
-            done = device.copy_(dst, src, stream=stream)
+            if timed:  # Note [Copy timings start at the copy]
+                start, issued = runtime.begin_timing(device, stream, record=False)
+                done = device.copy_(dst, src, stream=stream, start_event=start)
+            else:
+                done = device.copy_(dst, src, stream=stream)
             if timed:
                 runtime.end_timing(
                     device,

@@ -22,6 +22,14 @@ unchanged on the fake device, CUDA and NPU.
 # not O(deferred). A release deferred after a younger one on the same stream (an older
 # copy's event) runs no earlier than that younger copy lands: later, never too early.
 
+# Note [Copy timings start at the copy]
+# A copy's timing bracket must start when the transfer starts, not when offcore asks for
+# it: on an idle copy stream a start event recorded before ``copy_`` fires at once, and
+# the backend's host-side work (checks, layout matching, a pageable staging memcpy,
+# torch's dispatch) would be timed as transfer, biasing every bandwidth estimate low for
+# small copies. So offcore hands the start event to ``copy_(..., start_event=...)``, and
+# the backend records it right before the transfer itself.
+
 # Note [A failed copy is a completed copy]
 # A copy can fail on its stream (the backend's event then raises on query/synchronize,
 # as an asynchronous CUDA error does, and the fake device's stream failures and injected
@@ -271,12 +279,17 @@ class DeviceRuntime:
         self._timed_copies[direction] = count + 1
         return always or count < 16 or count % 16 == 0
 
-    def begin_timing(self, device: Any, stream: Any) -> tuple[Any, float]:
-        """Record a timing start event on ``stream`` (None without event timing) and the host time."""
+    def begin_timing(self, device: Any, stream: Any, *, record: bool = True) -> tuple[Any, float]:
+        """A timing start event (None without event timing) and the host time.
+
+        ``record=False`` leaves recording the event to the backend's ``copy_(...,
+        start_event=...)`` (Note [Copy timings start at the copy]).
+        """
         start = None
         if self.timing:
             start = device.new_event(enable_timing=True)
-            stream.record_event(start)
+            if record:
+                stream.record_event(start)
         return start, time.perf_counter()
 
     def end_timing(

@@ -122,7 +122,9 @@ class ReferenceBackend:
             buffer = buffer.base
         return False
 
-    def copy_(self, dst: Any, src: Any, *, stream: Any) -> ReferenceEvent:
+    def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> ReferenceEvent:
+        if start_event is not None:
+            start_event.record(stream)
         dst[...] = src
         return stream.record_event()
 
@@ -152,7 +154,7 @@ class BrokenStridesBackend(ReferenceBackend):
 
     name: ClassVar[str] = "broken_strides"
 
-    def copy_(self, dst: Any, src: Any, *, stream: Any) -> ReferenceEvent:
+    def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> ReferenceEvent:
         flat = np.lib.stride_tricks.as_strided(src, shape=(src.size,), strides=(src.itemsize,))
         dst[...] = flat.reshape(dst.shape)
         return stream.record_event()

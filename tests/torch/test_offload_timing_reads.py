@@ -8,6 +8,7 @@ in ``synchronize``). Here the fake device advertises it and counts the reads.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -60,3 +61,33 @@ def test_timings_are_read_only_between_steps_where_reading_is_a_barrier(
         assert "step" not in reads, "a timing was read while a step ran"
     else:
         assert "step" in reads, "without the capability timings are read as copies land (the case must show it)"
+
+
+def test_copy_timings_start_at_the_copy_not_at_the_request(
+    backend: Any, make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host-side work inside ``copy_`` before the transfer is not timed (Note [Copy timings start at the copy])."""
+    if not is_fake_device(backend):
+        pytest.skip("delays the fake device's copy_ on the host")
+    dev = make_fake_device(link="slow", jitter=0)  # 1 GiB/s, 100 us latency
+    count_copy = type(dev)._count_copy
+
+    def slow_host_side(self: Any) -> Any:
+        time.sleep(0.003)  # host work before the copy is enqueued (checks, staging, dispatch)
+        return count_copy(self)
+
+    monkeypatch.setattr(type(dev), "_count_copy", slow_host_side)
+    torch.manual_seed(0)
+    with dev:
+        model = nn.Sequential(*[nn.Tanh() for _ in range(6)]).to(dev.torch_device)
+        x = torch.randn(1024, 1024, device=dev.torch_device, requires_grad=True)  # 4 MiB per saved tensor
+        with offcore_torch.offload_activations(dev, min_bytes=1, prefetch="on_demand") as handle:
+            loss = model(x).sum()
+        loss.backward()
+    stats = handle.stats()
+    link = 1024**3
+    per_copy = 4 * 1024**2 / link + 100e-6
+    assert stats.d2h_bandwidth > 0
+    seconds_per_copy = 4 * 1024**2 / stats.d2h_bandwidth
+    # the 3 ms of host work would make each 4.0 ms copy look like 7 ms
+    assert seconds_per_copy == pytest.approx(per_copy, rel=0.25), (seconds_per_copy, per_copy)
