@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -348,24 +349,25 @@ _SUMMARY = re.compile(r"(\d+) (failed|passed|errors?|skipped|deselected|xfailed|
 def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, dict[str, int], float, str]:
     command = [sys.executable, "-m", "pytest", *tests, "--offcore-backend=cpu", "-q", "--tb=no", "-p", "no:randomly"]
     start = time.monotonic()
+    child = subprocess.Popen(
+        command, cwd=tree, env=environment(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
-        done = subprocess.run(
-            command, cwd=tree, env=environment(tree), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stdout or b"")[-2000:]
-        return (
-            "timeout",
-            {},
-            time.monotonic() - start,
-            tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
-        )
+        stdout, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        stdout, _ = child.communicate()
+        return "timeout", {}, time.monotonic() - start, stdout[-2000:]
+    finally:
+        if child.poll() is None:  # interrupted: never leave a test run behind
+            child.kill()
+            child.wait()
     counts: dict[str, int] = {}
-    lines = done.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     last = lines[-1] if lines else ""
     for number, what in _SUMMARY.findall(last):
         counts["errors" if what.startswith("error") else what] = int(number)
-    return str(done.returncode), counts, time.monotonic() - start, "\n".join(lines[-15:])
+    return str(child.returncode), counts, time.monotonic() - start, "\n".join(lines[-15:])
 
 
 def judge(mutation: Mutation, rc: str, counts: dict[str, int]) -> str:
@@ -389,7 +391,12 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed run stops its test run and removes its copy
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", action="append", default=[], help="only mutations whose name contains this (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")

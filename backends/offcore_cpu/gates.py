@@ -77,7 +77,7 @@ class Gate:
         with self._cond:
             return [dict(item) for item in self._held]
 
-    def wait_held(self, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:
+    def wait_held(self, count: int = 1, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Block until at least ``count`` items wait at the gate; returns them. Raises ``GateTimeoutError``."""
         deadline = time.monotonic() + timeout
         with self._cond:

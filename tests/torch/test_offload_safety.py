@@ -54,6 +54,7 @@ def test_in_place_change_while_the_copy_is_in_flight_raises(backend: Any, make_f
             with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
                 h = x * 3
                 loss = h.sin().sum()
+                assert dev.copies_in_flight == 1, "sin saved h: its D2H copy must have been issued"
                 (held,) = gate.wait_held(1)
                 assert (held["direction"], held["bytes"]) == ("d2h", h.untyped_storage().nbytes())
                 with torch.no_grad():

@@ -116,6 +116,7 @@ def _step_with_d2h_held(dev: Any, model: nn.Module, x: Any) -> tuple[Any, list[d
         with dev.gate(runtime.d2h_stream) as gate:
             with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
                 loss = model(x).square().mean()
+            assert dev.copies_in_flight >= DEPTH, "forward must have issued its D2H copies"
             held = gate.wait_held(1)  # the first D2H copy is in flight, the others queued behind it
             runtime.poll()  # offcore looks at its copies while they are certainly in flight
         settle(dev)
@@ -162,6 +163,7 @@ def _step_with_h2d_held(dev: Any, model: nn.Module, x: Any, await_prefetch: Any 
             with offcore_torch.offload_activations(dev, min_bytes=1, schedule=schedule) as handle:
                 loss = model(x).square().mean()
                 settle(dev)  # every D2H landed and freed its device copy: backward needs reloads
+            assert dev.copies_in_flight >= DEPTH, "the end of forward must have issued the reloads"
             gate.wait_held(1)  # the end of forward started the reloads; the first is in flight
             if await_prefetch is not None:
                 await_prefetch(gate)
