@@ -66,6 +66,7 @@ class MemoryArena:
         self._allocations: dict[int, _Allocation] = {}
         self._current: dict[Tier, int] = dict.fromkeys(Tier, 0)
         self._peak: dict[Tier, int] = dict.fromkeys(Tier, 0)
+        self._counts: dict[Tier, int] = dict.fromkeys(Tier, 0)  # live allocations per tier (stats() is O(1))
 
     # -- registration -------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -90,6 +91,7 @@ class MemoryArena:
             if tier is Tier.DEVICE:
                 self.check_fits(nbytes)
             self._allocations[key] = _Allocation(tier, nbytes, weakref.ref(owner, functools.partial(self._forget, key)))
+            self._counts[tier] += 1
             self._add(tier, nbytes)
 
     def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
@@ -117,6 +119,7 @@ class MemoryArena:
             for key, (owner, nbytes) in new.items():
                 ref = weakref.ref(owner, functools.partial(self._forget, key))
                 self._allocations[key] = _Allocation(tier, nbytes, ref)
+            self._counts[tier] += len(new)
             self._add(tier, total)
             return total
 
@@ -145,6 +148,7 @@ class MemoryArena:
             if allocation is not None and allocation.ref is _ref:
                 del self._allocations[key]
                 self._current[allocation.tier] -= allocation.nbytes
+                self._counts[allocation.tier] -= 1
 
     # -- queries --------------------------------------------------------------------------
     def tier_of(self, owner: Any) -> Tier | None:
@@ -168,7 +172,7 @@ class MemoryArena:
                 "peak_allocated_bytes": self._peak[Tier.DEVICE],
                 "capacity_bytes": self.capacity,
                 "free_bytes": max(self.capacity - device, 0),
-                "device_allocations": sum(1 for a in self._allocations.values() if a.tier is Tier.DEVICE),
+                "device_allocations": self._counts[Tier.DEVICE],
                 "pinned_bytes": self._current[Tier.PINNED],
                 "peak_pinned_bytes": self._peak[Tier.PINNED],
                 "pageable_bytes": self._current[Tier.PAGEABLE],
