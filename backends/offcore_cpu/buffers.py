@@ -112,8 +112,12 @@ class NumpyBuffers:
             )
 
     def poison(self, buffer: np.ndarray) -> None:
-        if buffer.size:
-            buffer[...] = np.frombuffer(b"\xff" * buffer.dtype.itemsize, dtype=buffer.dtype)[0]
+        if not buffer.size:
+            return
+        if buffer.flags.c_contiguous:
+            buffer.reshape(-1).view(np.uint8).fill(0xFF)  # a byte fill (memset)
+            return
+        buffer[...] = np.frombuffer(b"\xff" * buffer.dtype.itemsize, dtype=buffer.dtype)[0]
 
     def alias(self, buffer: np.ndarray) -> np.ndarray:
         return buffer.view()

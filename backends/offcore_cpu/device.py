@@ -429,8 +429,9 @@ class FakeDevice:
     def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> FakeEvent:
         """Enqueue ``dst[...] = src`` on ``stream``; the returned event completes when the data landed.
 
-        ``start_event`` (optional) is recorded on ``stream`` right before the copy is enqueued,
-        after the checks, so it times the copy alone.
+        ``start_event`` (optional) is recorded on ``stream`` right before the copy, after the
+        checks, so it times the copy alone: a queued copy completes it itself when its stream
+        reaches it (no separate work item, so no worker hand-off between the two is timed).
 
         Buffers are both numpy arrays or both torch tensors with the same number of bytes;
         either may be a typed or non-contiguous view if the other is contiguous. On a copy
@@ -468,15 +469,25 @@ class FakeDevice:
             return self._enqueue_fault(ops, dst, nbytes, stream, fault)
         sanitizer = self._sanitizer
         jitter = sanitizer.draw_jitter() if sanitizer.enabled and self._link.crosses_link(direction) else 0.0
+        state = None if stream is compute else stream._state
+        inline = (
+            state is not None
+            and nbytes <= _INLINE_COPY_LIMIT
+            and not sanitizer.enabled
+            and not self._gates.any_closed_for(state, direction)
+        )
+        started: Any = None  # completes start_event when a queued copy begins
+        if start_event is not None:  # stamped before the copy's own tick (Note [Copies ordered by the program])
+            if stream is compute or inline:
+                stream.record_event(start_event)
+            else:
+                started = stream.record_start(start_event)
         if sanitizer.enabled:  # Note [Copies ordered by the program]
             self._check_order(ops, dst, src, direction, stream, number)
-        if start_event is not None:
-            stream.record_event(start_event)
         if stream is compute:
             with self._untracked():
                 self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter(), number)
             return compute.record_event(FakeEvent(compute, enable_timing=True))
-        state = stream._state
         if sanitizer.enabled:
             # Note [Use after free]: the queued copy holds device memory through aliases of its own
             with self._untracked():
@@ -485,9 +496,9 @@ class FakeDevice:
                 )
             sanitizer.start(flight)
             del dst, src  # the work item must not keep the caller's buffers alive
-            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter())
+            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter(), started)
             return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
-        if nbytes <= _INLINE_COPY_LIMIT and not self._gates.any_closed_for(state, direction):
+        if inline:
             # Note [Inline copies on an idle stream]
             event = stream.try_inline(
                 functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, stream.name, number)
@@ -496,7 +507,18 @@ class FakeDevice:
                 return event
         # one work item runs the copy and completes the event (one hand-off to the worker per copy)
         run = functools.partial(
-            self._run_copy, ops, dst, src, direction, nbytes, jitter, stream.name, time.perf_counter(), number, state
+            self._run_copy,
+            ops,
+            dst,
+            src,
+            direction,
+            nbytes,
+            jitter,
+            stream.name,
+            time.perf_counter(),
+            number,
+            state,
+            started,
         )
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
 
@@ -637,8 +659,11 @@ class FakeDevice:
         enqueued: float,
         number: int,
         state: Any = None,
-    ) -> None:
-        """A copy without the sanitizer (or on the compute stream, run by ``copy_`` itself)."""
+        started: Any = None,
+    ) -> float:
+        """A copy without the sanitizer (or on the compute stream, run by ``copy_`` itself); returns when it landed."""
+        if started is not None:
+            started()  # the copy's start_event: its stream reached it
         sanitize = self._sanitizer.enabled
         if sanitize:  # Note [What the sanitizer poisons, and when], point 1
             ops.poison(dst)
@@ -652,19 +677,28 @@ class FakeDevice:
         self._copy_log.append(
             (stream_name, direction, nbytes, enqueued, start, end, jitter, number, ops.address(src), ops.address(dst))
         )
+        return end
 
-    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float) -> None:
+    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float, started: Any = None) -> float:
         """A sanitized queued copy (Note [Use after free]): checks for frees when reached, before and after landing."""
         sanitizer, ops = self._sanitizer, flight.ops
         try:
+            reached = time.perf_counter()
+            if started is not None:
+                started()  # the copy's start_event: its stream reached it
             sanitizer.check_freed(flight, "before its stream reached it")
             ops.poison(flight.dst)  # Note [What the sanitizer poisons, and when], point 1
             if self._gates.any_closed_for(state, flight.direction):  # Note [Gates]
                 self._gates.pass_copy(
                     state, flight.direction, _held(flight.number, flight.stream, flight.direction, flight.nbytes)
                 )
+                reached = time.perf_counter()  # a held copy starts when its gate opens
             start, end = self._link.transfer(
-                flight.direction, flight.nbytes, functools.partial(self._land, flight), extra_delay=jitter
+                flight.direction,
+                flight.nbytes,
+                functools.partial(self._land, flight),
+                extra_delay=jitter,
+                since=reached,  # the sanitizer's own work (poison, checks) is not link time
             )
         finally:
             sanitizer.finish(flight)
@@ -674,6 +708,7 @@ class FakeDevice:
         self._copy_log.append(
             (flight.stream, flight.direction, flight.nbytes, enqueued, start, end, jitter, flight.number, src, dst)
         )
+        return end
 
     def _land(self, flight: Flight) -> None:
         """Move a sanitized copy's bytes, or poison, when a side was freed or released (Note [Use after free])."""

@@ -140,8 +140,13 @@ class Link:
         *,
         extra_delay: float = 0.0,
         data_first: bool = False,
+        since: float | None = None,
     ) -> tuple[float, float]:
         """Run ``memcpy`` as a transfer on the link; returns its (start, end) ``perf_counter`` times.
+
+        ``since``: when the copy reached its stream, if that was earlier than now (the
+        sanitizer poisons the destination first): the transfer counts from then, or from
+        when the channel became free, so the emulation's own work is not added to the link time.
 
         ``extra_delay`` (the sanitizer's jitter) postpones the landing of the data.
         Waiting is :func:`sleep_until` (GIL released), never a spin. The bytes are moved
@@ -165,6 +170,8 @@ class Link:
             if free_at > start:  # inline copies booked the channel until then
                 sleep_until(free_at)
                 start = max(time.perf_counter(), free_at)
+            elif since is not None:  # the channel was free: the transfer began when the copy was reached
+                start = max(min(since, start), free_at)
             try:
                 return self._occupy(direction, nbytes, memcpy, start, extra_delay, data_first)
             finally:

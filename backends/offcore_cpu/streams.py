@@ -33,6 +33,15 @@ Two kinds of stream:
 # a correct reader cannot observe (it waits for the event). The sanitizer turns this
 # off, so that missing waits still read poisoned memory.
 
+# Note [Event times are the stream's, not the scheduler's]
+# A worker thread that finished a copy may get the interpreter back only milliseconds later
+# when other threads run Python; an event completed then would time the wait for the
+# interpreter, not the copy. So a queued event's timestamp is when its stream *reached* it:
+# when the work before it finished (a copy: when it landed on the emulated link), or when
+# it was recorded if the stream was idle then. ``elapsed_time`` between events around a
+# copy is then the copy's emulated time whatever the scheduling; only ``synchronize`` and
+# ``query`` still see the host's real delays.
+
 # Note [Failures on a worker stream]
 # An exception inside queued work must not vanish with the worker thread. The worker
 # keeps the first failure as the stream's pending error and carries on (later markers
@@ -89,8 +98,10 @@ class _Marker:
             self.timestamp = None
             self.is_set = False
 
-    def complete(self, error: BaseException | None) -> None:
-        self.timestamp = time.perf_counter()
+    def complete(self, error: BaseException | None, at: float | None = None) -> None:
+        """Complete now; ``at``: when the work really finished, if earlier (a copy's emulated landing)."""
+        now = time.perf_counter()
+        self.timestamp = now if at is None else min(at, now)
         self.error = error
         self.is_set = True
         if self._latch is not None:
@@ -135,7 +146,7 @@ class _DueMarker(_Marker):
     def timestamp(self) -> float | None:
         return self.due if time.perf_counter() >= self.due else None
 
-    def complete(self, error: BaseException | None) -> None:  # pragma: no cover - never queued
+    def complete(self, error: BaseException | None, at: float | None = None) -> None:  # pragma: no cover
         raise AssertionError("an inline recording completes by itself at its due time")
 
     def wait(self) -> None:
@@ -301,6 +312,8 @@ class _WorkerState:
         self.closed = False
         # when the inline work run so far lands (Note [Inline copies on an idle stream])
         self.busy_until = 0.0
+        # when the work run so far finished, on the stream's clock (Note [Event times are the stream's...])
+        self.last_done = 0.0
 
     def submit(self, item: Callable[[_WorkerState], None]) -> None:
         with self.lock:
@@ -346,6 +359,8 @@ def _serve(state: _WorkerState) -> None:
             return
         if state.busy_until > time.perf_counter():
             sleep_until(state.busy_until)  # inline work enqueued before this item lands first
+        if state.busy_until > state.last_done:
+            state.last_done = state.busy_until  # the inline work landed then
         try:
             item(state)
         except BaseException as exc:  # kept for the next synchronize(): Note [Failures on a worker stream]
@@ -377,7 +392,12 @@ class WorkerStream:
     # -- enqueueing -----------------------------------------------------------------------
     def launch_host_func(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the worker after everything enqueued before it (``cudaLaunchHostFunc``)."""
-        self._state.submit(lambda _state: fn())
+
+        def run(state: _WorkerState) -> None:
+            fn()
+            state.last_done = time.perf_counter()
+
+        self._state.submit(run)
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         """Record ``event`` (or a new one) at the current end of the queue and return it."""
@@ -391,8 +411,27 @@ class WorkerStream:
                 event._land_at(self.name, state.busy_until)  # nothing queued: with the inline work, or now
                 return event
         marker = event._new_marker(self.name)
-        state.submit(lambda state: marker.complete(state.error))
+        recorded = time.perf_counter()
+
+        def reached(state: _WorkerState) -> None:  # Note [Event times are the stream's, not the scheduler's]
+            marker.complete(state.error, at=max(state.last_done, recorded))
+            state.last_done = marker.timestamp or state.last_done
+
+        state.submit(reached)
         return event
+
+    def record_start(self, event: FakeEvent) -> Callable[[], None]:
+        """Record ``event`` here, completed by the work item enqueued next when it begins; returns the completer.
+
+        What ``record_event(event)`` right before that item does, without a work item of its
+        own: the event's time is the item's start, not a worker hand-off earlier (copy timing).
+        """
+        _marker_of(event)
+        marker = event._new_marker(self.name)
+        if self._order is not None:
+            event._clock = self._order.record(self._sid)
+        state = self._state
+        return lambda: marker.complete(state.error)
 
     def try_inline(self, work: Callable[[float], float | None]) -> FakeEvent | None:
         """Run ``work`` on the calling thread now if nothing is queued on this stream.
@@ -421,8 +460,11 @@ class WorkerStream:
         event._land_at(self.name, due)
         return event
 
-    def run_and_record(self, fn: Callable[[], None], event: FakeEvent) -> FakeEvent:
+    def run_and_record(self, fn: Callable[[], object], event: FakeEvent) -> FakeEvent:
         """Enqueue ``fn()`` and record ``event`` right after it, as one work item (one hand-off).
+
+        When ``fn`` returns a ``perf_counter`` time (a copy: when it landed), the event's
+        timestamp is that time rather than the moment the worker completes it.
 
         Same as ``launch_host_func(fn); record_event(event)``, at half the queueing cost:
         the fake device issues every copy this way.
@@ -434,14 +476,18 @@ class WorkerStream:
 
         def item(state: _WorkerState) -> None:
             nonlocal fn
+            landed = None
             try:
-                fn()
+                landed = fn()
             except BaseException as exc:  # Note [Failures on a worker stream]
                 state.fail(exc)
             # the work (a copy and its buffers) is dropped *before* its event completes: a
             # program that frees its last reference after waiting then really frees the memory
             fn = None  # type: ignore[assignment]
-            marker.complete(state.error)
+            # a copy returns when it landed on the emulated link: the event's time is that, not
+            # when this thread got the interpreter back (scheduling is no part of a copy's time)
+            marker.complete(state.error, at=landed if isinstance(landed, float) else None)
+            state.last_done = marker.timestamp or state.last_done
 
         self._state.submit(item)
         return event
@@ -463,6 +509,7 @@ class WorkerStream:
 
         def wait(state: _WorkerState) -> None:
             marker.wait()
+            state.last_done = max(state.last_done, marker.timestamp or time.perf_counter())
             if marker.error is not None:
                 state.fail(marker.error)
 

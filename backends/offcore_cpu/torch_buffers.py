@@ -75,9 +75,15 @@ class TorchBuffers:
 
     @torch.no_grad()
     def poison(self, buffer: torch.Tensor) -> None:
-        if buffer.numel():
-            pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
-            buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
+        if not buffer.numel():
+            return
+        if buffer.is_contiguous() and not (buffer.is_conj() or buffer.is_neg()):
+            # a byte fill: ten times faster than the typed copy below (4 MiB: ~0.2 ms instead of
+            # ~2 ms), which matters because the poison of a copy's destination runs on its stream
+            _flat(buffer).view(torch.uint8).fill_(0xFF)
+            return
+        pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
+        buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
 
     def alias(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer.detach()  # a TensorImpl of its own over the same storage (no autograd history)
