@@ -52,6 +52,9 @@ def test_timings_are_read_only_between_steps_where_reading_is_a_barrier(
             phase["now"] = "step"
             with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
                 loss = model(x).square().mean()
+                # a D2H copy certainly landed before backward polls (not left to thread scheduling);
+                # waiting on the stream itself reads no timing
+                runtime_for(dev).d2h_stream.synchronize()
             loss.backward()
             phase["now"] = "between"
             assert handle.stats().d2h_bandwidth > 0, "stats() reads the step's timings"
