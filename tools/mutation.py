@@ -264,13 +264,17 @@ MUTATIONS: list[Mutation] = [
             (
                 "backends/offcore_cpu/device.py",
                 "            del dst, src  # the work item must not keep the caller's buffers alive\n"
-                "            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter())\n",
-                "            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter(), (dst, src))\n",
+                "            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter(), started)\n",
+                "            run = functools.partial(\n"
+                "                self._run_flight, flight, jitter, state, time.perf_counter(), started, (dst, src)\n"
+                "            )\n",
             ),
             (
                 "backends/offcore_cpu/device.py",
-                "    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float) -> None:\n",
-                "    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float, keep: Any = None) -> None:\n",
+                "    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float, started: Any = None) -> float:\n",
+                "    def _run_flight(\n"
+                "        self, flight: Flight, jitter: float, state: Any, enqueued: float, started: Any = None, keep: Any = None\n"
+                "    ) -> float:\n",
             ),
         ],
         tests=list(DEVICE),

@@ -301,6 +301,24 @@ def test_control_host_buffers_return_after_their_upload(dev: Any) -> None:
     assert dev.sanitizer_violations() == []
 
 
+def test_a_graph_dropped_during_its_prefetches_keeps_their_host_buffers_until_they_land(dev: Any) -> None:
+    """The plugin's own release path under a held upload: dropping the graph defers the host buffers."""
+    model, x, expected = build(dev)
+    runtime = runtime_for(dev)
+    with dev:
+        with dev.gate(runtime.h2d_stream) as gate:
+            with offcore_torch.offload_activations(dev, min_bytes=1, schedule=FixedScheduler(eager=True)) as handle:
+                loss = model(x).square().mean()
+                settle(dev)
+            assert dev.copies_in_flight >= DEPTH, "the end of forward must have issued the reloads"
+            gate.wait_held(1)
+            del loss  # the step is abandoned while every reload reads its host buffer
+            assert runtime.deferred_count >= DEPTH, "the host buffers wait for their uploads"
+        settle(dev)
+    assert dev.sanitizer_violations() == [], "a host buffer went back to the pool while its upload read it"
+    assert handle.stats().prefetched_bytes > 0 and sum(pool.used_bytes for pool in runtime.pools) == 0
+
+
 def test_canary_helpers_really_plant_and_release(dev: Any) -> None:
     """The planted pieces touch what they claim: release_storage drops a keeper's storage."""
     with dev:
