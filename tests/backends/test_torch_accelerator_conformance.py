@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
+pytest.importorskip("hypothesis", reason="the conformance suite needs hypothesis (pip install offcore[test])")
 
 from fake_accelerator import FakeAcceleratorDevice, FakeAcceleratorModule  # noqa: E402
 

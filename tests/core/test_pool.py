@@ -6,12 +6,15 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-import offcore
-from offcore.pool import HostBuffer, HostBufferPool
+pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore.pool import HostBuffer, HostBufferPool  # noqa: E402
 
 KiB = 1024
 
