@@ -222,14 +222,14 @@ class DeviceRuntime:
                     self._resolve_timed()
                     break
         regions = self._regions
-        finished = False
+        finished: list[weakref.ref[Any]] = []
         for ref in regions:
             region = ref()
             if region is None or not region._poll_copies():
-                finished = True
+                finished.append(ref)
         if finished:
-            with self.lock:
-                self._regions = [r for r in self._regions if (region := r()) is not None and region._poll_copies()]
+            with self.lock:  # regions added meanwhile stay
+                self._regions = [r for r in self._regions if r not in finished]
 
     def recover(self, stream: Any = None) -> None:
         """Clear a copy stream's sticky failure (both copy streams by default), so later copies on it run.
