@@ -6,7 +6,7 @@ few hardware details (how host memory is pinned, NPU private formats). Everythin
 else -- streams, events, the budgeted pinned pool, copies with explicit events,
 memory statistics -- lives once, here, in :class:`TorchAcceleratorDevice`,
 parametrised by the device module. Backends subclass it; they never import each
-other (layering: ``offcore_cuda, offcore_npu -> offcore_accelerator -> offcore``; it sits in the
+other (layering: ``offcore_cuda, offcore_npu -> offcore_accelerator -> offcore_layout -> offcore``; it sits in the
 backends layer and imports no plugin).
 
 This module imports torch only when a device is used, never at import time, so a
@@ -29,6 +29,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import offcore_layout as layout
 
 from offcore.errors import BackendUnavailableError, CapacityExceededError, ConfigurationError
 from offcore.kinds import Tier
@@ -816,17 +818,13 @@ class TorchAcceleratorDevice:
 
 def typed_view(raw: Any, dtype: Any, shape: Any) -> Any:
     """The first bytes of a contiguous raw ``uint8`` tensor viewed as ``dtype`` of ``shape``."""
-    import math
-
-    nbytes = dtype.itemsize * math.prod(shape)
-    flat = raw.reshape(-1)[:nbytes]
-    if dtype != flat.dtype:
-        flat = flat.view(dtype)
-    return flat.view(shape)
+    return layout.typed_prefix(raw, dtype, shape)
 
 
 def match_layout(dst: Any, src: Any) -> tuple[Any, Any]:
     """``(dst, src)`` with equal dtype and shape, reinterpreting the bytes of a contiguous side.
+
+    The rule every backend shares (:func:`offcore_layout.match_layout`), for torch tensors.
 
     >>> import torch
     >>> raw = torch.zeros(8, dtype=torch.uint8)
@@ -834,28 +832,4 @@ def match_layout(dst: Any, src: Any) -> tuple[Any, Any]:
     >>> d.dtype, tuple(d.shape)
     (torch.float32, (2,))
     """
-    if dst.dtype == src.dtype and dst.shape == src.shape:
-        return dst, src
-    dst_bytes, src_bytes = dst.numel() * dst.element_size(), src.numel() * src.element_size()
-    if dst_bytes != src_bytes:
-        raise ConfigurationError(
-            f"copy_ needs equal byte counts: dst has {dst_bytes} bytes ({dst.dtype}, {tuple(dst.shape)}), "
-            f"src has {src_bytes} ({src.dtype}, {tuple(src.shape)})"
-        )
-    if dst.is_contiguous():
-        return _reinterpret(dst, src.dtype, src.shape), src
-    if src.is_contiguous():
-        return dst, _reinterpret(src, dst.dtype, dst.shape)
-    raise ConfigurationError(
-        "copy_ between different dtypes or shapes needs one contiguous side to reinterpret; "
-        f"dst is {dst.dtype} {tuple(dst.shape)} and src is {src.dtype} {tuple(src.shape)}, both non-contiguous"
-    )
-
-
-def _reinterpret(tensor: Any, dtype: Any, shape: Any) -> Any:
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.dtype != dtype:
-        flat = flat.view(torch.uint8).view(dtype)
-    return flat.view(shape)
+    return layout.match_layout(dst, src, layout.TORCH)

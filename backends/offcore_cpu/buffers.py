@@ -19,8 +19,7 @@ import sys
 from typing import Any, Protocol
 
 import numpy as np
-
-from offcore.errors import ConfigurationError
+from offcore_layout import NUMPY, describe, match_layout
 
 __all__ = ["BufferOps", "NumpyBuffers", "NUMPY_OPS", "ops_for", "describe"]
 
@@ -46,7 +45,7 @@ class BufferOps(Protocol):
         """A new raw, one-dimensional uint8 buffer (contents undefined)."""
 
     def copy(self, dst: Any, src: Any) -> None:
-        """``dst[...] = src`` for buffers of equal byte size (see :func:`describe` for the layouts)."""
+        """``dst[...] = src`` for buffers of equal byte size (layouts: :func:`offcore_layout.match_layout`)."""
 
     def poison(self, buffer: Any) -> None:
         """Overwrite every byte of ``buffer`` with 0xFF (NaN for floating point, -1 for integers)."""
@@ -66,13 +65,6 @@ class BufferOps(Protocol):
 
     def address(self, buffer: Any) -> int:
         """The address of ``buffer``'s first element (what ``dev.copy_log()`` records per side)."""
-
-
-def describe(buffer: Any) -> str:
-    """A short description for error messages (``float32[4, 8] (non-contiguous)``)."""
-    shape = list(getattr(buffer, "shape", ()))
-    dtype = str(getattr(buffer, "dtype", type(buffer).__name__)).replace("torch.", "")
-    return f"{type(buffer).__module__.split('.')[0]} {dtype}{shape}"
 
 
 class NumpyBuffers:
@@ -99,17 +91,8 @@ class NumpyBuffers:
         return np.empty(nbytes, dtype=np.uint8)
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        if dst.shape == src.shape and dst.dtype == src.dtype:
-            np.copyto(dst, src, casting="no")
-        elif dst.flags.c_contiguous:
-            np.copyto(dst.reshape(-1).view(src.dtype).reshape(src.shape), src, casting="no")
-        elif src.flags.c_contiguous:
-            np.copyto(dst, src.reshape(-1).view(dst.dtype).reshape(dst.shape), casting="no")
-        else:
-            raise ConfigurationError(
-                f"cannot copy {describe(src)} into {describe(dst)}: layouts differ and neither side is "
-                "contiguous. Make one side contiguous (a raw uint8 buffer) or give both the same shape and dtype."
-            )
+        dst, src = match_layout(dst, src, NUMPY)
+        np.copyto(dst, src, casting="no")
 
     def poison(self, buffer: np.ndarray) -> None:
         if not buffer.size:

@@ -13,9 +13,7 @@ import ctypes
 import sys
 
 import torch
-
-from offcore.errors import ConfigurationError
-from offcore_cpu.buffers import describe
+from offcore_layout import TORCH, flat_tensor, match_layout
 
 __all__ = ["TorchBuffers", "TORCH_OPS"]
 
@@ -61,17 +59,8 @@ class TorchBuffers:
             # Note [Small copies keep the GIL]
             _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
             return
-        if dst.shape == src.shape and dst.dtype == src.dtype:
-            dst.copy_(src)
-        elif dst.is_contiguous():
-            _flat(dst).view(src.dtype).view(src.shape).copy_(src)
-        elif src.is_contiguous():
-            dst.copy_(_flat(src).view(dst.dtype).view(dst.shape))
-        else:
-            raise ConfigurationError(
-                f"cannot copy {describe(src)} into {describe(dst)}: layouts differ and neither side is "
-                "contiguous. Make one side contiguous (a raw uint8 buffer) or give both the same shape and dtype."
-            )
+        dst, src = match_layout(dst, src, TORCH)
+        dst.copy_(src)
 
     @torch.no_grad()
     def poison(self, buffer: torch.Tensor) -> None:
@@ -80,7 +69,7 @@ class TorchBuffers:
         if buffer.is_contiguous() and not (buffer.is_conj() or buffer.is_neg()):
             # a byte fill: ten times faster than the typed copy below (4 MiB: ~0.2 ms instead of
             # ~2 ms), which matters because the poison of a copy's destination runs on its stream
-            _flat(buffer).view(torch.uint8).fill_(0xFF)
+            flat_tensor(buffer).view(torch.uint8).fill_(0xFF)
             return
         pattern = torch.full((buffer.element_size(),), 0xFF, dtype=torch.uint8).view(buffer.dtype)[0]
         buffer.copy_(pattern.expand_as(buffer))  # a same-dtype copy keeps the bits (NaN payload, -1)
@@ -148,13 +137,6 @@ _GIL_HELD_COPY_LIMIT = 256 * 1024
 _memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D stride-1 view of a contiguous tensor. ``view(-1)`` keeps the stride of a
-    one-element tensor (``torch.zeros(2)[::2]`` is contiguous with stride 2), which
-    ``view(dtype)`` then refuses."""
-    return tensor.as_strided((tensor.numel(),), (1,))
 
 
 TORCH_OPS = TorchBuffers()
