@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from offcore.kinds import Tier
 
-__all__ = ["Stream", "Event", "Backend", "Availability", "Capability", "MemoryStats"]
+if TYPE_CHECKING:
+    from offcore.pool import HostBufferPool
+
+__all__ = ["Stream", "Event", "Backend", "Availability", "Capability", "MemoryStats", "OPTIONAL_MEMBERS"]
 
 
 @runtime_checkable
@@ -68,7 +72,11 @@ class Stream(Protocol):
 
 
 class Capability(str, enum.Enum):
-    """Optional backend features, advertised in ``Backend.capabilities``."""
+    """Optional backend features, advertised in ``Backend.capabilities``.
+
+    Some capabilities bring members of their own (:data:`OPTIONAL_MEMBERS`); a caller
+    uses such a member only after checking that the backend advertises the capability.
+    """
 
     PINNED_MEMORY = "pinned_memory"
     """Page-locked host buffers that copy asynchronously."""
@@ -77,13 +85,17 @@ class Capability(str, enum.Enum):
     EVENT_TIMING = "event_timing"
     """Events created with ``enable_timing=True`` report ``elapsed_time``."""
     TORCH = "torch"
-    """Buffers are torch tensors; ``torch_device`` names the device."""
+    """Buffers are torch tensors; the member ``torch_device`` (a ``torch.device``) names the device."""
     NUMPY = "numpy"
     """Buffers may be numpy arrays (frameworks other than PyTorch)."""
     SANITIZER = "sanitizer"
-    """Poisons freed memory and in-flight buffers, jitters copies."""
+    """Poisons freed memory and in-flight buffers, jitters copies. Member ``poison(buffer)``: overwrite
+    ``buffer`` with 0xFF bytes (NaN, -1) and flag a copy still using it; bindings call it on host
+    buffers they stop using, so a late reader sees garbage."""
     PRIVATE_FORMATS = "private_formats"
-    """Tensors may carry a device-private memory format that must be restored (Ascend NZ)."""
+    """Tensors may carry a device-private memory format that must be restored (Ascend NZ). Members
+    ``format_of(tensor) -> int | None`` (read at offload) and ``restore_format(tensor, fmt)`` (applied
+    to the tensor rebuilt at reload; returns the tensor to use)."""
     TIMING_READ_SYNCHRONIZES = "timing_read_synchronizes"
     """Reading ``elapsed_time`` is a barrier (torch_npu drains every task queue and synchronizes
     both events): copy timings are read only between steps, never while one runs."""
@@ -120,13 +132,38 @@ class MemoryStats(dict):  # type: ignore[type-arg]
         return int(self["capacity_bytes"])
 
 
+OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
+    {
+        "torch_device": Capability.TORCH,
+        "poison": Capability.SANITIZER,
+        "format_of": Capability.PRIVATE_FORMATS,
+        "restore_format": Capability.PRIVATE_FORMATS,
+        "close": None,
+    }
+)
+"""Backend members outside :class:`Backend`, and the capability that promises each.
+
+A backend advertising the capability has the member; callers check the capability first.
+``close()`` (``None``: no capability) is an optional lifecycle member: a backend that holds
+threads, a memory cap or pinned blocks provides it, and callers that end a device's use call
+it when present (``getattr(dev, "close", None)``). Nothing else on a device may be relied on
+by the core, the bindings or the conformance suite (``tests/core/test_protocol_usage.py``).
+"""
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """One device of one backend, as the core sees it (about ten members).
+    """One device of one backend, as the core sees it.
 
     Instances come from :func:`offcore.device`; the class is what the registry holds.
     ``with backend:`` makes the device the active one (for the fake device: starts
     tracking every tensor allocated on it, as ``torch.cuda.memory_allocated`` would).
+
+    These members are required; the bindings and the conformance suite call nothing else
+    except the optional members of :data:`OPTIONAL_MEMBERS`, each after checking the
+    capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison``
+    (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
+    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()`` when present.
     """
 
     name: ClassVar[str]
@@ -160,6 +197,14 @@ class Backend(Protocol):
         the copy's own work, after whatever the backend does on the host first (checks,
         staging), so that ``start_event.elapsed_time(done)`` times the transfer alone
         (Note [Copy timings start at the copy] in offcore_torch's runtime).
+        """
+
+    def host_pool(self, budget: int | str, *, pinned: bool = True) -> HostBufferPool:
+        """A new budgeted pool of exact-size host buffers that are copy endpoints of this device.
+
+        ``pinned``: page-locked buffers (where the backend has them), else pageable ones.
+        Bindings create one per (budget, pinned) and reuse its buffers from step to step;
+        a backend without pinned memory may return pageable buffers for both.
         """
 
     def memory_stats(self) -> MemoryStats:

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from offcore.errors import CapacityExceededError
 from offcore.kinds import Tier
 from offcore.pool import HostBuffer
-from offcore.protocols import Availability, Backend, Capability, Event, MemoryStats, Stream
+from offcore.protocols import OPTIONAL_MEMBERS, Availability, Backend, Capability, Event, MemoryStats, Stream
 from offcore.testing.buffers import BufferKit, buffer_kit_for
 
 __all__ = ["BackendConformance", "LAYOUTS", "TIER_PAIRS", "out_of_memory_errors"]
@@ -290,6 +290,24 @@ class BackendConformance:
             assert backend.holds(raw) is (tier is Tier.DEVICE), f"holds() is wrong for a {tier.value} buffer"
             if kit.kind == "torch" and tier is Tier.DEVICE:
                 assert raw.device.type == backend.torch_device.type
+
+    def test_advertised_capabilities_bring_their_members(self, backend: Any, kit: BufferKit) -> None:
+        capabilities = backend.capabilities
+        for member, capability in OPTIONAL_MEMBERS.items():
+            if capability is not None and capability in capabilities:
+                assert callable(getattr(backend, member, None)) or member == "torch_device", (
+                    f"{type(backend).__name__} advertises {capability.name} but has no {member}()"
+                )
+        if Capability.SANITIZER in capabilities:
+            host = backend.allocate(64, Tier.PINNED)
+            kit.write(host, np.zeros(64, np.uint8))
+            backend.poison(host)
+            assert (kit.read(host) == 0xFF).all(), "poison() must overwrite every byte with 0xFF"
+        if Capability.PRIVATE_FORMATS in capabilities:
+            raw = backend.allocate(64, Tier.DEVICE)
+            kit.write(raw, np.arange(64, dtype=np.uint8))
+            restored = backend.restore_format(raw, backend.format_of(raw))
+            np.testing.assert_array_equal(kit.read(restored), np.arange(64, dtype=np.uint8))
 
     # ------------------------------------------------------------------ exact copies
 
