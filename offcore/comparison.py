@@ -47,7 +47,7 @@ STRATEGIES: tuple[str, ...] = ("baseline", "accumulate", "checkpoint", "offload"
 
 LEGEND = (
     "step ms: median of the timed steps; wait ms: compute time spent waiting for reloads; "
-    "U = compute / (compute + wait); pred ms: the simulator's step time from the profiled step; "
+    "U = compute / (compute + wait); pred ms: the simulator's step time on the profile every plan was chosen on; "
     "err: measured / predicted - 1; max batch: the largest batch that fits the capacity"
 )
 
@@ -62,7 +62,9 @@ class StrategyResult:
     ``status`` is ``"ok"``, ``"oom"`` (out of device memory: ``error`` says where) or
     ``"skipped"`` (``error`` says why). Measured figures are medians over the timed
     iterations (step time) or maxima (peaks); ``predicted_*`` come from the simulator
-    on the measured profile. ``bit_identical`` compares every loss, gradient and final
+    on the profile every strategy was planned on (for "planned", the planner's own figure);
+    ``reprofiled_step_s`` is the prediction from a step profiled right before this
+    strategy ran (the host load of that moment). ``bit_identical`` compares every loss, gradient and final
     parameter with ``compared_with``; ``loss_delta`` is the largest absolute loss
     difference and ``grad_rel_diff`` the largest relative gradient difference (norm).
     ``max_batch`` is the largest batch that fits the capacity, extrapolated from the
@@ -90,6 +92,7 @@ class StrategyResult:
     compared_with: str = ""
     equality_note: str = ""
     predicted_step_s: float | None = None
+    reprofiled_step_s: float | None = None
     predicted_peak_bytes: int | None = None
     predicted_wait_s: float | None = None
     max_batch: int | None = None

@@ -20,6 +20,21 @@ Two methods:
 
 ``"auto"`` uses exhaustive up to 8 layers and greedy above.
 
+Note [Every named strategy is in the search space]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``offcore compare`` runs named strategies (keep all, offload all, recompute all, a
+hybrid, keep all with accumulation) next to the planner's plan. Each of them is an action
+vector with a ``K``, a prefetch policy and a micro-batch count, so it lies in this search
+space; the exhaustive search finds the optimum over it, but the greedy one may not. Pass
+them as ``candidates``: each is simulated in the same evaluator (same profile, same
+micro-batch split, same overhead) and, when it fits, is an incumbent the search must beat
+and a start of the local search. So the returned plan is never predicted slower than a
+candidate that fits the same budget. ``microbatch_profiles`` gives, per micro-batch
+count, the full-step profile to split (a runtime keeps earlier micro-batches' gradients
+resident, and some resident bytes shrink with the micro-batch); the prediction returned
+is ``simulate(that profile, plan, microbatch_overhead_s=...)`` — the very figure the
+search minimised.
+
     >>> from offcore.sim.profile import uniform_profile
     >>> p = uniform_profile(4, forward_s=5e-3, backward_s=10e-3, saved_bytes=64 * 2**20,
     ...                     d2h_bandwidth="16GiB/s", h2d_bandwidth="16GiB/s")
@@ -32,8 +47,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -65,6 +80,11 @@ class PlanResult:
             when it was not computed (scipy missing or ``lower_bound=False``).
         method: ``"greedy"`` or ``"exhaustive"``.
         evaluated: how many distinct plans were simulated.
+        alternatives: per micro-batch count searched, the fastest plan found that fits
+            (``microbatches`` set) and its predicted step time; counts where nothing fits
+            are absent. ``alternatives[1]`` is the best bit-identical plan (no accumulation).
+        profile: the full-step profile ``predicted`` was simulated on (the one of the
+            chosen micro-batch count).
     """
 
     plan: Plan
@@ -74,6 +94,13 @@ class PlanResult:
     lower_bound_s: float | None
     method: str
     evaluated: int
+    alternatives: Mapping[int, tuple[Plan, float]] = field(default_factory=dict)
+    profile: StepProfile | None = None
+
+    @property
+    def accumulates(self) -> bool:
+        """True when the plan splits the step into micro-batches (gradients summed: not bit-identical)."""
+        return self.plan.microbatches > 1
 
     @property
     def gap_to_lower_bound(self) -> float | None:
@@ -98,6 +125,9 @@ class PlanResult:
             "gap_to_lower_bound": self.gap_to_lower_bound,
             "method": self.method,
             "evaluated": self.evaluated,
+            "alternatives": {
+                str(m): {"plan": p.describe(), "step_time_s": t} for m, (p, t) in sorted(self.alternatives.items())
+            },
         }
 
 
@@ -347,6 +377,8 @@ def _run(
     lower_bound: bool,
     lower_bound_time_limit_s: float,
     exact_max_layers: int,
+    candidates: Sequence[Plan],
+    microbatch_profiles: Mapping[int, StepProfile] | None,
 ) -> PlanResult:
     if not isinstance(profile, StepProfile):
         raise ConfigurationError(f"plan() needs a StepProfile, got {type(profile).__name__}")
@@ -372,15 +404,27 @@ def _run(
             f"exhaustive planning of {n} layers means 3^{n} plans; it is limited to {exact_max_layers} layers "
             "(raise exact_max_layers, or use method='greedy')"
         )
+    candidates = tuple(candidates)
+    for candidate in candidates:
+        if not isinstance(candidate, Plan):
+            raise ConfigurationError(f"candidates must be Plans, got {type(candidate).__name__}")
+        candidate.check(profile)
     use_exhaustive = method == "exhaustive" or (method == "auto" and n <= min(8, exact_max_layers))
     pairs = (n <= 32) if pair_moves == "auto" else bool(pair_moves)
+
+    by_count = _profiles_by_count(profile, microbatches, microbatch_profiles, candidates)
+    seeds: dict[int, list[Plan]] = {}
+    for candidate in candidates:
+        # the evaluator of a micro-batch count caches plans without microbatches and names
+        seeds.setdefault(candidate.microbatches, []).append(replace(candidate, microbatches=1, layer_names=None))
 
     best: _Score | None = None
     best_m = 1
     lowest: tuple[int, _Score] | None = None
+    alternatives: dict[int, tuple[Plan, float]] = {}
     evaluated = 0
-    for m in _microbatch_candidates(profile, microbatches):
-        micro = profile.split_microbatches(m)
+    for m, full in by_count.items():
+        micro = full.split_microbatches(m)
         options = _Options(
             allowed=allowed,
             intervals=intervals,
@@ -389,6 +433,13 @@ def _run(
         )
         evaluate = _Evaluator(micro, m, overhead, budget)
         found = _greedy(evaluate, n, options, budget)  # also the incumbent that prunes the exact search
+        for seed in seeds.get(m, ()):  # Note [Every named strategy is in the search space]
+            score = evaluate(seed)
+            if score.peak > budget:
+                continue
+            score = _improve(score, evaluate, options, budget)
+            if found is None or score.time < found.time * (1 - _TIME_TOLERANCE):
+                found = score
         if use_exhaustive:
             incumbent = found.time * (1 + 1e-9) if found is not None else math.inf
             exact = _exhaustive(evaluate, micro, options, budget, incumbent)
@@ -399,8 +450,10 @@ def _run(
         assert low is not None
         if lowest is None or low.peak < lowest[1].peak:
             lowest = (m, low)
-        if found is not None and (best is None or found.time < best.time * (1 - 1e-9)):
-            best, best_m = found, m
+        if found is not None:
+            alternatives[m] = (replace(found.plan, microbatches=m, layer_names=profile.layer_names), found.time)
+            if best is None or found.time < best.time * (1 - 1e-9):
+                best, best_m = found, m
 
     keep_all_plan = Plan.keep_all(n)
     keep_all = simulate(profile, keep_all_plan)
@@ -410,23 +463,27 @@ def _run(
         raise CapacityExceededError(
             f"no plan fits a device budget of {format_bytes(budget)} ({budget} bytes): the smallest peak the "
             f"planner found is {format_bytes(low.peak)} ({low.peak} bytes) with plan {low.plan.describe()} and "
-            f"{m} micro-batch(es), of which {format_bytes(profile.static_bytes)} are resident parameters, "
+            f"{m} micro-batch(es), of which {format_bytes(by_count[m].static_bytes)} are resident parameters, "
             "gradients and other state. Raise the budget to at least that, or shrink the step "
             "(smaller batch or sequence, more micro-batches, smaller layers)."
         )
     chosen = replace(best.plan, microbatches=best_m, layer_names=profile.layer_names)
-    predicted = simulate(profile, chosen, microbatch_overhead_s=overhead)
+    # the figure the search minimised: the same profile, split and overhead (evaluated by _Evaluator)
+    predicted = simulate(by_count[best_m], chosen, microbatch_overhead_s=overhead)
     bound: float | None = None
     if lower_bound:
         try:
-            bound = instance_lower_bound(
-                profile,
-                budget,
-                checkpoint_intervals=intervals,
-                microbatches=_microbatch_candidates(profile, microbatches),
-                microbatch_overhead_s=overhead,
-                allowed_actions=allowed,
-                time_limit_s=lower_bound_time_limit_s,
+            bound = min(
+                instance_lower_bound(
+                    full,
+                    budget,
+                    checkpoint_intervals=intervals,
+                    microbatches=[m],
+                    microbatch_overhead_s=overhead,
+                    allowed_actions=allowed,
+                    time_limit_s=lower_bound_time_limit_s,
+                )
+                for m, full in by_count.items()
             )
         except ConfigurationError:
             bound = None  # scipy missing
@@ -440,7 +497,34 @@ def _run(
         lower_bound_s=bound,
         method="exhaustive" if use_exhaustive else "greedy",
         evaluated=evaluated,
+        alternatives=alternatives,
+        profile=by_count[best_m],
     )
+
+
+def _profiles_by_count(
+    profile: StepProfile,
+    microbatches: Sequence[int] | Literal["auto"],
+    microbatch_profiles: Mapping[int, StepProfile] | None,
+    candidates: Sequence[Plan],
+) -> dict[int, StepProfile]:
+    """The full-step profile to plan on for each micro-batch count searched (sorted by count)."""
+    given = dict(microbatch_profiles or {})
+    for m, full in given.items():
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigurationError(f"microbatch_profiles keys must be positive integers, got {m!r}")
+        if not isinstance(full, StepProfile):
+            raise ConfigurationError(f"microbatch_profiles[{m}] must be a StepProfile, got {type(full).__name__}")
+        if full.n_layers != profile.n_layers or full.layer_names != profile.layer_names:
+            raise ConfigurationError(f"microbatch_profiles[{m}] has other layers than the profile")
+        if full.batch_size % m:
+            raise ConfigurationError(f"microbatch_profiles[{m}]: cannot split batch_size {full.batch_size} into {m}")
+    if microbatches == "auto" and given:
+        counts = set(given)
+    else:
+        counts = set(_microbatch_candidates(profile, microbatches))
+    counts.update(candidate.microbatches for candidate in candidates)
+    return {m: given.get(m, profile) for m in sorted(counts)}
 
 
 def plan(
@@ -459,6 +543,8 @@ def plan(
     lower_bound: bool = True,
     lower_bound_time_limit_s: float = 10.0,
     exact_max_layers: int = 10,
+    candidates: Sequence[Plan] = (),
+    microbatch_profiles: Mapping[int, StepProfile] | None = None,
 ) -> PlanResult:
     """Plan keep / offload / recompute per layer so the step fits ``budget_bytes`` and runs fastest.
 
@@ -481,6 +567,12 @@ def plan(
         pair_moves: also try pairs of moves in the local search (``"auto"``: ≤ 32 layers).
         lower_bound: compute the instance's analytic lower bound (needs scipy), giving the
             MILP at most ``lower_bound_time_limit_s`` (then its proven bound is used).
+        candidates: plans that must be in the search (with their own ``microbatches``,
+            which are searched too): the result is never predicted slower than one of
+            them that fits (Note [Every named strategy is in the search space]).
+        microbatch_profiles: for some micro-batch counts, the full-step profile to split
+            instead of ``profile`` (e.g. with the gradients of earlier micro-batches
+            resident). With ``microbatches="auto"`` its keys are the counts searched.
 
     Raises:
         ConfigurationError: bad arguments (negative or zero budget, unknown action, ...).
@@ -506,6 +598,8 @@ def plan(
         lower_bound=lower_bound,
         lower_bound_time_limit_s=lower_bound_time_limit_s,
         exact_max_layers=exact_max_layers,
+        candidates=candidates,
+        microbatch_profiles=microbatch_profiles,
     )
 
 

@@ -51,6 +51,8 @@ __all__ = [
     "WorkloadProfiler",
     "measure_microbatch_overhead",
     "strategy_plans",
+    "plan_strategies",
+    "StrategyPlan",
 ]
 
 Progress = Callable[[int, str], None]
@@ -137,7 +139,7 @@ class CompareSettings:
     sanitize: bool = False
     threads: int | None = None
     budget_fraction: float | None = None
-    planner_headroom: float = 0.05
+    planner_headroom: float = 0.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -444,13 +446,59 @@ def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Pl
     return low * step_plan.microbatches
 
 
-def strategy_plans(
-    settings: CompareSettings, profile: StepProfile, measurement: StepMeasurement, budget: int, overhead: float
-) -> dict[str, tuple[Plan | None, str]]:
-    """The plan of each strategy and how it was chosen (``None`` when the strategy cannot run)."""
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One strategy's plan, how it was chosen, and its prediction on the planning profile.
+
+    ``predicted`` is ``simulate`` of the plan on the profile every strategy is planned on
+    (for "planned": the very result the planner minimised); ``predicted_s`` adds the
+    compute outside the planned layers (``StepMeasurement.other_compute_s``).
+    """
+
+    plan: Plan | None
+    why: str
+    predicted: Any = None
+    predicted_s: float | None = None
+    predicted_peak_bytes: int | None = None
+
+
+def _divisors(batch: int) -> list[int]:
+    return [m for m in range(2, batch + 1) if batch % m == 0]
+
+
+def plan_strategies(
+    settings: CompareSettings,
+    profile: StepProfile,
+    measurement: StepMeasurement,
+    budget: int,
+    overhead: float,
+    *,
+    max_loss_delta: float | None = None,
+    accumulation: bool = True,
+) -> dict[str, StrategyPlan]:
+    """Every strategy's plan, chosen and predicted on one profile (Note [One profile for every plan]).
+
+    ``max_loss_delta`` is the quality gate: ``0`` demands bit-identical results, which
+    gradient accumulation does not give, so the planner then searches without it (as does
+    ``accumulation=False``).
+    """
+    # Note [One profile for every plan]: the named strategies' fits, the planner's search and
+    # every prediction shown come from the same profile, micro-batch profiles, overhead and
+    # target, so "planned" (the optimum over a space that contains every named plan, Note
+    # [Every named strategy is in the search space] in offcore/sim/planner.py) is never
+    # predicted slower than a named strategy predicted to fit.
+    planning = replace(measurement, profile=profile)
     n = profile.n_layers
     names = profile.layer_names
-    plans: dict[str, tuple[Plan | None, str]] = {
+    target = int(budget * (1.0 - settings.planner_headroom))
+    divisors = _divisors(settings.batch)
+    profiles = {m: planning.profile_for_microbatches(m) for m in [1, *divisors]}
+
+    def predict(step_plan: Plan) -> tuple[Any, float, int]:
+        result = simulate(profiles[step_plan.microbatches], step_plan, microbatch_overhead_s=overhead)
+        return result, result.step_time_s + planning.other_compute_s, planning.predicted_peak(result)
+
+    named: dict[str, tuple[Plan | None, str]] = {
         "baseline": (Plan.keep_all(n, layer_names=names), "keep every activation on the device"),
         "checkpoint": (
             Plan.uniform(n, Action.RECOMPUTE, layer_names=names),
@@ -459,73 +507,131 @@ def strategy_plans(
         "offload": (Plan.uniform(n, Action.OFFLOAD, layer_names=names), "offload every layer's saved activations"),
     }
     half = (n + 1) // 2
-    plans["hybrid"] = (
+    named["hybrid"] = (
         Plan([Action.OFFLOAD] * half + [Action.RECOMPUTE] * (n - half), layer_names=names),
         f"offload the first {half} layers (their reloads have the most time before backward needs them), "
         "recompute the rest",
     )
-    divisors = [m for m in range(2, settings.batch + 1) if settings.batch % m == 0]
     if not divisors:
-        plans["accumulate"] = (None, "batch 1 cannot be split into micro-batches")
+        named["accumulate"] = (None, "batch 1 cannot be split into micro-batches")
     else:
         chosen, why = divisors[-1], "no micro-batch count fits the budget: the most micro-batches"
         for m in divisors:
-            candidate = Plan.keep_all(n, microbatches=m, layer_names=names)
-            peak = measurement.predicted_peak(
-                simulate(measurement.profile_for_microbatches(m).with_link(capacity_bytes=budget), candidate)
-            )
-            if peak <= budget:
+            peak = predict(Plan.keep_all(n, microbatches=m, layer_names=names))[2]
+            if peak <= target:
                 chosen, why = m, f"the fewest micro-batches whose predicted peak ({format_bytes(peak)}) fits the budget"
                 break
-        plans["accumulate"] = (
+        named["accumulate"] = (
             Plan.keep_all(n, microbatches=chosen, layer_names=names),
             f"keep all, {chosen} micro-batches of {settings.batch // chosen}: {why}",
         )
+    plans: dict[str, StrategyPlan] = {}
+    for name, (step_plan, why) in named.items():
+        if step_plan is None:
+            plans[name] = StrategyPlan(None, why)
+        else:
+            result, seconds, peak = predict(step_plan)
+            plans[name] = StrategyPlan(step_plan, why, result, seconds, peak)
     if "planned" in settings.strategies:
-        try:
-            # Note [Planner headroom]: the simulator sees the layers' lifetimes, not every allocator
-            # transient, so the planner aims a little below the budget.
-            target = int(budget * (1.0 - settings.planner_headroom))
-            if measurement.optimizer_peak_bytes > target:
-                raise CapacityExceededError(
-                    f"the optimizer step alone peaks at {format_bytes(measurement.optimizer_peak_bytes)}, above "
-                    f"{format_bytes(target)}; no activation plan changes that"
-                )
-            result = _plan_best(profile, measurement, target, settings.batch, overhead)
-            plans["planned"] = (
-                result.plan,
-                f"offcore.sim.plan under {format_bytes(target)} ({settings.planner_headroom:.0%} below the budget): predicted {result.predicted.step_time_s * 1e3:.1f} ms "
-                f"of layer compute and copies, peak {format_bytes(result.predicted.peak_bytes)} "
-                f"({result.method}, {result.evaluated} plans simulated)",
-            )
-        except CapacityExceededError as exc:
-            plans["planned"] = (None, f"the planner found no plan within the budget: {exc}")
+        plans["planned"] = _planned(
+            settings, profile, planning, profiles, target, overhead, named, max_loss_delta, accumulation
+        )
     return plans
 
 
-def _plan_best(profile: StepProfile, measurement: StepMeasurement, target: int, batch: int, overhead: float) -> Any:
-    """The planner's fastest plan, searched once without and once with gradient accumulation.
+def strategy_plans(
+    settings: CompareSettings,
+    profile: StepProfile,
+    measurement: StepMeasurement,
+    budget: int,
+    overhead: float,
+    *,
+    max_loss_delta: float | None = None,
+) -> dict[str, tuple[Plan | None, str]]:
+    """The plan of each strategy and how it was chosen (``None`` when the strategy cannot run)."""
+    chosen = plan_strategies(settings, profile, measurement, budget, overhead, max_loss_delta=max_loss_delta)
+    return {name: (choice.plan, choice.why) for name, choice in chosen.items()}
 
-    With accumulation the gradients of earlier micro-batches stay resident, which the
-    planner's linear micro-batch split does not add by itself: that search runs on a
-    profile whose ``grad_bytes`` holds them.
-    """
-    results, errors = [], []
-    splits = [m for m in (2, 4, 8) if batch % m == 0]
-    searches = [(profile, [1])] + ([(replace(profile, grad_bytes=measurement.param_bytes), splits)] if splits else [])
-    for searched, counts in searches:
-        try:
-            results.append(
-                plan(searched, target, lower_bound=False, microbatches=counts, microbatch_overhead_s=overhead)
+
+def _planned(
+    settings: CompareSettings,
+    profile: StepProfile,
+    planning: StepMeasurement,
+    profiles: dict[int, StepProfile],
+    target: int,
+    overhead: float,
+    named: dict[str, tuple[Plan | None, str]],
+    max_loss_delta: float | None,
+    accumulation: bool,
+) -> StrategyPlan:
+    """The planner's plan over keep / offload / recompute per layer × K × prefetch × micro-batches."""
+    headroom = f" ({settings.planner_headroom:.0%} below the budget)" if settings.planner_headroom else ""
+    if planning.optimizer_peak_bytes > target:
+        return StrategyPlan(
+            None,
+            f"the planner found no plan within the budget: the optimizer step alone peaks at "
+            f"{format_bytes(planning.optimizer_peak_bytes)}, above {format_bytes(target)}; no activation plan "
+            "changes that",
+        )
+    if not accumulation:
+        excluded = "accumulation not searched (its loss moved more than --max-loss-delta)"
+    elif max_loss_delta is not None and max_loss_delta <= 0:
+        accumulation = False
+        excluded = "accumulation not searched: --max-loss-delta 0 demands bit-identical results, which it does not give"
+    else:
+        excluded = ""
+    counts = sorted(profiles) if accumulation else [1]
+    candidates = [p for p, _ in named.values() if p is not None and p.microbatches in counts]
+    try:
+        result = plan(
+            profile,
+            target,
+            lower_bound=False,
+            microbatches=counts,
+            microbatch_profiles={m: profiles[m] for m in counts},
+            microbatch_overhead_s=overhead,
+            candidates=candidates,
+        )
+    except CapacityExceededError as exc:
+        return StrategyPlan(None, f"the planner found no plan within the budget: {exc}")
+    predicted = result.predicted
+    seconds = predicted.step_time_s + planning.other_compute_s
+    peak = planning.predicted_peak(predicted)
+    why = (
+        f"offcore.sim.plan under {format_bytes(target)}{headroom}: predicted {seconds * 1e3:.1f} ms "
+        f"({predicted.step_time_s * 1e3:.1f} ms of layer compute and copies), peak {format_bytes(peak)}; "
+        f"searched keep/offload/recompute per layer, K, prefetch and micro-batches {counts}, every named "
+        f"strategy included ({result.method}, {result.evaluated} plans simulated)"
+    )
+    if result.accumulates:
+        m = result.plan.microbatches
+        limit = "" if max_loss_delta is None else f" (allowed: --max-loss-delta {max_loss_delta:g})"
+        why += (
+            f"; accumulates {m} micro-batches: not bit-identical, the gradients are summed in another order"
+            + (" and dropout draws other masks" if settings.dropout else "")
+            + limit
+        )
+        alternative = result.alternatives.get(1)
+        if alternative is not None:
+            why += (
+                f"; the fastest bit-identical plan, {alternative[0].describe()}, is predicted at "
+                f"{(alternative[1] + planning.other_compute_s) * 1e3:.1f} ms"
             )
-        except CapacityExceededError as exc:
-            errors.append(exc)
-    if not results:
-        raise errors[0]
-    return min(results, key=lambda r: r.predicted.step_time_s)
+        else:
+            why += "; no plan without accumulation fits"
+    if excluded:
+        why += f"; {excluded}"
+    return StrategyPlan(result.plan, why, predicted, seconds, peak)
 
 
 # ----------------------------------------------------------------------------- equality
+def _accumulation_loss_delta(run: _Run | None, reference: _Run) -> float | None:
+    """The largest loss change of the accumulate run against the reference (``None``: it did not run)."""
+    if run is None or run.error is not None:
+        return None
+    return _compare_runs(run, reference)[1]
+
+
 def _compare_runs(run: _Run, reference: _Run) -> tuple[bool, float | None, float | None]:
     """(bit-identical everywhere, max |Δloss|, max relative gradient difference) of two runs."""
     if not run.losses or len(run.losses) != len(reference.losses):
@@ -779,7 +885,7 @@ def _run_compare(
             note(f"planning budget: {format_bytes(budget)} = {settings.budget_fraction:.0%} of the keep-all peak")
         else:
             budget = capacity
-        plans = strategy_plans(settings, profile, measurement, budget, overhead)
+        plans = plan_strategies(settings, profile, measurement, budget, overhead, max_loss_delta=gates.max_loss_delta)
         if settings.needs_overhead:
             note(f"micro-batch overhead: {overhead * 1e3:.1f} ms per extra micro-step (measured, given to the planner)")
 
@@ -790,7 +896,25 @@ def _run_compare(
         for name in STRATEGIES:
             if name not in settings.strategies:
                 continue
-            step_plan, why = plans[name]
+            choice = plans[name]
+            if name == "planned" and choice.plan is not None and choice.plan.microbatches > 1:
+                # the quality gate as the decision applies it: accumulation's measured loss change
+                moved = _accumulation_loss_delta(runs.get("accumulate"), baseline_run or reference)
+                if moved is not None and moved > gates.max_loss_delta:
+                    choice = plan_strategies(
+                        settings,
+                        profile,
+                        measurement,
+                        budget,
+                        overhead,
+                        max_loss_delta=gates.max_loss_delta,
+                        accumulation=False,
+                    )["planned"]
+                    note(
+                        f"planned: re-planned without accumulation, whose loss moved by {moved:.3g} > "
+                        f"--max-loss-delta {gates.max_loss_delta:g} in the accumulate run"
+                    )
+            step_plan, why = choice.plan, choice.why
             result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
             if step_plan is None:
                 result.status, result.error = "skipped", why
@@ -799,13 +923,16 @@ def _run_compare(
                 continue
             result.plan = step_plan.describe()
             result.plan_dict = step_plan.to_dict()
-            predicted, predicted_s = measurement.predict(step_plan, microbatch_overhead_s=overhead)
-            if profiler is not None:  # the time prediction from a step profiled just now
+            # Note [One profile for every plan]: the figure shown is the planning profile's (for
+            # "planned", the planner's own result); a step profiled right before the run, under the
+            # host load of the moment, is kept alongside
+            predicted = choice.predicted
+            if profiler is not None:
                 fresh = profiler.measure(link=link, capacity_bytes=capacity)
-                predicted_s = fresh.predict(step_plan, microbatch_overhead_s=overhead)[1]
+                result.reprofiled_step_s = fresh.predict(step_plan, microbatch_overhead_s=overhead)[1]
                 report(1, "profile")
-            result.predicted_step_s = predicted_s
-            result.predicted_peak_bytes = measurement.predicted_peak(predicted)
+            result.predicted_step_s = choice.predicted_s
+            result.predicted_peak_bytes = choice.predicted_peak_bytes
             result.predicted_wait_s = predicted.exposed_wait_s
             result.predicted_memory = list(zip(predicted.memory_times, predicted.memory_bytes, strict=True))
             result.predicted_timeline = [(e.stream, e.name, e.start, e.end) for e in predicted.events]
