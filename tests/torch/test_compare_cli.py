@@ -211,3 +211,24 @@ def test_offloading_strategies_really_move_bytes(default_run: dict[str, Any]) ->
         if not offloads:
             assert copies == {"d2h": 0, "h2d": 0}, strategy["name"]
     assert moved["offload"]["d2h"] > moved["hybrid"]["d2h"] > 0, "offloading every layer moves more than some"
+
+
+def test_planned_shows_the_planners_own_figure_and_no_fitting_strategy_is_predicted_faster(
+    default_run: dict[str, Any],
+) -> None:
+    """Issue 17: "planned" is the optimum over a space holding every named plan, on the profile they are judged on."""
+    import re
+
+    report = json.loads((default_run["out"] / "compare.json").read_text())
+    by_name = {s["name"]: s for s in report["strategies"]}
+    planned = by_name["planned"]
+    assert planned["status"] == "ok"
+    shown = re.search(r"predicted ([0-9.]+) ms", planned["why"])
+    assert shown is not None and float(shown.group(1)) == round(planned["predicted_step_s"] * 1e3, 1)
+    budget = report["device"]["capacity_bytes"]
+    for name, strategy in by_name.items():
+        if name == "planned" or strategy["plan"] == "" or strategy["predicted_peak_bytes"] is None:
+            continue
+        if strategy["predicted_peak_bytes"] <= budget:
+            assert planned["predicted_step_s"] <= strategy["predicted_step_s"] * (1 + 1e-9), name
+    assert planned["predicted_peak_bytes"] <= budget
