@@ -35,6 +35,15 @@ resident, and some resident bytes shrink with the micro-batch); the prediction r
 is ``simulate(that profile, plan, microbatch_overhead_s=...)`` — the very figure the
 search minimised.
 
+Note [Measured peaks]
+~~~~~~~~~~~~~~~~~~~~~
+The simulator's peaks are conservative for offloaded and recomputed layers (measured
+1.1-1.9 x lower on the fake device: issue 17), so a plan that fits may be ruled out by
+the model. When a plan has *run* on the device, its measured peak is better evidence
+than the model: ``measured_peaks`` replaces the simulated peak of those plans (only
+those: their neighbours are still judged by the model) in the fit test, and makes them
+candidates. The time the search minimises is unchanged (simulated).
+
     >>> from offcore.sim.profile import uniform_profile
     >>> p = uniform_profile(4, forward_s=5e-3, backward_s=10e-3, saved_bytes=64 * 2**20,
     ...                     d2h_bandwidth="16GiB/s", h2d_bandwidth="16GiB/s")
@@ -142,11 +151,19 @@ class _Score:
 class _Evaluator:
     """Simulates plans of one micro-profile (cached), scaled to the full step."""
 
-    def __init__(self, micro: StepProfile, microbatches: int, overhead_s: float, budget: int) -> None:
+    def __init__(
+        self,
+        micro: StepProfile,
+        microbatches: int,
+        overhead_s: float,
+        budget: int,
+        measured_peaks: Mapping[Plan, int] | None = None,
+    ) -> None:
         self.micro = micro
         self.microbatches = microbatches
         self.overhead_s = overhead_s
         self.budget = budget
+        self.measured_peaks = dict(measured_peaks or {})
         self.cache: dict[Plan, _Score] = {}
         self.lowest: _Score | None = None  # the lowest-peak plan simulated so far
 
@@ -156,10 +173,12 @@ class _Evaluator:
             return cached
         result = simulate(self.micro, plan, record_events=False)
         m = self.microbatches
+        measured = self.measured_peaks.get(plan)
         score = _Score(
             time=m * result.step_time_s + (m - 1) * self.overhead_s,
-            peak=result.peak_bytes,
-            above=m * result.bytes_time_above(self.budget),
+            # Note [Measured peaks]: a plan that ran within the budget fits, whatever the model predicts
+            peak=result.peak_bytes if measured is None else measured,
+            above=m * result.bytes_time_above(self.budget) if measured is None else 0.0,
             plan=plan,
         )
         self.cache[plan] = score
@@ -379,6 +398,7 @@ def _run(
     exact_max_layers: int,
     candidates: Sequence[Plan],
     microbatch_profiles: Mapping[int, StepProfile] | None,
+    measured_peaks: Mapping[Plan, int] | None,
 ) -> PlanResult:
     if not isinstance(profile, StepProfile):
         raise ConfigurationError(f"plan() needs a StepProfile, got {type(profile).__name__}")
@@ -412,6 +432,13 @@ def _run(
     use_exhaustive = method == "exhaustive" or (method == "auto" and n <= min(8, exact_max_layers))
     pairs = (n <= 32) if pair_moves == "auto" else bool(pair_moves)
 
+    measured: dict[int, dict[Plan, int]] = {}
+    for known, peak in (measured_peaks or {}).items():
+        if not isinstance(known, Plan) or isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
+            raise ConfigurationError("measured_peaks maps Plans to peak bytes (non-negative integers)")
+        known.check(profile)
+        measured.setdefault(known.microbatches, {})[replace(known, microbatches=1, layer_names=None)] = peak
+        candidates = (*candidates, known)
     by_count = _profiles_by_count(profile, microbatches, microbatch_profiles, candidates)
     seeds: dict[int, list[Plan]] = {}
     for candidate in candidates:
@@ -431,7 +458,7 @@ def _run(
             prefetch=_prefetch_candidates(micro, prefetch_mode, margin, prefetch_budgets),
             pair_moves=pairs,
         )
-        evaluate = _Evaluator(micro, m, overhead, budget)
+        evaluate = _Evaluator(micro, m, overhead, budget, measured.get(m))
         found = _greedy(evaluate, n, options, budget)  # also the incumbent that prunes the exact search
         for seed in seeds.get(m, ()):  # Note [Every named strategy is in the search space]
             score = evaluate(seed)
@@ -545,6 +572,7 @@ def plan(
     exact_max_layers: int = 10,
     candidates: Sequence[Plan] = (),
     microbatch_profiles: Mapping[int, StepProfile] | None = None,
+    measured_peaks: Mapping[Plan, int] | None = None,
 ) -> PlanResult:
     """Plan keep / offload / recompute per layer so the step fits ``budget_bytes`` and runs fastest.
 
@@ -573,6 +601,9 @@ def plan(
         microbatch_profiles: for some micro-batch counts, the full-step profile to split
             instead of ``profile`` (e.g. with the gradients of earlier micro-batches
             resident). With ``microbatches="auto"`` its keys are the counts searched.
+        measured_peaks: device peaks measured for some plans (strategies that already
+            ran); for those plans they replace the simulated peak in the fit test, and the
+            plans are candidates (Note [Measured peaks]). ``predicted`` is still simulated.
 
     Raises:
         ConfigurationError: bad arguments (negative or zero budget, unknown action, ...).
@@ -600,6 +631,7 @@ def plan(
         exact_max_layers=exact_max_layers,
         candidates=candidates,
         microbatch_profiles=microbatch_profiles,
+        measured_peaks=measured_peaks,
     )
 
 

@@ -475,12 +475,14 @@ def plan_strategies(
     *,
     max_loss_delta: float | None = None,
     accumulation: bool = True,
+    measured_peaks: dict[Plan, int] | None = None,
 ) -> dict[str, StrategyPlan]:
     """Every strategy's plan, chosen and predicted on one profile (Note [One profile for every plan]).
 
     ``max_loss_delta`` is the quality gate: ``0`` demands bit-identical results, which
     gradient accumulation does not give, so the planner then searches without it (as does
-    ``accumulation=False``).
+    ``accumulation=False``). ``measured_peaks``: device peaks of plans that already ran,
+    which the planner trusts over the model's (Note [Measured peaks] in offcore/sim/planner.py).
     """
     # Note [One profile for every plan]: the named strategies' fits, the planner's search and
     # every prediction shown come from the same profile, micro-batch profiles, overhead and
@@ -534,7 +536,7 @@ def plan_strategies(
             plans[name] = StrategyPlan(step_plan, why, result, seconds, peak)
     if "planned" in settings.strategies:
         plans["planned"] = _planned(
-            settings, profile, planning, profiles, target, overhead, named, max_loss_delta, accumulation
+            settings, profile, planning, profiles, target, overhead, named, max_loss_delta, accumulation, measured_peaks
         )
     return plans
 
@@ -563,6 +565,7 @@ def _planned(
     named: dict[str, tuple[Plan | None, str]],
     max_loss_delta: float | None,
     accumulation: bool,
+    measured_peaks: dict[Plan, int] | None = None,
 ) -> StrategyPlan:
     """The planner's plan over keep / offload / recompute per layer × K × prefetch × micro-batches."""
     headroom = f" ({settings.planner_headroom:.0%} below the budget)" if settings.planner_headroom else ""
@@ -582,6 +585,7 @@ def _planned(
         excluded = ""
     counts = sorted(profiles) if accumulation else [1]
     candidates = [p for p, _ in named.values() if p is not None and p.microbatches in counts]
+    measured = {p: peak for p, peak in (measured_peaks or {}).items() if p.microbatches in counts}
     try:
         result = plan(
             profile,
@@ -591,6 +595,7 @@ def _planned(
             microbatch_profiles={m: profiles[m] for m in counts},
             microbatch_overhead_s=overhead,
             candidates=candidates,
+            measured_peaks=measured,
         )
     except CapacityExceededError as exc:
         return StrategyPlan(None, f"the planner found no plan within the budget: {exc}")
@@ -619,9 +624,66 @@ def _planned(
             )
         else:
             why += "; no plan without accumulation fits"
+    ran = next((value for known, value in measured.items() if known.describe() == result.plan.describe()), None)
+    if ran is not None and peak > target:
+        why += (
+            f"; the model predicts a peak above the target, but this plan ran at {format_bytes(ran)} on the "
+            "device, which the planner trusts (the simulator's peaks for offload and recompute are conservative)"
+        )
     if excluded:
         why += f"; {excluded}"
     return StrategyPlan(result.plan, why, predicted, seconds, peak)
+
+
+def _replan_with_measured_peaks(
+    choice: StrategyPlan,
+    results: list[StrategyResult],
+    settings: CompareSettings,
+    profile: StepProfile,
+    measurement: StepMeasurement,
+    budget: int,
+    overhead: float,
+    gates: Gates,
+    accumulation: bool,
+    note: Callable[[str], None],
+) -> StrategyPlan:
+    """Plan again when a strategy that ran fits the budget though the model predicted it would not.
+
+    Note [Measured peaks] (offcore/sim/planner.py): the strategies run before "planned";
+    a measured peak within the target beats the simulator's conservative figure.
+    """
+    target = int(budget * (1.0 - settings.planner_headroom))
+    measured: dict[Plan, int] = {}
+    surprises = []
+    for result in results:
+        if not result.ok or result.plan_dict is None or result.peak_device_bytes is None:
+            continue
+        known = Plan.from_dict(result.plan_dict)
+        measured[known] = result.peak_device_bytes
+        if result.peak_device_bytes <= target < (result.predicted_peak_bytes or 0):
+            surprises.append(
+                f"{result.name} ran at {format_bytes(result.peak_device_bytes)} (predicted "
+                f"{format_bytes(result.predicted_peak_bytes or 0)})"
+            )
+    if not surprises:
+        return choice
+    again = plan_strategies(
+        settings,
+        profile,
+        measurement,
+        budget,
+        overhead,
+        max_loss_delta=gates.max_loss_delta,
+        accumulation=accumulation,
+        measured_peaks=measured,
+    )["planned"]
+    if again.plan is None or (choice.plan is not None and again.plan == choice.plan):
+        return choice
+    note(
+        "planned: re-planned with the measured peaks of the strategies that ran, within "
+        f"{format_bytes(target)} though predicted above it: {', '.join(surprises)}"
+    )
+    return again
 
 
 # ----------------------------------------------------------------------------- equality
@@ -897,10 +959,15 @@ def _run_compare(
             if name not in settings.strategies:
                 continue
             choice = plans[name]
-            if name == "planned" and choice.plan is not None and choice.plan.microbatches > 1:
+            if name == "planned":
                 # the quality gate as the decision applies it: accumulation's measured loss change
                 moved = _accumulation_loss_delta(runs.get("accumulate"), baseline_run or reference)
-                if moved is not None and moved > gates.max_loss_delta:
+                accumulation = moved is None or moved <= gates.max_loss_delta
+                if not accumulation and choice.plan is not None and choice.plan.microbatches > 1:
+                    note(
+                        f"planned: re-planned without accumulation, whose loss moved by {moved:.3g} > "
+                        f"--max-loss-delta {gates.max_loss_delta:g} in the accumulate run"
+                    )
                     choice = plan_strategies(
                         settings,
                         profile,
@@ -910,10 +977,9 @@ def _run_compare(
                         max_loss_delta=gates.max_loss_delta,
                         accumulation=False,
                     )["planned"]
-                    note(
-                        f"planned: re-planned without accumulation, whose loss moved by {moved:.3g} > "
-                        f"--max-loss-delta {gates.max_loss_delta:g} in the accumulate run"
-                    )
+                choice = _replan_with_measured_peaks(
+                    choice, results, settings, profile, measurement, budget, overhead, gates, accumulation, note
+                )
             step_plan, why = choice.plan, choice.why
             result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
             if step_plan is None:
@@ -944,6 +1010,19 @@ def _run_compare(
                 result.status = "oom"
                 result.error = run.error
                 say(f"{name}: out of memory ({result.error})")
+                left = int(device.memory_stats().get("allocated_bytes", 0) or 0)
+                if left and settings.backend == "cpu":
+                    # Note [A fresh fake device after an out-of-memory error]: an OOM inside a
+                    # checkpointed backward can leave bytes allocated after the run ended (seen:
+                    # 3.0 MiB); they would count against every later strategy. The emulated
+                    # device is recreated with the same capacity and link.
+                    note(
+                        f"{name}: {format_bytes(left)} stayed allocated on the fake device after its out-of-memory "
+                        "error; the next strategies run on a fresh one with the same capacity and link"
+                    )
+                    if hasattr(device, "close"):
+                        device.close()
+                    device = _make_device(settings, **options)
             else:
                 _fill(result, run)
                 result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, result.peak_device_bytes)

@@ -170,3 +170,41 @@ def test_a_headroom_applies_to_accumulate_and_planned_alike() -> None:
     assert fits or accumulate.plan.microbatches == 8
     if fits:
         assert chosen["planned"].predicted_s <= accumulate.predicted_s * (1 + 1e-9)
+
+
+def test_a_strategy_that_ran_within_the_budget_is_trusted_over_the_models_peak() -> None:
+    """Suspect: offload peaks predicted 1.4-2x too high. Once offload has run within the budget, planned may use it."""
+    from offcore_torch.compare import _replan_with_measured_peaks
+
+    from offcore.comparison import Gates, StrategyResult
+
+    m = measurement(recompute_factor=3.0)
+    budget = int(0.5 * m.peak_bytes)
+    chosen = plan_strategies(SETTINGS, m.profile, m, budget, OVERHEAD)
+    offload = chosen["offload"]
+    assert offload.predicted_peak_bytes > budget  # the model rules it out
+    ran = StrategyResult(
+        "offload",
+        status="ok",
+        plan=offload.plan.describe(),
+        plan_dict=offload.plan.to_dict(),
+        peak_device_bytes=budget - MiB,
+        predicted_peak_bytes=offload.predicted_peak_bytes,
+        step_times_s=[0.03],
+    )
+    notes: list[str] = []
+    again = _replan_with_measured_peaks(
+        chosen["planned"], [ran], SETTINGS, m.profile, m, budget, OVERHEAD, Gates(), True, notes.append
+    )
+    before = chosen["planned"].predicted_s if chosen["planned"].plan is not None else float("inf")
+    assert again.predicted_s <= min(before, offload.predicted_s) * (1 + 1e-9)
+    if offload.predicted_s < before:
+        assert again.plan.actions == offload.plan.actions
+        assert notes and "offload ran at" in notes[0]
+        assert "ran at" in again.why
+    # a peak measured above the budget is no evidence: nothing changes
+    ran.peak_device_bytes = budget + 1
+    same = _replan_with_measured_peaks(
+        chosen["planned"], [ran], SETTINGS, m.profile, m, budget, OVERHEAD, Gates(), True, notes.append
+    )
+    assert same is chosen["planned"]
