@@ -42,7 +42,10 @@ The simulator's peaks are conservative for offloaded and recomputed layers (meas
 the model. When a plan has *run* on the device, its measured peak is better evidence
 than the model: ``measured_peaks`` replaces the simulated peak of those plans (only
 those: their neighbours are still judged by the model) in the fit test, and makes them
-candidates. The time the search minimises is unchanged (simulated).
+candidates. The other way round, a plan measured *above* its simulated peak shows the
+model misses bytes (transients it does not see): the largest such shortfall is a margin
+every plan not measured must keep below the budget. The time the search minimises is
+unchanged (simulated).
 
     >>> from offcore.sim.profile import uniform_profile
     >>> p = uniform_profile(4, forward_s=5e-3, backward_s=10e-3, saved_bytes=64 * 2**20,
@@ -158,12 +161,14 @@ class _Evaluator:
         overhead_s: float,
         budget: int,
         measured_peaks: Mapping[Plan, int] | None = None,
+        margin_bytes: int = 0,
     ) -> None:
         self.micro = micro
         self.microbatches = microbatches
         self.overhead_s = overhead_s
         self.budget = budget
         self.measured_peaks = dict(measured_peaks or {})
+        self.margin_bytes = margin_bytes
         self.cache: dict[Plan, _Score] = {}
         self.lowest: _Score | None = None  # the lowest-peak plan simulated so far
 
@@ -177,8 +182,8 @@ class _Evaluator:
         score = _Score(
             time=m * result.step_time_s + (m - 1) * self.overhead_s,
             # Note [Measured peaks]: a plan that ran within the budget fits, whatever the model predicts
-            peak=result.peak_bytes if measured is None else measured,
-            above=m * result.bytes_time_above(self.budget) if measured is None else 0.0,
+            peak=result.peak_bytes + self.margin_bytes if measured is None else measured,
+            above=m * result.bytes_time_above(self.budget - self.margin_bytes) if measured is None else 0.0,
             plan=plan,
         )
         self.cache[plan] = score
@@ -440,6 +445,13 @@ def _run(
         measured.setdefault(known.microbatches, {})[replace(known, microbatches=1, layer_names=None)] = peak
         candidates = (*candidates, known)
     by_count = _profiles_by_count(profile, microbatches, microbatch_profiles, candidates)
+    # Note [Measured peaks]: the model's largest under-prediction among the measured plans is a
+    # margin every plan not measured must keep below the budget
+    margin_bytes = 0
+    for m, known_peaks in measured.items():
+        for known, peak in known_peaks.items():
+            simulated = simulate(by_count[m], replace(known, microbatches=m), record_events=False).peak_bytes
+            margin_bytes = max(margin_bytes, peak - simulated)
     seeds: dict[int, list[Plan]] = {}
     for candidate in candidates:
         # the evaluator of a micro-batch count caches plans without microbatches and names
@@ -458,7 +470,7 @@ def _run(
             prefetch=_prefetch_candidates(micro, prefetch_mode, margin, prefetch_budgets),
             pair_moves=pairs,
         )
-        evaluate = _Evaluator(micro, m, overhead, budget, measured.get(m))
+        evaluate = _Evaluator(micro, m, overhead, budget, measured.get(m), margin_bytes)
         found = _greedy(evaluate, n, options, budget)  # also the incumbent that prunes the exact search
         for seed in seeds.get(m, ()):  # Note [Every named strategy is in the search space]
             score = evaluate(seed)
@@ -603,7 +615,9 @@ def plan(
             resident). With ``microbatches="auto"`` its keys are the counts searched.
         measured_peaks: device peaks measured for some plans (strategies that already
             ran); for those plans they replace the simulated peak in the fit test, and the
-            plans are candidates (Note [Measured peaks]). ``predicted`` is still simulated.
+            plans are candidates, and the model's largest under-prediction among them is a
+            margin the other plans keep below the budget (Note [Measured peaks]).
+            ``predicted`` is still simulated.
 
     Raises:
         ConfigurationError: bad arguments (negative or zero budget, unknown action, ...).

@@ -647,24 +647,36 @@ def _replan_with_measured_peaks(
     accumulation: bool,
     note: Callable[[str], None],
 ) -> StrategyPlan:
-    """Plan again when a strategy that ran fits the budget though the model predicted it would not.
+    """Plan again when the strategies that ran show the memory model wrong near the budget.
 
-    Note [Measured peaks] (offcore/sim/planner.py): the strategies run before "planned";
-    a measured peak within the target beats the simulator's conservative figure.
+    Note [Measured peaks] (offcore/sim/planner.py): the strategies run before "planned".
+    A measured peak within the target beats the simulator's conservative figure; a peak
+    measured above its prediction (or an out-of-memory error under a predicted fit) shows
+    bytes the model misses, which the planner then keeps as a margin below the budget.
     """
     target = int(budget * (1.0 - settings.planner_headroom))
+    capacity = profile.capacity_bytes
     measured: dict[Plan, int] = {}
     surprises = []
     for result in results:
-        if not result.ok or result.plan_dict is None or result.peak_device_bytes is None:
+        if result.plan_dict is None or result.predicted_peak_bytes is None:
             continue
         known = Plan.from_dict(result.plan_dict)
-        measured[known] = result.peak_device_bytes
-        if result.peak_device_bytes <= target < (result.predicted_peak_bytes or 0):
-            surprises.append(
-                f"{result.name} ran at {format_bytes(result.peak_device_bytes)} (predicted "
-                f"{format_bytes(result.predicted_peak_bytes or 0)})"
-            )
+        predicted = result.predicted_peak_bytes
+        if result.ok and result.peak_device_bytes is not None:
+            measured[known] = result.peak_device_bytes
+            if result.peak_device_bytes <= target < predicted:
+                surprises.append(
+                    f"{result.name} ran at {format_bytes(result.peak_device_bytes)} (predicted {format_bytes(predicted)})"
+                )
+            elif result.peak_device_bytes > predicted and result.peak_device_bytes > target - (target >> 4):
+                surprises.append(
+                    f"{result.name} peaked at {format_bytes(result.peak_device_bytes)}, above its predicted "
+                    f"{format_bytes(predicted)}"
+                )
+        elif result.status == "oom" and capacity is not None and predicted <= capacity:
+            measured[known] = capacity + 1  # its peak was above the capacity, whatever the model said
+            surprises.append(f"{result.name} ran out of memory though predicted at {format_bytes(predicted)}")
     if not surprises:
         return choice
     again = plan_strategies(
@@ -677,11 +689,11 @@ def _replan_with_measured_peaks(
         accumulation=accumulation,
         measured_peaks=measured,
     )["planned"]
-    if again.plan is None or (choice.plan is not None and again.plan == choice.plan):
+    if choice.plan is not None and again.plan is not None and again.plan.describe() == choice.plan.describe():
         return choice
     note(
-        "planned: re-planned with the measured peaks of the strategies that ran, within "
-        f"{format_bytes(target)} though predicted above it: {', '.join(surprises)}"
+        "planned: re-planned with the measured peaks of the strategies that ran (target "
+        f"{format_bytes(target)}): {', '.join(surprises)}"
     )
     return again
 

@@ -229,3 +229,20 @@ def test_a_measured_peak_within_the_budget_makes_a_plan_the_model_rules_out_fit(
     )
     if unchanged is not None:
         assert unchanged.predicted.step_time_s == before
+
+
+def test_a_plan_measured_above_its_prediction_makes_the_others_keep_that_margin() -> None:
+    """The other way round: bytes the model misses (measured above the simulated peak) are kept free."""
+    profile = measured_like(2)
+    options = {"lower_bound": False, "microbatches": (1,), "prefetch_margin_s": 0.0}
+    budget = budget_at(profile, 0.8)
+    free = plan(profile, budget, **options)
+    assert free.plan.prefetch.margin_s == 0.0
+    keep = Plan.keep_all(4)
+    shortfall = budget - free.predicted.peak_bytes + 1  # enough to push the free answer over the budget
+    measured = simulate(profile, keep).peak_bytes + shortfall
+    careful = plan(profile, budget, measured_peaks={keep: measured}, **options)
+    assert careful.predicted.peak_bytes + shortfall <= budget
+    assert careful.plan.actions != free.plan.actions
+    # only the byte margin changes: the prefetch policy's own margin is still the one asked for
+    assert careful.plan.prefetch.margin_s == 0.0
