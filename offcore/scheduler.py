@@ -226,6 +226,12 @@ class PrefetchPlan:
         if key in self.nbytes:
             self._done.add(key)
 
+    def reopen(self, key: int) -> None:
+        """``key`` needs a copy again (its prefetched device copy was evicted before use)."""
+        if key in self._done:
+            self._done.discard(key)
+            self._cursor = min(self._cursor, self.order.index(key))
+
 
 class Scheduler:
     """Predicts when backward needs each saved object, learning from earlier steps.

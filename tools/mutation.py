@@ -111,8 +111,8 @@ MUTATIONS: list[Mutation] = [
         "device copy released without querying its D2H event (ManagedObject's guard still on)",
         [
             (
-                "plugins/offcore_torch/offload.py",
-                "                    if not entry.obj.d2h_event.query():\n                        return True\n",
+                "plugins/offcore_torch/runtime.py",
+                "                    if not event.query():\n                        return\n",
                 "                    pass\n",
             )
         ],
@@ -122,8 +122,8 @@ MUTATIONS: list[Mutation] = [
         "the same with ManagedObject's guard removed: a true early free of the D2H copy's source",
         [
             (
-                "plugins/offcore_torch/offload.py",
-                "                    if not entry.obj.d2h_event.query():\n                        return True\n",
+                "plugins/offcore_torch/runtime.py",
+                "                    if not event.query():\n                        return\n",
                 "                    pass\n",
             ),
             (

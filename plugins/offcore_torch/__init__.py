@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
-    from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations
+    from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
     from offcore_torch.policy import OffloadPolicy
-    from offcore_torch.runtime import synchronize
     from offcore_torch.stats import OffloadStats
 
 __all__ = [
@@ -47,7 +46,7 @@ _EXPORTS = {
     "mark": "offcore_torch.offload",
     "OffloadPolicy": "offcore_torch.policy",
     "OffloadStats": "offcore_torch.stats",
-    "synchronize": "offcore_torch.runtime",
+    "synchronize": "offcore_torch.offload",
     "Scheduler": "offcore.scheduler",
 }
 

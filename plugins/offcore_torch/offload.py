@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import threading
 import time
 import warnings
@@ -77,11 +76,12 @@ from offcore.errors import (
 from offcore.kinds import Direction, Kind, Tier
 from offcore.objects import ManagedObject, State
 from offcore.protocols import Capability
-from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
+from offcore.residency import Action, ActionKind, ResidencyScheduler, Watermark
+from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
 from offcore_torch.policy import OffloadPolicy
-from offcore_torch.runtime import CopyCounters, DeviceRuntime, runtime_for
+from offcore_torch.runtime import CopyCounters, DeviceRuntime, runtime_for, runtime_of
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
@@ -95,7 +95,7 @@ from offcore_torch.storage import (
     version_keeper,
 )
 
-__all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark"]
+__all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark", "synchronize", "poll"]
 
 _local = threading.local()
 
@@ -296,7 +296,6 @@ class _Entry:
         "held",
         "freed",
         "disposed",
-        "prefetch_counted",
         "used",
         "used_round",
         "keys",
@@ -321,7 +320,8 @@ class _Entry:
         self.meta = meta
         self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
         self.nbytes = nbytes
-        self.obj = ManagedObject(kind=Kind.ACTIVATION, nbytes=nbytes, name=f"#{key} {where}")
+        # registered with the region's scheduler once its device-to-host copy was submitted
+        self.obj: ManagedObject = None  # type: ignore[assignment]
         self.skey = skey
         self.storage_ref: weakref.ref[torch.UntypedStorage] = _StorageRef(storage, self)
         self.src: torch.Tensor | None = None
@@ -340,7 +340,6 @@ class _Entry:
         self.held = False  # counted in held_elsewhere_bytes
         self.freed = False  # counted in freed_device_bytes
         self.disposed = False
-        self.prefetch_counted = False
         self.failed = False  # its device-to-host copy failed: the device copy stays the data
         # the records' version keepers point at ``restored`` (Note [Restore through the version keeper])
         self.keepers_pointed = False
@@ -388,6 +387,47 @@ def _storage_died(ref: _StorageRef) -> None:
             pass
 
 
+def _allocated_bytes_of(device: Any) -> Any:
+    """A probe of the device bytes allocated now, by the backend's own accounting (the scheduler's device budget)."""
+
+    def allocated_bytes() -> int:
+        return int(device.memory_stats().get("allocated_bytes", 0) or 0)
+
+    return allocated_bytes
+
+
+# ------------------------------------------------------------------------ landings
+def poll(runtime: DeviceRuntime) -> None:
+    """Poll ``runtime`` and hand each device-to-host copy that landed to the region that started it.
+
+    Note [Landings are returned, not called back] (runtime.py): the runtime returns the
+    landings; this binding dispatches them, so any region's pack or unpack, or a call to
+    :func:`synchronize`, settles every region's copies, active or finished.
+    """
+    runtime.poll()
+    if runtime._landed:
+        for entry, failure in runtime.take_landed():
+            entry.region._on_landed(entry, failure)
+
+
+def synchronize(device: Any) -> None:
+    """Wait for every copy offcore_torch has in flight on ``device`` and run every release waiting on one.
+
+    Afterwards every host buffer and device buffer offcore no longer needs is back
+    (useful before measuring memory, and in tests).
+
+        >>> offcore_torch.synchronize(dev)                       # doctest: +SKIP
+    """
+    runtime = runtime_of(device)
+    if runtime is None:
+        return
+    for _ in range(3):  # a landing may release what waits on no copy: one more round settles it
+        runtime.synchronize()
+        poll(runtime)
+        if not (runtime.deferred_count or runtime.d2h_in_flight):
+            return
+
+
 # ------------------------------------------------------------------------------- region
 class OffloadHandle:
     """One offload region: a context manager around forward whose saved tensors it manages.
@@ -416,22 +456,25 @@ class OffloadHandle:
         self._module_stack: list[str] = []
         self._scope_depth = 0
         self._exclude_depth = 0
-        self._pressure = False
+        self._watermark_rule = (
+            Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
+        )
         self._by_storage: dict[int, _Entry] = {}
         self._by_key: dict[int, _Entry] = {}
-        self._pending_d2h: collections.deque[_Entry] = collections.deque()
-        self._hold_until_used: list[_Entry] = []
         self._next_key = 0
         self._t_enter = 0.0
         self._t_exit = 0.0
-        self._observation = StepObservation()
-        self._round = -1
-        self._in_backward = False
         self._t_backward = 0.0
-        self._plan: PrefetchPlan | None = None
-        self._no_prefetch_round = -2  # a backward round that starts no more prefetches
-        self._outstanding = 0  # prefetched bytes not yet handed to autograd
-        self._vtime = 0.0  # the prefetch plan's clock at the last trigger
+        # every decision about when and where (Note [One scheduler, thin bindings] in offcore.residency)
+        self._sched = ResidencyScheduler(
+            self.scheduler,
+            duration=self.runtime.h2d_duration,
+            prefetch=policy.prefetch,
+            budget=policy.prefetch_budget,
+            margin=policy.margin,
+            device_in_use=_allocated_bytes_of(device),  # not a bound method: no region <-> scheduler cycle
+            record=policy.record,
+        )
         self._graph_task = -1  # the autograd graph task of the current backward round
         self._host_bytes = _HostBytes()
         self._counters = CopyCounters(trace=TraceRecorder(process_name="offcore_torch") if policy.trace else None)
@@ -452,6 +495,30 @@ class OffloadHandle:
         self._scoped = policy.modules is not None
         self._watermark = policy.watermark is not None
 
+    @property
+    def _round(self) -> int:
+        """The backward round over this region's graph (-1 before the first)."""
+        return self._sched.round
+
+    @property
+    def _in_backward(self) -> bool:
+        return self._sched.in_backward
+
+    @property
+    def schedule_log(self) -> list[tuple[Any, ...]]:
+        """The events this region fed its scheduler, with times (needs ``record=True``): replayable
+        through :func:`offcore.sim.replay.replay` to the same actions (:attr:`schedule_actions`)."""
+        if not self.policy.record:
+            raise ConfigurationError("this region records no schedule: pass record=True to offload_activations")
+        return list(self._sched.log)
+
+    @property
+    def schedule_actions(self) -> list[Action]:
+        """The actions the scheduler returned, in order (needs ``record=True``)."""
+        if not self.policy.record:
+            raise ConfigurationError("this region records no schedule: pass record=True to offload_activations")
+        return list(self._sched.actions)
+
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> OffloadHandle:
         if self._entered:
@@ -459,7 +526,7 @@ class OffloadHandle:
                 "an OffloadHandle is entered once: call offload_activations(...) again for the next step"
             )
         self._entered = True
-        self.runtime.poll()
+        poll(self.runtime)
         if self.runtime.timings_between_steps:
             self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
         if _inside_checkpoint():
@@ -469,6 +536,7 @@ class OffloadHandle:
             return self
         stats = self.device.memory_stats()
         self._capacity = int(stats.get("capacity_bytes", 0) or 0)
+        self._sched.device_capacity = self._capacity
         self._peak_baseline = int(stats.get("peak_allocated_bytes", 0) or 0)
         self._sample_peak(stats)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -488,8 +556,8 @@ class OffloadHandle:
         self._hooks = hooks
         self._thread = threading.get_ident()
         self._t_enter = time.perf_counter()
+        self._sched.forward_began(self._t_enter)
         self.active = True
-        self.runtime.add_region(self)
         return self
 
     def _remove_module_hooks(self) -> None:
@@ -512,17 +580,15 @@ class OffloadHandle:
             self._hooks = None
             self._remove_module_hooks()
             self._t_exit = time.perf_counter()
-            self._observation.forward_seconds = self._t_exit - self._t_enter
             if self._counters.trace is not None:
                 self._counters.trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
             self._sample_peak()
-            self.runtime.poll()
+            poll(self.runtime)
         if exc_type is None:
             # Note [Prefetch from the end of forward]: what backward needs first was saved
             # last; starting the plan now keeps (or starts reloading) it before backward's
             # first use instead of stalling on it.
-            self._make_plan()
-            self._prefetch_due(-math.inf)
+            self._execute(self._sched.forward_ended(self._t_exit, readers=self._readers()))
 
     # -- module scope, parameters and names ----------------------------------------------
     def _register_module_hooks(self) -> None:
@@ -583,9 +649,9 @@ class OffloadHandle:
         # decisions were taken in __init__ (_min_bytes, _scoped, _watermark).
         key = self._next_key
         self._next_key = key + 1
-        self._observation.pack_times[key] = time.perf_counter() - self._t_enter
+        self._sched.produced(key, time.perf_counter())
         self._stats.saved_tensors += 1
-        self.runtime.poll()
+        poll(self.runtime)
 
         if _current_autograd_node() is not None:
             return self._keep(tensor, key, "during_backward")
@@ -661,19 +727,12 @@ class OffloadHandle:
         return self._record(entry, tensor, key)
 
     def _under_pressure(self) -> bool:
-        """Watermark policy with hysteresis: offload while free device memory is below α × capacity."""
+        """The watermark rule (offcore.residency.Watermark) on the device's own accounting."""
         stats = self.device.memory_stats()
         capacity = int(stats.get("capacity_bytes", 0) or self._capacity)
-        if capacity <= 0:
-            return True
         free = int(stats.get("free_bytes", capacity - int(stats.get("allocated_bytes", 0))))
-        alpha = self.policy.watermark or 0.0
-        if self._pressure:
-            if free > (alpha + self.policy.hysteresis) * capacity:
-                self._pressure = False
-        elif free < alpha * capacity:
-            self._pressure = True
-        return self._pressure
+        assert self._watermark_rule is not None
+        return self._watermark_rule.under_pressure(free=free, capacity=capacity)
 
     def _pool(self) -> Any:
         pool = self._host_pool
@@ -690,7 +749,7 @@ class OffloadHandle:
                 buffer = pool.acquire(nbytes)
             return buffer, buffer.view, tier
         except CapacityExceededError:
-            self.runtime.poll()  # buffers whose copies just landed may come back
+            poll(self.runtime)  # buffers whose copies just landed may come back
             try:
                 with internal_ops():
                     buffer = pool.acquire(nbytes)
@@ -759,44 +818,26 @@ class OffloadHandle:
                 self._copy_failed(entry, exc, "device-to-host copy could not be submitted")
                 raise _CopyRefused from exc
             raise
-        entry.obj.start_offload(done, tier)
+        entry.obj = self._sched.register(key, Kind.ACTIVATION, nbytes, name=f"#{key} {where}")
+        self._sched.offload_started(key, done, tier)
         with self._lock:
             self._by_storage[entry.skey] = entry
             self._by_key[key] = entry
-            self._pending_d2h.append(entry)
+        self.runtime.track_d2h(done, entry)
         self._host_bytes.add(tier, nbytes)
         self._stats.offloaded_bytes += nbytes
         self._stats.offloaded_storages += 1
         return entry
 
     # -- landing -------------------------------------------------------------------------
-    def _poll_copies(self) -> bool:
-        """Handle D2H copies that landed, oldest first (they complete in order on one stream).
-
-        Returns whether the runtime should keep polling this region (it is active, or copies
-        are still in flight): a finished region a caller keeps for its stats costs no poll.
-        """
-        pending = self._pending_d2h
-        while pending:
-            entry = pending[0]
-            failure: Exception | None = None
-            if not entry.disposed:
-                try:
-                    if not entry.obj.d2h_event.query():
-                        return True
-                except Exception as exc:  # the copy failed on its stream
-                    failure = exc
-            with self._lock:
-                if not pending or pending[0] is not entry:
-                    continue
-                pending.popleft()
-            if entry.disposed:
-                continue
-            if failure is None:
-                self._landed(entry)
-            else:
-                self._d2h_failed(entry, failure)
-        return self.active
+    def _on_landed(self, entry: _Entry, failure: Exception | None) -> None:
+        """The device-to-host copy of ``entry`` landed (or failed): see :func:`poll`."""
+        if entry.disposed:
+            return
+        if failure is None:
+            self._landed(entry)
+        else:
+            self._d2h_failed(entry, failure)
 
     def _copy_failed(self, entry: _Entry, exc: Exception, what: str) -> None:
         self._stats.copy_failures += 1
@@ -812,7 +853,7 @@ class OffloadHandle:
         self.runtime.recover(self.runtime.d2h_stream)
         entry.failed = entry.landed = True
         tier = entry.obj.host_tier or Tier.PINNED
-        entry.obj.cancel_offload()
+        self._sched.offload_failed(entry.key)
         host, host_view = entry.host, entry.host_view
         entry.host = entry.host_view = None
         if host is not None:
@@ -829,26 +870,10 @@ class OffloadHandle:
         items = entry.live_items()
         if any(item.keeper._version != item.version for item in items):
             entry.modified_in_flight = True
-        upcoming = self._round if self._in_backward else self._round + 1
-        if self._plan is not None and not entry.all_unpacked(upcoming) and self._hold_as_prefetch(entry):
-            return
+        needed = not entry.all_unpacked(self._sched.upcoming_round)
+        if self._sched.landed(entry.key, needed=needed).kind is ActionKind.HOLD:
+            return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
-
-    def _hold_as_prefetch(self, entry: _Entry) -> bool:
-        """During backward, keep a just-landed device copy that the plan would reload now anyway."""
-        plan = self._plan
-        if plan is None or plan.latest_start.get(entry.key, math.inf) > plan.horizon(self._vtime):
-            return False
-        if not self._within_budget(entry.nbytes):
-            return False
-        self._count_prefetch(entry)
-        self._hold_until_used.append(entry)
-        plan.issued(entry.key)
-        return True
-
-    def _within_budget(self, nbytes: int) -> bool:
-        budget = self.policy.prefetch_budget
-        return self._outstanding + nbytes <= budget or (self._outstanding == 0 and budget > 0)
 
     def _timed_copy(self, direction: Direction) -> bool:
         """Whether to bracket the next copy with timing events.
@@ -860,17 +885,6 @@ class OffloadHandle:
         self._timed_per_direction[direction] = count + 1
         return self.runtime.sample(direction, always=self._tracing or count < 2)
 
-    def _count_prefetch(self, entry: _Entry) -> None:
-        entry.prefetch_counted = True
-        self._outstanding += entry.nbytes
-        if self._outstanding > self._stats.peak_prefetched_bytes:
-            self._stats.peak_prefetched_bytes = self._outstanding
-
-    def _uncount_prefetch(self, entry: _Entry) -> None:
-        if entry.prefetch_counted:
-            entry.prefetch_counted = False
-            self._outstanding -= entry.nbytes
-
     def _release_device(self, entry: _Entry, items: list[_Offloaded] | None = None) -> None:
         """Drop offcore's device references of a landed entry; count what that really freed."""
         if entry.obj.state is State.OFFLOADING:
@@ -878,15 +892,19 @@ class OffloadHandle:
         for item in entry.live_items() if items is None else items:
             release_storage(item.keeper)
         entry.src = None
-        if entry.storage_ref() is not None and not entry.freed and not entry.held and not entry.used:
-            # still alive although backward has not used it: something else references it
-            entry.held = True
-            self._stats.held_elsewhere_bytes += entry.nbytes
+        if entry.storage_ref() is not None:
+            self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
+            if not entry.freed and not entry.held and not entry.used:
+                # still alive although backward has not used it: something else references it
+                entry.held = True
+                self._stats.held_elsewhere_bytes += entry.nbytes
 
     def _storage_died(self, entry: _Entry) -> None:
         with self._lock:
             if self._by_storage.get(entry.skey) is entry:
                 del self._by_storage[entry.skey]
+        if entry.obj is not None:
+            self._sched.device_copy_died(entry.key)
         if entry.landed and not entry.freed and not entry.disposed and not entry.used and not entry.failed:
             entry.freed = True
             self._stats.freed_device_bytes += entry.nbytes
@@ -897,60 +915,44 @@ class OffloadHandle:
     # -- unpack --------------------------------------------------------------------------
     def _begin_backward(self) -> None:
         self._graph_task = _graph_task_id()
-        self._round += 1
-        self._in_backward = True
         self._t_backward = time.perf_counter()
+        self._sched.backward_began(self._t_backward)
         self._sample_peak()
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         except RuntimeError:  # not inside a backward pass (a saved tensor read by hand)
-            self._in_backward = False
+            self._sched.backward_aborted()
             return
-        if self._plan is None:
-            self._make_plan()
+        if self._sched.plan is None:
+            self._sched.make_plan(self._readers())
 
-    def _make_plan(self) -> None:
-        if self.policy.prefetch != "deadline":
-            return
-        entries = [e for e in self._by_key.values() if not e.disposed]
-        self._plan = self.scheduler.plan(
-            self._observation,
-            {e.key: e.nbytes for e in entries},
-            self.runtime.h2d_duration,
-            margin=self.policy.margin,
-            readers={e.key: e.keys for e in entries},
-        )
-        self._vtime = -math.inf  # before backward's first use
+    def _readers(self) -> dict[int, list[int]]:
+        """Every save key reading each offloaded storage (an object is needed at the first of their uses)."""
+        return {e.key: e.keys for e in self._by_key.values() if not e.disposed}
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""
         try:
             now = time.perf_counter()
-            self._in_backward = False
-            self._observation.backward_seconds = now - self._t_backward
             if self._counters.trace is not None:
                 self._counters.trace.span(
                     "compute", f"backward {self._round}", self._t_backward, now - self._t_backward
                 )
-            if self._round == 0:
-                self.scheduler.observe(self._observation)
-            self._plan = None
-            held, self._hold_until_used = self._hold_until_used, []
-            for entry in held:
-                self._uncount_prefetch(entry)
-                if not entry.disposed:
+            for action in self._sched.backward_ended(now):  # frees what was held
+                entry = self._by_key.get(action.key)
+                if entry is not None and not entry.disposed:
                     self._release_device(entry)
             for entry in list(self._by_key.values()):
                 if entry.restored is not None and not entry.disposed:
                     self._drop_restored(entry)
             self._sample_peak()
             self._peak_final = self._peak_now()
-            self.runtime.poll()
+            poll(self.runtime)
         except Exception:  # pragma: no cover - must not break the caller's backward
             pass
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        self.runtime.poll()
+        poll(self.runtime)
         if _current_autograd_node() is not None:
             if not self._in_backward:
                 self._begin_backward()
@@ -958,14 +960,12 @@ class OffloadHandle:
                 # the backward pass that began the round raised, so its end callback never ran
                 self._end_backward()
                 self._begin_backward()
-        now = time.perf_counter() - self._t_backward
+        now = time.perf_counter()
         key = packed.key
-        if self._in_backward and self._round == 0:
-            self._observation.first_use.setdefault(key, now)
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
                 raise self._modified_error(packed.tensor, packed.version, packed.tensor._version, offloaded=False)
-            self._trigger(key, now)
+            self._execute(self._sched.used(key, now))
             return packed.tensor
         return self._restore(packed, key, now)
 
@@ -1018,25 +1018,26 @@ class OffloadHandle:
     def _device_storage(self, entry: _Entry, key: int, now: float) -> torch.UntypedStorage:
         """The storage backward should read, on the device and ordered for the compute stream."""
         first_use = entry.used_round != self._round
-        if self._plan is not None:
-            self._plan.issued(key)
+        sched = self._sched
         if entry.restored is not None:
-            self._trigger(key, now)
-            if first_use and entry.prefetch_counted:
+            if first_use and entry.key in sched._counted:
                 self._stats.prefetch_hits += 1
+            self._execute(sched.used(key, now, managed_key=entry.key))
             return self._await_prefetch(entry)
         live = entry.storage_ref()
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
         if live is not None:
-            self._trigger(key, now)
+            sched.reloaded(entry.key)
+            self._execute(sched.used(key, now, managed_key=entry.key))
             if first_use:
                 self._stats.reused_live_bytes += entry.nbytes
             entry.restored = live
             return live
         # a miss: reload now; the whole copy is exposed and charged to this object
         storage = self._reload_now(entry)
-        self._trigger(key, now)
+        sched.reloaded(entry.key)
+        self._execute(sched.used(key, now, managed_key=entry.key))
         return storage
 
     def _reload_now(self, entry: _Entry) -> torch.UntypedStorage:
@@ -1118,8 +1119,7 @@ class OffloadHandle:
     def _prefetch_failed(self, entry: _Entry, exc: Exception) -> torch.UntypedStorage:
         """A failed prefetch: drop its device buffer and reload synchronously from the intact host copy."""
         self.runtime.recover(self.runtime.h2d_stream)
-        self._uncount_prefetch(entry)
-        entry.obj.fail_prefetch()
+        self._sched.prefetch_failed(entry.key)
         entry.restored = entry.restored_ref = None
         self._stats.reloaded_bytes -= entry.nbytes
         self._stats.prefetched_bytes -= entry.nbytes
@@ -1128,15 +1128,13 @@ class OffloadHandle:
 
     def _consumed(self, entry: _Entry) -> None:
         """Every live record of ``entry`` was unpacked this round: autograd owns the storage now."""
-        if entry in self._hold_until_used:
-            self._hold_until_used.remove(entry)
-            self._uncount_prefetch(entry)
+        if self._sched.consumed(entry.key):  # it was held on landing: offcore's device copy goes
             self._release_device(entry)
         self._drop_restored(entry)
 
     def _drop_restored(self, entry: _Entry) -> None:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
-        self._uncount_prefetch(entry)
+        self._sched.dropped(entry.key)
         storage = entry.restored
         if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
             entry.keepers_pointed = False
@@ -1159,63 +1157,39 @@ class OffloadHandle:
             obj.drop_restored_copy()
 
     # -- prefetch ------------------------------------------------------------------------
-    def _trigger(self, key: int, now: float) -> None:
-        """An unpack at ``now`` (seconds into backward): start the reloads the plan says are due."""
-        plan = self._plan
-        if plan is not None and len(plan):
-            self._vtime = vtime = plan.virtual_time(key, now)
-            due = plan.due(vtime)
-            if due:
-                self._start_due(plan, due)
+    def _execute(self, actions: Any) -> None:
+        """Carry out the scheduler's actions (offered lazily: each outcome is reported before the next)."""
+        for action in actions:
+            entry = self._by_key.get(action.key)
+            if action.kind is ActionKind.PREFETCH:
+                assert entry is not None  # the scheduler offers only registered, unreleased objects
+                self._start_prefetch(entry)
+            elif action.kind is ActionKind.EVICT and entry is not None:
+                self._evict(entry)
 
-    def _prefetch_due(self, vtime: float) -> None:
-        plan = self._plan
-        if plan is None or not len(plan):
-            return
-        self._vtime = vtime
-        due = plan.due(vtime)
-        if due:
-            self._start_due(plan, due)
-
-    def _start_due(self, plan: PrefetchPlan, due: list[int]) -> None:
-        """Start the reloads ``plan`` says are due now (deadline order), within the prefetch budget."""
-        if self._no_prefetch_round == (self._round if self._in_backward else self._round + 1):
-            return  # Note [No speculative allocation after a refusal]
-        for k in due:
-            entry = self._by_key.get(k)
-            if entry is not None and not entry.disposed and not entry.landed:
-                continue  # its D2H copy is in flight: the device copy is still there (see _landed)
-            if (
-                entry is None
-                or entry.disposed
-                or entry.obj.state is not State.OFFLOADED
-                or entry.restored is not None
-                or entry.storage_ref() is not None
-            ):
-                plan.issued(k)
-                continue
-            if not self._within_budget(entry.nbytes):
-                return
-            if not self._start_prefetch(entry):
-                return
-            plan.issued(k)
+    def _evict(self, entry: _Entry) -> None:
+        """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
+        if entry.obj.state is State.OFFLOADING:  # held on landing
+            self._release_device(entry)
+        else:
+            self._drop_restored(entry)
 
     def _start_prefetch(self, entry: _Entry) -> bool:
-        # Note [No speculative allocation after a refusal]: a prefetch is speculative. Asking a
-        # caching allocator for memory that is not there makes it free its whole cache, with a
-        # device-wide synchronize, before it raises. So a prefetch that cannot fit within the
-        # capacity is not asked for (the next trigger looks again), and after one refusal by
-        # the allocator the round prefetches no more (what is left reloads on demand).
-        if self._capacity > 0:
-            stats = self.device.memory_stats()
-            if int(stats.get("allocated_bytes", 0) or 0) + entry.nbytes > self._capacity:
-                self._kept["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
-                return False
+        """Start the reload the scheduler offered and report the outcome to it (returned too).
+
+        Note [No speculative allocation after a refusal]: a prefetch is speculative. Asking a
+        caching allocator for memory that is not there makes it free its whole cache, with a
+        device-wide synchronize, before it raises. So the scheduler offers a prefetch only when
+        it fits the device capacity next to what is allocated now (it asks again at the next
+        trigger), and after one refusal by the allocator the round prefetches no more (what is
+        left reloads on demand).
+        """
+        sched = self._sched
         try:
             dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
             if _is_oom(exc):
-                self._refuse_prefetches("prefetch_oom")
+                sched.refused(entry.key, "oom")
                 return False
             raise
         try:
@@ -1223,19 +1197,15 @@ class OffloadHandle:
         except Exception as exc:  # not submitted: backward reloads it when it needs it
             del dst
             self._copy_failed(entry, exc, "host-to-device prefetch could not be submitted")
+            sched.refused(entry.key, "failed")
             return False
-        entry.obj.start_prefetch(done)
+        sched.started(entry.key, done)
         storage = dst.untyped_storage()
         entry.restored = storage
         entry.restored_ref = weakref.ref(storage)
-        self._count_prefetch(entry)
         self._stats.prefetched_bytes += entry.nbytes
         self._stats.reloaded_bytes += entry.nbytes
         return True
-
-    def _refuse_prefetches(self, reason: str) -> None:
-        self._kept[reason] += 1
-        self._no_prefetch_round = self._round if self._in_backward else self._round + 1
 
     # -- release -------------------------------------------------------------------------
     def _item_died(self, entry: _Entry) -> None:
@@ -1255,9 +1225,7 @@ class OffloadHandle:
                 del self._by_storage[entry.skey]
             if self._by_key.get(entry.key) is entry:
                 del self._by_key[entry.key]
-        if entry in self._hold_until_used:
-            self._hold_until_used.remove(entry)
-        self._uncount_prefetch(entry)
+        self._sched.released(entry.key)
         obj = entry.obj
         runtime = self.runtime
         pending, stream = (obj.h2d_event, runtime.h2d_stream) if obj.state is State.PREFETCHING else (None, None)
@@ -1295,13 +1263,13 @@ class OffloadHandle:
 
     def stats(self) -> OffloadStats:
         """The region's figures so far (final once backward ended); see :class:`OffloadStats`."""
-        self.runtime.poll()
+        poll(self.runtime)
         for event in self.runtime.pending_timings(self._counters):
             try:
                 event.synchronize()
             except Exception:  # a bracket around a failed copy: resolved without a sample
                 pass
-        self.runtime.poll()
+        poll(self.runtime)
         self.runtime.resolve_timings()
         s = self._stats
         c = self._counters
@@ -1314,7 +1282,12 @@ class OffloadHandle:
         out.waits = dict(c.waits)
         out.d2h_bandwidth = c.d2h_bytes / c.d2h_seconds if c.d2h_seconds > 0 else 0.0
         out.h2d_bandwidth = c.h2d_bytes / c.h2d_seconds if c.h2d_seconds > 0 else 0.0
-        out.kept = dict(self._kept)
+        out.peak_prefetched_bytes = self._sched.peak_outstanding
+        kept = collections.Counter(self._kept)
+        for reason in ("prefetch_no_room", "prefetch_oom"):
+            if self._sched.counters[reason]:
+                kept[reason] += self._sched.counters[reason]
+        out.kept = dict(kept)
         return out
 
     def write_trace(self, path: Any) -> None:
@@ -1333,7 +1306,7 @@ class OffloadHandle:
 
     def synchronize(self) -> None:
         """Wait for this device's copies in flight and run every release that waited on one."""
-        self.runtime.synchronize()
+        synchronize(self.device)
 
     def __repr__(self) -> str:
         return (
@@ -1395,6 +1368,8 @@ def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
     - ``schedule``: an :class:`offcore.scheduler.Scheduler` reused across steps
       (default: one per device).
     - ``trace`` (False): record a Chrome trace (``handle.write_trace(path)``).
+    - ``record`` (False): keep the scheduler's events and actions (``handle.schedule_log``,
+      ``handle.schedule_actions``) for replay through :func:`offcore.sim.replay.replay`.
 
         >>> with offcore_torch.offload_activations(dev, min_bytes="1MiB") as handle:   # doctest: +SKIP
         ...     loss = model(x)

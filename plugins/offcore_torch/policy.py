@@ -62,6 +62,7 @@ class OffloadPolicy:
     exclude: tuple[nn.Module, ...] | None = None
     schedule: Scheduler | None = None
     trace: bool = False
+    record: bool = False
 
     @classmethod
     def parse(
@@ -80,6 +81,7 @@ class OffloadPolicy:
         exclude: nn.Module | Iterable[nn.Module] | None = None,
         schedule: Scheduler | None = None,
         trace: bool = False,
+        record: bool = False,
         **unknown: Any,
     ) -> OffloadPolicy:
         if unknown:
@@ -97,7 +99,7 @@ class OffloadPolicy:
                 f"fallback={fallback!r} is not a host-budget fallback: use 'pageable' (copy to ordinary host "
                 "memory) or 'keep' (leave the tensor on the device)"
             )
-        for name, flag in (("pinned", pinned), ("trace", trace)):
+        for name, flag in (("pinned", pinned), ("trace", trace), ("record", record)):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"{name} must be True or False, got {flag!r}")
         if watermark is not None:
@@ -130,6 +132,7 @@ class OffloadPolicy:
             exclude=_modules(exclude, "exclude"),
             schedule=schedule,
             trace=trace,
+            record=record,
         )
 
 

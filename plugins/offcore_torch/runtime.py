@@ -30,6 +30,15 @@ unchanged on the fake device, CUDA and NPU.
 # small copies. So offcore hands the start event to ``copy_(..., start_event=...)``, and
 # the backend records it right before the transfer itself.
 
+# Note [Landings are returned, not called back]
+# The runtime tracks every device-to-host copy in flight on its D2H stream (they complete
+# in submission order) with an opaque token from its owner. A poll moves the copies that
+# completed (or failed) into the runtime's landed queue; it never calls back into the
+# region that started them. The binding takes them with :meth:`DeviceRuntime.take_landed`
+# and hands each to its owner (offcore_torch.offload.poll). So a finished region a caller
+# keeps for its stats costs nothing per poll, and anyone may poll (a test, synchronize)
+# without losing a landing: it waits in the queue until the binding takes it.
+
 # Note [A failed copy is a completed copy]
 # A copy can fail on its stream (the backend's event then raises on query/synchronize,
 # as an asynchronous CUDA error does, and the fake device's stream failures and injected
@@ -58,7 +67,7 @@ from offcore.protocols import Capability
 from offcore.scheduler import BandwidthEstimator, Scheduler
 from offcore.trace import TraceRecorder
 
-__all__ = ["DeviceRuntime", "runtime_for", "CopyCounters", "synchronize"]
+__all__ = ["DeviceRuntime", "runtime_for", "runtime_of", "CopyCounters"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
@@ -129,7 +138,8 @@ class DeviceRuntime:
         self._deferred_total = 0
         self._timed: dict[Any, collections.deque[_Timed]] = {}  # per stream: brackets end in order
         self._track_end: dict[str, float] = collections.defaultdict(float)
-        self._regions: list[weakref.ref[Any]] = []
+        self._d2h_in_flight: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, token)
+        self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()  # (token, failure)
         self._timed_copies: dict[Direction, int] = collections.defaultdict(int)
 
     # -- host pools --------------------------------------------------------------------
@@ -221,15 +231,45 @@ class DeviceRuntime:
                 if queue and _landed(queue[0].end)[0]:
                     self._resolve_timed()
                     break
-        regions = self._regions
-        finished: list[weakref.ref[Any]] = []
-        for ref in regions:
-            region = ref()
-            if region is None or not region._poll_copies():
-                finished.append(ref)
-        if finished:
-            with self.lock:  # regions added meanwhile stay
-                self._regions = [r for r in self._regions if r not in finished]
+        if self._d2h_in_flight:
+            self._poll_d2h()
+
+    # -- device-to-host copies in flight (Note [Landings are returned, not called back]) --
+    def track_d2h(self, event: Any, token: Any) -> None:
+        """Watch the device-to-host copy that completes with ``event``; ``token`` comes back when it landed."""
+        with self.lock:
+            self._d2h_in_flight.append((event, token))
+
+    def _poll_d2h(self) -> None:
+        with self.lock:
+            queue = self._d2h_in_flight
+            while queue:
+                event, token = queue[0]
+                failure: Exception | None = None
+                try:
+                    if not event.query():
+                        return
+                except Exception as exc:  # the copy failed on its stream
+                    # kept without its traceback: the traceback's frames (this one included)
+                    # would form a cycle holding the caller's tensors until a collection
+                    failure = exc.with_traceback(None)
+                queue.popleft()
+                self._landed.append((token, failure))
+
+    def take_landed(self) -> list[tuple[Any, Exception | None]]:
+        """The tokens of device-to-host copies that landed since the last call, in landing order,
+        each with the exception its copy failed with (None when it succeeded)."""
+        if not self._landed:
+            return []
+        with self.lock:
+            out = list(self._landed)
+            self._landed.clear()
+        return out
+
+    @property
+    def d2h_in_flight(self) -> int:
+        """Device-to-host copies started and not seen landing yet."""
+        return len(self._d2h_in_flight)
 
     def recover(self, stream: Any = None) -> None:
         """Clear a copy stream's sticky failure (both copy streams by default), so later copies on it run.
@@ -242,20 +282,12 @@ class DeviceRuntime:
             except Exception:  # the failure being cleared (the backend raises it once)
                 pass
 
-    def add_region(self, region: Any) -> None:
-        """Poll ``region``'s device-to-host copies at every poll while it needs it (active, or copies in flight)."""
-        with self.lock:
-            self._regions = [r for r in self._regions if r() is not None] + [weakref.ref(region)]
-
-    def remove_region(self, region: Any) -> None:
-        with self.lock:
-            self._regions = [r for r in self._regions if r() is not None and r() is not region]
-
     def synchronize(self, *, wait: bool = True) -> None:
         """Wait for every copy offcore has in flight on this device, then run every pending release."""
         while True:
             with self.lock:
                 pending = [item for queue in self._deferred.values() for item in queue]
+                pending += list(self._d2h_in_flight)
             if wait:
                 for event, _ in pending:
                     _wait(event)
@@ -265,7 +297,7 @@ class DeviceRuntime:
             self.poll()
             if wait:
                 self._resolve_timed()  # a barrier already: read what timings completed
-            if not wait or not self._deferred_total:
+            if not wait or not (self._deferred_total or self._d2h_in_flight):
                 return
 
     # -- timing ------------------------------------------------------------------------
@@ -415,19 +447,12 @@ def runtime_for(device: Any) -> DeviceRuntime:
         return runtime
 
 
-def synchronize(device: Any) -> None:
-    """Wait for every copy offcore_torch has in flight on ``device`` and run every release waiting on one.
-
-    Afterwards every host buffer and device buffer offcore no longer needs is back
-    (useful before measuring memory, and in tests).
-
-        >>> offcore_torch.synchronize(dev)                       # doctest: +SKIP
-    """
+def runtime_of(device: Any) -> DeviceRuntime | None:
+    """The :class:`DeviceRuntime` of ``device`` if one was created (never creates one)."""
     runtime = getattr(device, _RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         try:
             runtime = _fallback_runtimes.get(device) or _fallback_by_id.get(id(device))
         except TypeError:
             runtime = _fallback_by_id.get(id(device))
-    if runtime is not None:
-        runtime.synchronize()
+    return runtime

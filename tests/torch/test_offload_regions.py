@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_torch.offload import OffloadHandle  # noqa: E402
+from offcore_torch.runtime import runtime_for  # noqa: E402
 from offload_helpers import sanitized_device, settle  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -40,18 +41,22 @@ def test_finished_regions_kept_by_the_caller_are_not_polled(dev: Any, monkeypatc
             kept.append(handle)
         settle(dev)
         polled: list[OffloadHandle] = []
-        poll = OffloadHandle._poll_copies
+        on_landed = OffloadHandle._on_landed
 
-        def counting(self: OffloadHandle) -> bool:
+        def counting(self: OffloadHandle, entry: Any, failure: Any) -> None:
             polled.append(self)
-            return poll(self)
+            on_landed(self, entry, failure)
 
-        monkeypatch.setattr(OffloadHandle, "_poll_copies", counting)
+        # Note [Landings are returned, not called back]: the runtime keeps no list of regions;
+        # a poll hands each landed copy to the region that started it, and to no other
+        monkeypatch.setattr(OffloadHandle, "_on_landed", counting)
         with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
             loss = model(x).sum()
         loss.backward()
-        assert polled, "the active region is polled"
+        settle(dev)
+        assert polled, "the active region hears of its landed copies"
         assert not set(map(id, polled)) & set(map(id, kept)), "a finished region was polled"
+        assert runtime_for(dev).d2h_in_flight == 0
         assert all(h.stats().offloaded_storages > 0 for h in kept[:3]), "stats stay readable"
 
 

@@ -35,7 +35,7 @@ torch = pytest.importorskip("torch")
 import offcore_torch  # noqa: E402
 from offcore_cpu.streams import WorkerStream  # noqa: E402
 from offcore_torch.offload import OffloadHandle  # noqa: E402
-from offcore_torch.runtime import runtime_for  # noqa: E402
+from offcore_torch.runtime import DeviceRuntime, runtime_for  # noqa: E402
 from offcore_torch.storage import release_storage  # noqa: E402
 from offload_helpers import FixedScheduler, settle  # noqa: E402
 from torch import nn  # noqa: E402
@@ -93,14 +93,12 @@ def take_violations(dev: Any, kind: str) -> list[dict[str, Any]]:
 # =========================================================== 1. early free of a D2H source
 
 
-def _landed_without_asking(self: OffloadHandle) -> bool:
-    """Planted: every pending device-to-host copy is taken as landed without querying its event."""
-    pending = self._pending_d2h
-    while pending:
-        entry = pending.popleft()
-        if not entry.disposed:
-            self._landed(entry)  # drops offcore's device references: the D2H may still be reading them
-    return self.active
+def _landed_without_asking(self: Any) -> None:
+    """Planted: every device-to-host copy in flight is taken as landed without querying its event."""
+    with self.lock:
+        while self._d2h_in_flight:
+            _event, token = self._d2h_in_flight.popleft()
+            self._landed.append((token, None))  # the region drops its device references: the D2H may still read them
 
 
 def _release_unguarded(self: ManagedObject) -> None:
@@ -128,7 +126,7 @@ def _step_with_d2h_held(dev: Any, model: nn.Module, x: Any) -> tuple[Any, list[d
 @pytest.mark.parametrize("run", RUNS)
 def test_canary_early_free_of_a_d2h_source_is_caught(dev: Any, monkeypatch: pytest.MonkeyPatch, run: int) -> None:
     model, x, expected = build(dev)
-    monkeypatch.setattr(OffloadHandle, "_poll_copies", _landed_without_asking)
+    monkeypatch.setattr(DeviceRuntime, "_poll_d2h", _landed_without_asking)
     monkeypatch.setattr(ManagedObject, "release_device_copy", _release_unguarded)
     _step_with_d2h_held(dev, model, x)
     assert has_nan(grads(model)), "backward must read the poison the early-freed sources delivered"

@@ -1,0 +1,523 @@
+"""The residency scheduler: events in, actions out (framework-neutral, no torch).
+
+One :class:`ResidencyScheduler` decides, for the managed objects of one step's graph,
+*when* each moves and *where* it lives: which device copies are freed once their
+device-to-host copy landed, which are held because backward needs them soon, which
+reloads start at each trigger (deadline prefetch over a serial link), how many bytes
+may be prefetched ahead of use (the byte budget), whether the device has room for a
+speculative copy (one device budget), and which copy to evict when it has not (the one
+whose next use is furthest away). A binding (``offcore_torch``, or a numpy training
+loop, see ``examples/numpy_mlp.py``) only translates: it feeds the scheduler events
+and executes the actions it returns on a backend. The simulator drives the same class
+on a simulated clock (:mod:`offcore.sim.replay`).
+
+    >>> from offcore.kinds import Kind
+    >>> from offcore.scheduler import Scheduler
+    >>> done = type("Landed", (), {"query": lambda self: True})()   # a completed copy's event
+    >>> rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 0.003, budget=1 << 20)
+    >>> for key, t in ((0, 0.0), (1, 0.001), (2, 0.002)):   # forward saves three objects
+    ...     rs.produced(key, t)
+    ...     _ = rs.register(key, Kind.ACTIVATION, 4096)
+    ...     rs.offload_started(key, event=done)
+    >>> [a.kind.value for a in (rs.landed(0), rs.landed(1))]   # forward: nothing needed yet
+    ['free', 'free']
+    >>> for action in rs.forward_ended(0.003):                  # backward needs 2 first, then 1
+    ...     rs.started(action.key, event=None)                  # the binding started the copy
+    ...     print(action.kind.value, action.key)
+    prefetch 1
+    >>> rs.landed(2).kind.value                                 # just landed and due: kept as a prefetch
+    'hold'
+
+Events (methods): ``produced``, ``register``, ``offload_started``/``offload_failed``,
+``landed``, ``forward_ended``, ``backward_began``, ``used``, ``started``/``refused``
+(the outcome of a prefetch the binding was asked to start), ``device_copy_alive``,
+``consumed``, ``released``, ``backward_ended``. Actions (:class:`Action`): ``free`` the
+device copy (its D2H landed), ``hold`` it as a prefetch, ``prefetch`` (H2D into a new
+device buffer), ``evict`` a held or prefetched device copy (the host copy stays valid).
+A ``prefetch`` action is offered lazily: the binding executes it and reports
+``started(key)`` or ``refused(key, reason)`` before taking the next one, so the budget
+and the device's room are judged on what really happened.
+
+# Note [One scheduler, thin bindings]
+# Every rule about *when* and *where* lives here, once: the chained deadlines
+# (offcore.scheduler.PrefetchPlan), the byte budget with its first-copy exception, holding
+# a just-landed copy that the plan would reload now, the device's room for a speculative
+# copy and the stop after one allocator refusal, eviction by furthest next use (Belady),
+# the watermark with hysteresis, and what a step teaches the next (StepObservation).
+# What only the framework knows (storages, views, version counters, whether a storage
+# is still referenced elsewhere, whether every record of an object was used) reaches the
+# scheduler as events; it never calls back into the binding. Times are arguments (the
+# binding's clock or the simulator's), never read here, so a recorded event log replays
+# to the same actions (tests/core/test_residency_replay.py).
+
+# Note [Budget semantics]
+# ``budget`` counts device bytes prefetched (or held) ahead of use that backward has not
+# taken over yet: a copy enters the count when it starts (or is held) and leaves it when
+# every record of the object was used, the object is released, the copy is evicted, or
+# backward ends. A copy that does not fit is not started; it comes back at the next
+# trigger. The first copy is always allowed while nothing is outstanding (a budget smaller
+# than one object would otherwise forbid every prefetch). The device's room is a separate
+# check: a speculative copy must fit the device capacity next to everything allocated now
+# (``device_in_use`` reads the backend's own accounting), and after one allocator refusal
+# the round starts no more prefetches (Note [No speculative allocation after a refusal]).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from offcore.errors import ConfigurationError, IllegalTransitionError
+from offcore.kinds import Kind, Tier
+from offcore.objects import ManagedObject, State
+from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
+
+__all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES"]
+
+PREFETCH_MODES = ("deadline", "on_demand")
+
+
+class ActionKind(str, enum.Enum):
+    """What the binding is asked to do with one object."""
+
+    FREE = "free"
+    """Drop the device copy: its device-to-host copy has landed (Note [When may a device copy be freed?])."""
+    HOLD = "hold"
+    """Keep the device copy whose device-to-host copy just landed: backward needs it soon (counts as a prefetch)."""
+    PREFETCH = "prefetch"
+    """Copy the host copy back into a new device buffer on the host-to-device stream."""
+    EVICT = "evict"
+    """Drop a held or prefetched device copy that is not needed as soon as another (the host copy stays)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One action for the binding: ``kind`` applied to the object registered as ``key``."""
+
+    kind: ActionKind
+    key: int
+    nbytes: int
+
+
+class Watermark:
+    """Offload only while free device memory is below ``alpha`` × capacity, with hysteresis.
+
+    Pressure starts when free memory falls below ``alpha`` × capacity and ends only when
+    it rises above ``(alpha + hysteresis)`` × capacity, so a level near the mark does not
+    flip the decision at every save.
+
+        >>> w = Watermark(0.3, hysteresis=0.05)
+        >>> w.under_pressure(free=20, capacity=100), w.under_pressure(free=32, capacity=100)
+        (True, True)
+        >>> w.under_pressure(free=40, capacity=100)
+        False
+    """
+
+    __slots__ = ("alpha", "hysteresis", "pressure")
+
+    def __init__(self, alpha: float, *, hysteresis: float = 0.05) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ConfigurationError(f"watermark must be in (0, 1), got {alpha!r}")
+        if not 0.0 <= hysteresis < 1.0:
+            raise ConfigurationError(f"hysteresis must be in [0, 1), got {hysteresis!r}")
+        self.alpha = alpha
+        self.hysteresis = hysteresis
+        self.pressure = False
+
+    def under_pressure(self, *, free: int, capacity: int) -> bool:
+        """Whether to offload now, given the device's free bytes and capacity (no capacity: always)."""
+        if capacity <= 0:
+            return True
+        if self.pressure:
+            if free > (self.alpha + self.hysteresis) * capacity:
+                self.pressure = False
+        elif free < self.alpha * capacity:
+            self.pressure = True
+        return self.pressure
+
+
+class ResidencyScheduler:
+    """Residency decisions for the objects of one step's graph (see the module doc and Notes).
+
+    ``predictor`` learns next-use times across steps (one per device, long-lived);
+    ``duration(nbytes)`` predicts a host-to-device copy (the device's measured link);
+    ``prefetch`` is ``"deadline"`` or ``"on_demand"``; ``budget`` bounds prefetched
+    bytes ahead of use; ``margin`` (seconds) is the slack before each need;
+    ``device_capacity`` and ``device_in_use()`` give the device budget (0: unbounded).
+    ``record=True`` keeps every event with its arguments in :attr:`log` and every action
+    in :attr:`actions`, for replay through the simulator.
+    """
+
+    def __init__(
+        self,
+        predictor: Scheduler,
+        *,
+        duration: Callable[[int], float],
+        prefetch: str = "deadline",
+        budget: int = 256 * 1024**2,
+        margin: float | None = None,
+        device_capacity: int = 0,
+        device_in_use: Callable[[], int] | None = None,
+        record: bool = False,
+    ) -> None:
+        if prefetch not in PREFETCH_MODES:
+            raise ConfigurationError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+        if budget < 0:
+            raise ConfigurationError(f"prefetch budget must be non-negative, got {budget!r}")
+        self.predictor = predictor
+        self.duration = duration
+        self.prefetch_mode = prefetch
+        self.budget = budget
+        self.margin = predictor.margin if margin is None else margin
+        self.device_capacity = device_capacity
+        self._device_in_use = device_in_use
+        self.objects: dict[int, ManagedObject] = {}
+        self.observation = StepObservation()
+        self.plan: PrefetchPlan | None = None
+        self.round = -1
+        self.in_backward = False
+        self.vtime = -math.inf  # the plan's clock at the last trigger
+        self.outstanding = 0  # bytes prefetched or held ahead of use, not yet taken over by backward
+        self.peak_outstanding = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._counted: set[int] = set()  # keys whose bytes are in ``outstanding``
+        self._held: dict[int, None] = {}  # keys held on landing, insertion-ordered
+        self._alive_elsewhere: set[int] = set()
+        self._released: set[int] = set()  # no record uses them (their copies may still be in flight)
+        self._victims: list[int] = []
+        self._no_prefetch_round = -2
+        self._t_forward = 0.0
+        self._t_backward = 0.0
+        self._refused = False
+        self.record = record
+        self.log: list[tuple[Any, ...]] = []
+        self.actions: list[Action] = []
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _emit(self, action: Action) -> Action:
+        if self.record:
+            self.actions.append(action)
+        return action
+
+    def _count(self, key: int, nbytes: int) -> None:
+        if key not in self._counted:
+            self._counted.add(key)
+            self.outstanding += nbytes
+            if self.outstanding > self.peak_outstanding:
+                self.peak_outstanding = self.outstanding
+
+    def _uncount(self, key: int) -> None:
+        if key in self._counted:
+            self._counted.remove(key)
+            self.outstanding -= self.objects[key].nbytes
+
+    def within_budget(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may be prefetched now (Note [Budget semantics])."""
+        budget = self.budget
+        return self.outstanding + nbytes <= budget or (self.outstanding == 0 and budget > 0)
+
+    def _device_has_room(self, nbytes: int) -> bool:
+        capacity = self.device_capacity
+        if capacity <= 0 or self._device_in_use is None:
+            return True
+        in_use = self._device_in_use()
+        if self.record:
+            self.log.append(("device_in_use", in_use))
+        return in_use + nbytes <= capacity
+
+    @property
+    def upcoming_round(self) -> int:
+        """The backward round running now, or the next one between rounds."""
+        return self.round if self.in_backward else self.round + 1
+
+    # -- forward -------------------------------------------------------------------------
+    def forward_began(self, t: float) -> None:
+        """The step's forward starts at ``t`` (the binding's clock, seconds)."""
+        if self.record:
+            self.log.append(("forward_began", t))
+        self._t_forward = t
+
+    def produced(self, key: int, t: float) -> None:
+        """Forward saved the object numbered ``key`` at ``t`` (every save is numbered, managed or not)."""
+        if self.record:
+            self.log.append(("produced", key, t))
+        self.observation.pack_times[key] = t - self._t_forward
+
+    def register(self, key: int, kind: Kind, nbytes: int, *, name: str = "") -> ManagedObject:
+        """Manage the object ``key`` (``nbytes`` on the device) from now on."""
+        if self.record:
+            self.log.append(("register", key, kind, nbytes))
+        if key in self.objects:
+            raise IllegalTransitionError(f"object key {key} is registered already")
+        obj = ManagedObject(kind=kind, nbytes=nbytes, name=name)
+        self.objects[key] = obj
+        return obj
+
+    def offload_started(self, key: int, event: Any, host_tier: Tier = Tier.PINNED) -> None:
+        """A device-to-host copy of ``key`` was enqueued (``event`` completes when it lands)."""
+        if self.record:
+            self.log.append(("offload_started", key))
+        self.objects[key].start_offload(event, host_tier)
+
+    def offload_failed(self, key: int) -> None:
+        """The device-to-host copy failed: the device copy stays the data, nothing is reloaded."""
+        if self.record:
+            self.log.append(("offload_failed", key))
+        self.objects[key].cancel_offload()
+        if self.plan is not None:
+            self.plan.issued(key)
+
+    def landed(self, key: int, *, needed: bool = True) -> Action:
+        """The device-to-host copy of ``key`` completed: free its device copy, or hold it.
+
+        ``needed=False`` when the binding knows backward will not read it again this round
+        (every record was used already). The copy is held when the plan would start its
+        reload before the next trigger anyway and the budget has room (a reload of what is
+        still on the device would only cost a copy).
+        """
+        if self.record:
+            self.log.append(("landed", key, needed))
+        obj = self.objects[key]
+        plan = self.plan
+        if (
+            needed
+            and plan is not None
+            and plan.latest_start.get(key, math.inf) <= plan.horizon(self.vtime)
+            and self.within_budget(obj.nbytes)
+        ):
+            self._count(key, obj.nbytes)
+            self._held[key] = None
+            plan.issued(key)
+            return self._emit(Action(ActionKind.HOLD, key, obj.nbytes))
+        if obj.state is State.OFFLOADING:
+            obj.release_device_copy()  # refuses unless the D2H event completed
+        return self._emit(Action(ActionKind.FREE, key, obj.nbytes))
+
+    def device_copy_alive(self, key: int) -> None:
+        """The binding freed its device copy but the memory lives on (someone else holds it): no reload needed."""
+        if self.record:
+            self.log.append(("device_copy_alive", key))
+        self._alive_elsewhere.add(key)
+
+    def device_copy_died(self, key: int) -> None:
+        """The device memory of ``key`` that lived on elsewhere is gone."""
+        if self.record:
+            self.log.append(("device_copy_died", key))
+        self._alive_elsewhere.discard(key)
+
+    def forward_ended(self, t: float, *, readers: dict[int, list[int]] | None = None) -> Iterator[Action]:
+        """Forward ended at ``t``: plan backward's reloads and offer those due before its first use.
+
+        Note [Prefetch from the end of forward] (offcore_torch): what backward needs first
+        was saved last, so the plan starts at the end of forward, not at backward's first use.
+        ``readers`` maps a managed key to every save key that reads the same object.
+        """
+        if self.record:
+            self.log.append(("forward_ended", t, readers))
+        self.observation.forward_seconds = t - self._t_forward
+        self.make_plan(readers)
+        return self._offer(-math.inf)
+
+    def make_plan(self, readers: dict[int, list[int]] | None = None) -> None:
+        """(Re)plan the reloads of every managed object still offloaded (deadline mode only)."""
+        if self.prefetch_mode != "deadline":
+            return
+        live = {k: o.nbytes for k, o in self.objects.items() if k not in self._released}
+        self.plan = self.predictor.plan(
+            self.observation,
+            live,
+            self.duration,
+            margin=self.margin,
+            readers={k: readers[k] for k in live if k in readers} if readers else None,
+        )
+        self.vtime = -math.inf
+
+    # -- backward ------------------------------------------------------------------------
+    def backward_began(self, t: float, *, readers: dict[int, list[int]] | None = None) -> None:
+        """A backward round over this graph started at ``t`` (a retained graph may run several)."""
+        if self.record:
+            self.log.append(("backward_began", t, readers))
+        self.round += 1
+        self.in_backward = True
+        self._t_backward = t
+        if self.plan is None:
+            self.make_plan(readers)
+
+    def backward_aborted(self) -> None:
+        """A backward round could not be tracked (the read was not inside autograd's engine)."""
+        if self.record:
+            self.log.append(("backward_aborted",))
+        self.in_backward = False
+
+    def used(self, key: int, t: float, *, managed_key: int | None = None) -> Iterator[Action]:
+        """Backward read save ``key`` at ``t``: a trigger. Returns the actions due now (lazily).
+
+        ``managed_key`` is the managed object the save belongs to (None for a save that
+        was not offloaded); it needs no more planning.
+        """
+        if self.record:
+            self.log.append(("used", key, t, managed_key))
+        now = t - self._t_backward
+        if self.in_backward and self.round == 0:
+            self.observation.first_use.setdefault(key, now)
+        plan = self.plan
+        if plan is None:
+            return iter(())
+        if managed_key is not None:
+            plan.issued(key)
+        if not len(plan):
+            return iter(())
+        return self._offer(plan.virtual_time(key, now))
+
+    def reloaded(self, key: int) -> None:
+        """The binding reloaded ``key`` on demand (a stall) or reused its live device memory."""
+        if self.record:
+            self.log.append(("reloaded", key))
+        if self.plan is not None:
+            self.plan.issued(key)
+
+    def _offer(self, vtime: float) -> Iterator[Action]:
+        plan = self.plan
+        if plan is None or not len(plan):
+            return iter(())
+        self.vtime = vtime
+        due = plan.due(vtime)
+        if not due:
+            return iter(())
+        return self._prefetches(plan, due)
+
+    def _prefetches(self, plan: PrefetchPlan, due: list[int]) -> Iterator[Action]:
+        """Offer the due reloads in deadline order, within the budget and the device's room."""
+        if self._no_prefetch_round == self.upcoming_round:
+            return  # Note [No speculative allocation after a refusal]
+        objects = self.objects
+        for key in due:
+            obj = objects.get(key)
+            if obj is not None and obj.state is State.OFFLOADING:
+                continue  # its D2H copy is in flight: the device copy is still there (see landed)
+            if obj is None or obj.state is not State.OFFLOADED or key in self._alive_elsewhere or key in self._released:
+                plan.issued(key)
+                continue
+            nbytes = obj.nbytes
+            if not self.within_budget(nbytes):
+                if not self._evict_for(plan, key, nbytes):
+                    return
+                for victim in self._victims:
+                    yield self._emit(Action(ActionKind.EVICT, victim, objects[victim].nbytes))
+            if not self._device_has_room(nbytes):
+                self.counters["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
+                return
+            self._refused = False
+            yield self._emit(Action(ActionKind.PREFETCH, key, nbytes))
+            if self._refused:
+                return
+            plan.issued(key)
+
+    def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int) -> bool:
+        """Belady: make budget room for ``key`` by evicting held or prefetched copies needed later.
+
+        Victims are taken furthest next use first, and only among copies needed after
+        ``key``; their reloads are planned again. False (nothing evicted) when that cannot
+        make enough room.
+        """
+        need = plan.need.get(key, math.inf)
+        candidates = sorted(
+            (k for k in self._counted if plan.need.get(k, -math.inf) > need),
+            key=lambda k: (plan.need[k], k),
+            reverse=True,
+        )
+        victims: list[int] = []
+        freed = 0
+        for victim in candidates:
+            if self.outstanding - freed + nbytes <= self.budget:
+                break
+            victims.append(victim)
+            freed += self.objects[victim].nbytes
+        if not victims or self.outstanding - freed + nbytes > self.budget:
+            self._victims = []
+            return False
+        for victim in victims:
+            self._uncount(victim)
+            self._unhold(victim)
+            plan.reopen(victim)
+            self.counters["evicted"] += 1
+        self._victims = victims
+        return True
+
+    def started(self, key: int, event: Any) -> None:
+        """The binding started the offered prefetch of ``key`` (``event`` completes when it lands)."""
+        if self.record:
+            self.log.append(("started", key))
+        obj = self.objects[key]
+        obj.start_prefetch(event)
+        self._count(key, obj.nbytes)
+
+    def refused(self, key: int, reason: str) -> None:
+        """The offered prefetch of ``key`` was not started: ``"oom"`` (the allocator refused:
+        no more prefetches this round), ``"no_room"`` or ``"failed"`` (it comes again next trigger)."""
+        if self.record:
+            self.log.append(("refused", key, reason))
+        self._refused = True
+        if reason == "oom":
+            self.counters["prefetch_oom"] += 1
+            self._no_prefetch_round = self.upcoming_round
+        elif reason == "no_room":
+            self.counters["prefetch_no_room"] += 1
+
+    def prefetch_failed(self, key: int) -> None:
+        """A started prefetch failed on its stream: the host copy is still the data."""
+        if self.record:
+            self.log.append(("prefetch_failed", key))
+        self._uncount(key)
+        self.objects[key].fail_prefetch()
+
+    def consumed(self, key: int) -> bool:
+        """Every record of ``key`` was used this round: backward owns the device copy now.
+
+        Returns whether it was a held copy (the binding then frees offcore's device copy).
+        """
+        if self.record:
+            self.log.append(("consumed", key))
+        self._uncount(key)
+        return self._unhold(key)
+
+    def _unhold(self, key: int) -> bool:
+        if key in self._held:
+            del self._held[key]
+            return True
+        return False
+
+    def dropped(self, key: int) -> None:
+        """The binding stopped referencing a restored device copy (the host copy stays)."""
+        if self.record:
+            self.log.append(("dropped", key))
+        self._uncount(key)
+
+    def released(self, key: int) -> bool:
+        """No record uses ``key`` any more. Returns whether it was held (the binding drops it)."""
+        if self.record:
+            self.log.append(("released", key))
+        self._uncount(key)
+        self._alive_elsewhere.discard(key)
+        self._released.add(key)
+        return self._unhold(key)
+
+    def backward_ended(self, t: float) -> list[Action]:
+        """The backward round ended at ``t``: free what was held; the first round teaches the predictor."""
+        if self.record:
+            self.log.append(("backward_ended", t))
+        self.in_backward = False
+        self.observation.backward_seconds = t - self._t_backward
+        if self.round == 0:
+            self.predictor.observe(self.observation)
+        self.plan = None
+        held, self._held = list(self._held), {}
+        out = []
+        for key in held:
+            self._uncount(key)
+            out.append(self._emit(Action(ActionKind.FREE, key, self.objects[key].nbytes)))
+        return out
