@@ -33,7 +33,10 @@ def build_parser(commands: Iterable[ModuleType] | None = None) -> argparse.Argum
     """The argument parser, with one subparser per command module (default: every module in offcore.commands)."""
     parser = argparse.ArgumentParser(
         prog="offcore",
-        description="Move training state between device, host and NVMe, scheduled by next use.",
+        description=(
+            "Offload saved activations between device and host memory, scheduled by next use "
+            "(parameters, gradients, optimizer states and NVMe are planned)."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"offcore {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
