@@ -11,8 +11,8 @@ the host clock around the copy and its synchronisation.
     >>> [r.h2d / 2**30 for r in measure_copy_bandwidth(dev, ["64MiB"])]  # doctest: +SKIP
     [7.99...]
 
-PCIe links often slow one direction while the other runs (DESIGN.md, "Lessons"), so
-"both" measures each direction while the other is busy: measure, don't assume.
+PCIe links often slow one direction while the other runs, so "both" measures each
+direction while the other is busy: measure, don't assume.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ gradient and every final parameter and buffer *bit for bit* (not ``allclose``)::
     >>> offloaded = run_workload(work, device=dev, offload={"min_bytes": 1})  # doctest: +SKIP
     >>> assert_bit_identical(kept, offloaded)                                 # doctest: +SKIP
 
-The loop is the one ``torch_api.md`` documents: forward inside
+The loop is the one ``docs/activation-offload.md`` shows: forward inside
 ``offcore_torch.offload_activations(device, **offload)``, backward after the block,
 then ``AdamW.step()`` and ``zero_grad()``. Dropout is made reproducible by
 ``torch.manual_seed(seed + step)`` right before each forward, so offloading must not

@@ -1,4 +1,4 @@
-"""The seeds' worked numbers (DESIGN.md, "Numbers to reproduce exactly"), by formula and as simulated timelines."""
+"""Worked numbers (docs/planner.md lists them), reproduced exactly by formula and as simulated timelines."""
 
 from __future__ import annotations
 
