@@ -597,7 +597,7 @@ class TorchAcceleratorDevice:
             return tensor_over(slot.view.data_ptr(), nbytes, on_free=lambda: slots.release_soon(slot), keepalive=slot)
         raise ConfigurationError(
             f"the {self.name} backend allocates device, pinned or pageable buffers, not {tier.value!r}; "
-            "NVMe files are handled by offcore's storage tier, not by a device backend"
+            "NVMe is not a device backend's tier (an NVMe tier in offcore's core is planned, not built yet)"
         )
 
     def _empty_device(self, nbytes: int) -> Any:
