@@ -226,13 +226,12 @@ class Binding:
         """Drop a held or prefetched device copy (the host copy stays the data)."""
         obj = self.sched.objects[s.key]
         self.stats["evicted"] += 1
-        if obj.state is State.OFFLOADING:  # held on landing
-            obj.release_device_copy()
+        if s.held:  # held on landing: the scheduler moved it to offloaded already
             s.held = False
         elif obj.state is State.PREFETCHING:  # its buffer may be freed only once the copy landed
             s.h2d.synchronize()
-            obj.finish_prefetch()
-            obj.drop_restored_copy()
+            self.sched.dropped(s.key)
+            self.sched.drop_landed(s.key)
         s.device, s.h2d = None, None
 
     # backward ----------------------------------------------------------------------------
@@ -243,7 +242,6 @@ class Binding:
         """The saved activation ``key`` on the device, ordered before the compute that reads it."""
         self.poll()
         s = self.saved[key]
-        obj = self.sched.objects[key]
         now = time.perf_counter()
         if s.h2d is not None:  # prefetched: trigger the next prefetches, then wait for this one
             self.execute(self.sched.used(key, now, managed_key=key))
@@ -252,20 +250,18 @@ class Binding:
             else:
                 self.stats["late"] += 1
                 self.compute.wait_event(s.h2d)
-            obj.finish_prefetch(stream_waited=True)
+            self.sched.awaited(key)
         elif s.device is not None:  # held on landing, or its D2H copy is still in flight
             self.stats["kept"] += 1
-            self.sched.reloaded(key)
+            self.sched.reused(key)
             self.execute(self.sched.used(key, now, managed_key=key))
         else:  # a miss: reload synchronously on the compute stream (a stall)
             self.stats["stalls"] += 1
             raw = self.dev.allocate(s.nbytes, Tier.DEVICE)
             event = self.dev.copy_(raw, s.host.view, stream=self.compute)
             self.compute.wait_event(event)
-            obj.start_prefetch(event)
-            obj.finish_prefetch(stream_waited=True)
             s.device = raw
-            self.sched.reloaded(key)
+            self.sched.reloaded(key, event)
             self.execute(self.sched.used(key, now, managed_key=key))
         s.used = True
         assert s.device is not None
@@ -275,8 +271,7 @@ class Binding:
         """Backward is done with ``key``: it was consumed and no record will read it again."""
         s = self.saved[key]
         obj = self.sched.objects[key]
-        if self.sched.consumed(key):  # held on landing: the device copy goes now
-            obj.release_device_copy()
+        self.sched.consumed(key)  # a copy held on landing is moved to offloaded by the scheduler
         self.sched.released(key)
         s.released = True
         if obj.state is State.OFFLOADING:  # its D2H copy is still reading the device copy: poll frees it
@@ -291,8 +286,7 @@ class Binding:
 
     def backward_ended(self, t: float) -> None:
         for action in self.sched.backward_ended(t):  # FREE what is still held
-            s = self.saved[action.key]
-            self.sched.objects[s.key].release_device_copy()
+            s = self.saved[action.key]  # the scheduler moved it to offloaded: drop the device copy
             s.device = None
         for s in self.saved.values():  # wait for the last device-to-host copies, then free
             if self.sched.objects[s.key].state is State.OFFLOADING:

@@ -48,7 +48,7 @@ and the device's room are judged on what really happened.
 # is still referenced elsewhere, whether every record of an object was used) reaches the
 # scheduler as events; it never calls back into the binding. Times are arguments (the
 # binding's clock or the simulator's), never read here, so a recorded event log replays
-# to the same actions (tests/core/test_residency_replay.py).
+# to the same actions (tests/torch/test_schedule_replay.py).
 
 # Note [Budget semantics]
 # ``budget`` counts device bytes prefetched (or held) ahead of use that backward has not
@@ -198,6 +198,29 @@ class ResidencyScheduler:
         self.actions: list[Action] = []
 
     # -- bookkeeping -------------------------------------------------------------------
+    def _log(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Record one event (``record=True``): ``(name, args, kwargs)``, replayable as a call."""
+        self.log.append((name, args, kwargs))
+
+    def _offered(self, actions: Iterator[Action]) -> Iterator[Action]:
+        """``actions``, with each request for the next one recorded (``record=True``).
+
+        The binding resumes the scheduler's offer after carrying out each action, so the
+        events it sends meanwhile (``started``, ``refused``, ...) sit between two ``next``
+        entries of the log; a replay resumes at the same points.
+        """
+        if not self.record:
+            return actions
+        return self._resumes_recorded(actions)
+
+    def _resumes_recorded(self, actions: Iterator[Action]) -> Iterator[Action]:
+        while True:
+            self._log("next")
+            action = next(actions, None)
+            if action is None:
+                return
+            yield action
+
     def _emit(self, action: Action) -> Action:
         if self.record:
             self.actions.append(action)
@@ -226,8 +249,17 @@ class ResidencyScheduler:
             return True
         in_use = self._device_in_use()
         if self.record:
-            self.log.append(("device_in_use", in_use))
+            self._log("device_in_use", in_use)
         return in_use + nbytes <= capacity
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a replay needs (:func:`offcore.sim.replay.replay` keywords)."""
+        return {
+            "prefetch": self.prefetch_mode,
+            "budget": self.budget,
+            "margin": self.margin,
+            "device_capacity": self.device_capacity,
+        }
 
     @property
     def upcoming_round(self) -> int:
@@ -238,19 +270,19 @@ class ResidencyScheduler:
     def forward_began(self, t: float) -> None:
         """The step's forward starts at ``t`` (the binding's clock, seconds)."""
         if self.record:
-            self.log.append(("forward_began", t))
+            self._log("forward_began", t)
         self._t_forward = t
 
     def produced(self, key: int, t: float) -> None:
         """Forward saved the object numbered ``key`` at ``t`` (every save is numbered, managed or not)."""
         if self.record:
-            self.log.append(("produced", key, t))
+            self._log("produced", key, t)
         self.observation.pack_times[key] = t - self._t_forward
 
     def register(self, key: int, kind: Kind, nbytes: int, *, name: str = "") -> ManagedObject:
         """Manage the object ``key`` (``nbytes`` on the device) from now on."""
         if self.record:
-            self.log.append(("register", key, kind, nbytes))
+            self._log("register", key, kind, nbytes)
         if key in self.objects:
             raise IllegalTransitionError(f"object key {key} is registered already")
         obj = ManagedObject(kind=kind, nbytes=nbytes, name=name)
@@ -260,13 +292,13 @@ class ResidencyScheduler:
     def offload_started(self, key: int, event: Any, host_tier: Tier = Tier.PINNED) -> None:
         """A device-to-host copy of ``key`` was enqueued (``event`` completes when it lands)."""
         if self.record:
-            self.log.append(("offload_started", key))
+            self._log("offload_started", key)
         self.objects[key].start_offload(event, host_tier)
 
     def offload_failed(self, key: int) -> None:
         """The device-to-host copy failed: the device copy stays the data, nothing is reloaded."""
         if self.record:
-            self.log.append(("offload_failed", key))
+            self._log("offload_failed", key)
         self.objects[key].cancel_offload()
         if self.plan is not None:
             self.plan.issued(key)
@@ -280,7 +312,7 @@ class ResidencyScheduler:
         still on the device would only cost a copy).
         """
         if self.record:
-            self.log.append(("landed", key, needed))
+            self._log("landed", key, needed=needed)
         obj = self.objects[key]
         plan = self.plan
         if (
@@ -300,13 +332,13 @@ class ResidencyScheduler:
     def device_copy_alive(self, key: int) -> None:
         """The binding freed its device copy but the memory lives on (someone else holds it): no reload needed."""
         if self.record:
-            self.log.append(("device_copy_alive", key))
+            self._log("device_copy_alive", key)
         self._alive_elsewhere.add(key)
 
     def device_copy_died(self, key: int) -> None:
         """The device memory of ``key`` that lived on elsewhere is gone."""
         if self.record:
-            self.log.append(("device_copy_died", key))
+            self._log("device_copy_died", key)
         self._alive_elsewhere.discard(key)
 
     def forward_ended(self, t: float, *, readers: dict[int, list[int]] | None = None) -> Iterator[Action]:
@@ -317,13 +349,18 @@ class ResidencyScheduler:
         ``readers`` maps a managed key to every save key that reads the same object.
         """
         if self.record:
-            self.log.append(("forward_ended", t, readers))
+            self._log("forward_ended", t, readers=readers)
         self.observation.forward_seconds = t - self._t_forward
-        self.make_plan(readers)
-        return self._offer(-math.inf)
+        self._make_plan(readers)
+        return self._offered(self._offer(-math.inf))
 
     def make_plan(self, readers: dict[int, list[int]] | None = None) -> None:
         """(Re)plan the reloads of every managed object still offloaded (deadline mode only)."""
+        if self.record:
+            self._log("make_plan", readers)
+        self._make_plan(readers)
+
+    def _make_plan(self, readers: dict[int, list[int]] | None) -> None:
         if self.prefetch_mode != "deadline":
             return
         live = {k: o.nbytes for k, o in self.objects.items() if k not in self._released}
@@ -334,23 +371,27 @@ class ResidencyScheduler:
             margin=self.margin,
             readers={k: readers[k] for k in live if k in readers} if readers else None,
         )
+        if self.record:  # what the plan rested on: the predictor's state and the link's, then
+            self._log("plan_inputs", dict(self.plan.use_times), dict(self.plan.durations))
         self.vtime = -math.inf
 
     # -- backward ------------------------------------------------------------------------
-    def backward_began(self, t: float, *, readers: dict[int, list[int]] | None = None) -> None:
-        """A backward round over this graph started at ``t`` (a retained graph may run several)."""
+    def backward_began(self, t: float) -> None:
+        """A backward round over this graph started at ``t`` (a retained graph may run several).
+
+        The binding then calls :meth:`make_plan` when no plan is running (a retained graph's
+        next round, or a forward that ended without planning).
+        """
         if self.record:
-            self.log.append(("backward_began", t, readers))
+            self._log("backward_began", t)
         self.round += 1
         self.in_backward = True
         self._t_backward = t
-        if self.plan is None:
-            self.make_plan(readers)
 
     def backward_aborted(self) -> None:
         """A backward round could not be tracked (the read was not inside autograd's engine)."""
         if self.record:
-            self.log.append(("backward_aborted",))
+            self._log("backward_aborted")
         self.in_backward = False
 
     def used(self, key: int, t: float, *, managed_key: int | None = None) -> Iterator[Action]:
@@ -360,7 +401,7 @@ class ResidencyScheduler:
         was not offloaded); it needs no more planning.
         """
         if self.record:
-            self.log.append(("used", key, t, managed_key))
+            self._log("used", key, t, managed_key=managed_key)
         now = t - self._t_backward
         if self.in_backward and self.round == 0:
             self.observation.first_use.setdefault(key, now)
@@ -371,14 +412,37 @@ class ResidencyScheduler:
             plan.issued(key)
         if not len(plan):
             return iter(())
-        return self._offer(plan.virtual_time(key, now))
+        return self._offered(self._offer(plan.virtual_time(key, now)))
 
-    def reloaded(self, key: int) -> None:
-        """The binding reloaded ``key`` on demand (a stall) or reused its live device memory."""
+    def reloaded(self, key: int, event: Any) -> None:
+        """The binding reloaded ``key`` on demand (a stall) and the consuming stream waited for ``event``."""
         if self.record:
-            self.log.append(("reloaded", key))
+            self._log("reloaded", key)
+        obj = self.objects[key]
+        obj.start_prefetch(event)
+        obj.finish_prefetch(stream_waited=True)
         if self.plan is not None:
             self.plan.issued(key)
+
+    def reused(self, key: int) -> None:
+        """Backward read ``key`` from device memory that was still alive: no copy was needed."""
+        if self.record:
+            self._log("reused", key)
+        if self.plan is not None:
+            self.plan.issued(key)
+
+    def awaited(self, key: int) -> None:
+        """The consuming stream waits for the prefetch of ``key``: its device copy is usable there."""
+        if self.record:
+            self._log("awaited", key)
+        obj = self.objects[key]
+        if obj.state is State.PREFETCHING:
+            obj.finish_prefetch(stream_waited=True)
+
+    def _free_held(self, key: int) -> None:
+        obj = self.objects[key]
+        if obj.state is State.OFFLOADING:
+            obj.release_device_copy()  # its D2H landed when it was held
 
     def _offer(self, vtime: float) -> Iterator[Action]:
         plan = self.plan
@@ -442,7 +506,8 @@ class ResidencyScheduler:
             return False
         for victim in victims:
             self._uncount(victim)
-            self._unhold(victim)
+            if self._unhold(victim):
+                self._free_held(victim)
             plan.reopen(victim)
             self.counters["evicted"] += 1
         self._victims = victims
@@ -451,7 +516,7 @@ class ResidencyScheduler:
     def started(self, key: int, event: Any) -> None:
         """The binding started the offered prefetch of ``key`` (``event`` completes when it lands)."""
         if self.record:
-            self.log.append(("started", key))
+            self._log("started", key)
         obj = self.objects[key]
         obj.start_prefetch(event)
         self._count(key, obj.nbytes)
@@ -460,7 +525,7 @@ class ResidencyScheduler:
         """The offered prefetch of ``key`` was not started: ``"oom"`` (the allocator refused:
         no more prefetches this round), ``"no_room"`` or ``"failed"`` (it comes again next trigger)."""
         if self.record:
-            self.log.append(("refused", key, reason))
+            self._log("refused", key, reason)
         self._refused = True
         if reason == "oom":
             self.counters["prefetch_oom"] += 1
@@ -471,7 +536,7 @@ class ResidencyScheduler:
     def prefetch_failed(self, key: int) -> None:
         """A started prefetch failed on its stream: the host copy is still the data."""
         if self.record:
-            self.log.append(("prefetch_failed", key))
+            self._log("prefetch_failed", key)
         self._uncount(key)
         self.objects[key].fail_prefetch()
 
@@ -481,9 +546,12 @@ class ResidencyScheduler:
         Returns whether it was a held copy (the binding then frees offcore's device copy).
         """
         if self.record:
-            self.log.append(("consumed", key))
+            self._log("consumed", key)
         self._uncount(key)
-        return self._unhold(key)
+        if self._unhold(key):
+            self._free_held(key)
+            return True
+        return False
 
     def _unhold(self, key: int) -> bool:
         if key in self._held:
@@ -492,15 +560,31 @@ class ResidencyScheduler:
         return False
 
     def dropped(self, key: int) -> None:
-        """The binding stopped referencing a restored device copy (the host copy stays)."""
+        """The binding stopped referencing a restored device copy (the host copy stays).
+
+        A copy still in flight is dropped once it landed: the binding then sends
+        :meth:`drop_landed`.
+        """
         if self.record:
-            self.log.append(("dropped", key))
+            self._log("dropped", key)
         self._uncount(key)
+        obj = self.objects[key]
+        if obj.state is State.RESTORED:
+            obj.drop_restored_copy()
+
+    def drop_landed(self, key: int) -> None:
+        """The prefetch of a dropped copy landed: the host copy is the data again."""
+        if self.record:
+            self._log("drop_landed", key)
+        obj = self.objects[key]
+        if obj.state is State.PREFETCHING:
+            obj.finish_prefetch(stream_waited=True)
+            obj.drop_restored_copy()
 
     def released(self, key: int) -> bool:
         """No record uses ``key`` any more. Returns whether it was held (the binding drops it)."""
         if self.record:
-            self.log.append(("released", key))
+            self._log("released", key)
         self._uncount(key)
         self._alive_elsewhere.discard(key)
         self._released.add(key)
@@ -509,7 +593,7 @@ class ResidencyScheduler:
     def backward_ended(self, t: float) -> list[Action]:
         """The backward round ended at ``t``: free what was held; the first round teaches the predictor."""
         if self.record:
-            self.log.append(("backward_ended", t))
+            self._log("backward_ended", t)
         self.in_backward = False
         self.observation.backward_seconds = t - self._t_backward
         if self.round == 0:
@@ -519,5 +603,6 @@ class ResidencyScheduler:
         out = []
         for key in held:
             self._uncount(key)
+            self._free_held(key)
             out.append(self._emit(Action(ActionKind.FREE, key, self.objects[key].nbytes)))
         return out

@@ -172,10 +172,16 @@ class PrefetchPlan:
             self.need[key] = min(uses) if uses else self.use_times.get(key, 0.0)
         self.order: list[int] = sorted(self.nbytes, key=lambda k: (self.need[k], k))
         self.latest_start: dict[int, float] = {}
+        # predicted copy seconds per size, as the plan used them (a replay of the step reuses them)
+        self.durations: dict[int, float] = {}
         chain_start = math.inf
         for key in reversed(self.order):
             finish = min(self.need[key] - margin, chain_start)
-            start = finish - duration(self.nbytes[key])
+            nbytes = self.nbytes[key]
+            seconds = self.durations.get(nbytes)
+            if seconds is None:
+                seconds = self.durations[nbytes] = duration(nbytes)
+            start = finish - seconds
             self.latest_start[key] = start
             chain_start = start
         self._triggers = sorted(self.use_times.values())

@@ -513,6 +513,11 @@ class OffloadHandle:
         return list(self._sched.log)
 
     @property
+    def schedule_settings(self) -> dict[str, Any]:
+        """The scheduler's settings, as :func:`offcore.sim.replay.replay` takes them."""
+        return self._sched.settings()
+
+    @property
     def schedule_actions(self) -> list[Action]:
         """The actions the scheduler returned, in order (needs ``record=True``)."""
         if not self.policy.record:
@@ -1028,7 +1033,7 @@ class OffloadHandle:
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
         if live is not None:
-            sched.reloaded(entry.key)
+            sched.reused(entry.key)
             self._execute(sched.used(key, now, managed_key=entry.key))
             if first_use:
                 self._stats.reused_live_bytes += entry.nbytes
@@ -1036,7 +1041,6 @@ class OffloadHandle:
             return live
         # a miss: reload now; the whole copy is exposed and charged to this object
         storage = self._reload_now(entry)
-        sched.reloaded(entry.key)
         self._execute(sched.used(key, now, managed_key=entry.key))
         return storage
 
@@ -1066,8 +1070,7 @@ class OffloadHandle:
                     label=entry.name,
                     counters=self._counters,
                 )
-        entry.obj.start_prefetch(done)
-        entry.obj.finish_prefetch(stream_waited=True)
+        self._sched.reloaded(entry.key, done)
         self._stats.stalls += 1
         self._stats.stalled_objects.append(entry.name)
         self._stats.reloaded_bytes += entry.nbytes
@@ -1113,7 +1116,7 @@ class OffloadHandle:
                 self.device.current_stream().wait_event(event)  # ordering only; it has landed
         except Exception as exc:  # the prefetch failed on its stream: its buffer is garbage
             return self._prefetch_failed(entry, exc)
-        entry.obj.finish_prefetch(stream_waited=True)
+        self._sched.awaited(entry.key)
         return restored
 
     def _prefetch_failed(self, entry: _Entry, exc: Exception) -> torch.UntypedStorage:
@@ -1134,27 +1137,24 @@ class OffloadHandle:
 
     def _drop_restored(self, entry: _Entry) -> None:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
-        self._sched.dropped(entry.key)
         storage = entry.restored
         if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
             entry.keepers_pointed = False
             for item in entry.live_items():
                 release_storage(item.keeper)
         if storage is None:
+            self._sched.dropped(entry.key)  # no copy held: only the budget count goes
             return
         entry.restored = None
-        obj = entry.obj
+        obj, sched = entry.obj, self._sched
+        sched.dropped(entry.key)  # a restored copy is dropped now; one in flight once it landed
         if obj.state is State.PREFETCHING:
             event = obj.h2d_event
 
-            def finish(obj: ManagedObject = obj, keep: Any = storage) -> None:
-                if obj.state is State.PREFETCHING:
-                    obj.finish_prefetch(stream_waited=True)
-                    obj.drop_restored_copy()
+            def finish(sched: ResidencyScheduler = sched, key: int = entry.key, keep: Any = storage) -> None:
+                sched.drop_landed(key)
 
             self.runtime.defer(event, finish, stream=self.runtime.h2d_stream)
-        elif obj.state is State.RESTORED:
-            obj.drop_restored_copy()
 
     # -- prefetch ------------------------------------------------------------------------
     def _execute(self, actions: Any) -> None:
