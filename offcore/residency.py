@@ -188,7 +188,6 @@ class ResidencyScheduler:
         self._held: dict[int, None] = {}  # keys held on landing, insertion-ordered
         self._alive_elsewhere: set[int] = set()
         self._released: set[int] = set()  # no record uses them (their copies may still be in flight)
-        self._victims: list[int] = []
         self._no_prefetch_round = -2
         self._t_forward = 0.0
         self._t_backward = 0.0
@@ -461,16 +460,19 @@ class ResidencyScheduler:
         objects = self.objects
         for key in due:
             obj = objects.get(key)
-            if obj is not None and obj.state is State.OFFLOADING:
-                continue  # its D2H copy is in flight: the device copy is still there (see landed)
+            if obj is not None and obj.state in (State.OFFLOADING, State.PREFETCHING):
+                # a copy in flight: its D2H (the device copy is still there, see landed), or an
+                # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
+                continue
             if obj is None or obj.state is not State.OFFLOADED or key in self._alive_elsewhere or key in self._released:
                 plan.issued(key)
                 continue
             nbytes = obj.nbytes
             if not self.within_budget(nbytes):
-                if not self._evict_for(plan, key, nbytes):
+                victims = self._evict_for(plan, key, nbytes)
+                if not victims:
                     return
-                for victim in self._victims:
+                for victim in victims:
                     yield self._emit(Action(ActionKind.EVICT, victim, objects[victim].nbytes))
             if not self._device_has_room(nbytes):
                 self.counters["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
@@ -481,11 +483,11 @@ class ResidencyScheduler:
                 return
             plan.issued(key)
 
-    def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int) -> bool:
+    def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int) -> list[int]:
         """Belady: make budget room for ``key`` by evicting held or prefetched copies needed later.
 
         Victims are taken furthest next use first, and only among copies needed after
-        ``key``; their reloads are planned again. False (nothing evicted) when that cannot
+        ``key``; their reloads are planned again. Returns the victims, none when that cannot
         make enough room.
         """
         need = plan.need.get(key, math.inf)
@@ -502,16 +504,14 @@ class ResidencyScheduler:
             victims.append(victim)
             freed += self.objects[victim].nbytes
         if not victims or self.outstanding - freed + nbytes > self.budget:
-            self._victims = []
-            return False
+            return []
         for victim in victims:
             self._uncount(victim)
             if self._unhold(victim):
                 self._free_held(victim)
             plan.reopen(victim)
             self.counters["evicted"] += 1
-        self._victims = victims
-        return True
+        return victims
 
     def started(self, key: int, event: Any) -> None:
         """The binding started the offered prefetch of ``key`` (``event`` completes when it lands)."""

@@ -206,3 +206,22 @@ def test_a_replay_decides_again_rather_than_copying_the_recorded_actions() -> No
     assert replay(rs.log, **rs.settings()) == rs.actions
     smaller = replay(rs.log, **{**rs.settings(), "budget": MiB})
     assert smaller != rs.actions  # a different budget decides differently from the same events
+
+
+def test_an_evicted_prefetch_in_flight_is_offered_again_once_it_landed() -> None:
+    # 1 and 0 are prefetched while 2's D2H copy is still in flight; when 2 lands there is no
+    # budget, so the next trigger evicts 0 (needed furthest away) for it. 0's copy is still in
+    # flight: it is not offered again until the binding reports it landed, and then it is.
+    rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)
+    forward(rs, [MiB] * 3, land=False)
+    assert rs.landed(0).kind is ActionKind.FREE and rs.landed(1).kind is ActionKind.FREE  # no plan yet
+    assert kinds(run(rs.forward_ended(0.003), rs)) == [("prefetch", 1), ("prefetch", 0)]
+    assert rs.landed(2).kind is ActionKind.FREE  # the budget is full
+    rs.backward_began(1.0)
+    assert kinds(run(rs.used(9, 1.0), rs)) == [("evict", 0), ("prefetch", 2)]
+    rs.dropped(0)  # the binding drops the evicted copy; it is still in flight
+    assert kinds(run(rs.used(10, 1.001), rs)) == []
+    rs.drop_landed(0)
+    rs.awaited(2)
+    rs.consumed(2)  # room again
+    assert kinds(run(rs.used(2, 1.002, managed_key=2), rs)) == [("prefetch", 0)]
