@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from offcore.errors import IllegalTransitionError, OffcoreError
 from offcore.residency import Action, ResidencyScheduler
-from offcore.scheduler import PrefetchPlan, StepObservation
+from offcore.scheduler import Scheduler, StepObservation
 
 __all__ = ["replay", "ReplayedPredictor", "ReplayDiverged"]
 
@@ -60,12 +60,12 @@ _LANDED = _Landed()
 _WITH_EVENT = {"offload_started", "started", "reloaded"}
 
 
-class ReplayedPredictor:
+class ReplayedPredictor(Scheduler):
     """A next-use predictor that returns, plan after plan, the predictions a recorded step used."""
 
     def __init__(self, predictions: Iterable[Mapping[int, float]], *, margin: float = 0.0) -> None:
+        super().__init__(margin=margin)
         self._predictions = collections.deque(dict(p) for p in predictions)
-        self.margin = margin
 
     def predict(self, step: StepObservation) -> dict[int, float]:
         if not self._predictions:
@@ -74,18 +74,6 @@ class ReplayedPredictor:
 
     def observe(self, step: StepObservation) -> None:
         """Learning is not replayed: the next plan's inputs come from the log."""
-
-    def plan(
-        self,
-        step: StepObservation,
-        offloaded: Mapping[int, int],
-        duration: Callable[[int], float],
-        margin: float | None = None,
-        readers: Mapping[int, Iterable[int]] | None = None,
-    ) -> PrefetchPlan:
-        return PrefetchPlan(
-            self.predict(step), offloaded, duration, margin=self.margin if margin is None else margin, readers=readers
-        )
 
 
 def replay(
@@ -123,7 +111,7 @@ def replay(
     plan_inputs = collections.deque(plans)
     predictor = ReplayedPredictor((p[0] for p in plans), margin=margin)
     sched = _Scheduler(
-        predictor,  # type: ignore[arg-type]  # duck-typed: predict / observe / margin
+        predictor,
         duration=duration,
         prefetch=prefetch,
         budget=budget,

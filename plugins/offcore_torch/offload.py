@@ -405,9 +405,8 @@ def poll(runtime: DeviceRuntime) -> None:
     :func:`synchronize`, settles every region's copies, active or finished.
     """
     runtime.poll()
-    if runtime._landed:
-        for entry, failure in runtime.take_landed():
-            entry.region._on_landed(entry, failure)
+    for entry, failure in runtime.take_landed():
+        entry.region._on_landed(entry, failure)
 
 
 def synchronize(device: Any) -> None:
@@ -421,7 +420,7 @@ def synchronize(device: Any) -> None:
     runtime = runtime_of(device)
     if runtime is None:
         return
-    for _ in range(3):  # a landing may release what waits on no copy: one more round settles it
+    while True:  # handing out landings may defer releases on copies still in flight
         runtime.synchronize()
         poll(runtime)
         if not (runtime.deferred_count or runtime.d2h_in_flight):
@@ -508,8 +507,7 @@ class OffloadHandle:
     def schedule_log(self) -> list[tuple[Any, ...]]:
         """The events this region fed its scheduler, with times (needs ``record=True``): replayable
         through :func:`offcore.sim.replay.replay` to the same actions (:attr:`schedule_actions`)."""
-        if not self.policy.record:
-            raise ConfigurationError("this region records no schedule: pass record=True to offload_activations")
+        self._require_record()
         return list(self._sched.log)
 
     @property
@@ -520,9 +518,12 @@ class OffloadHandle:
     @property
     def schedule_actions(self) -> list[Action]:
         """The actions the scheduler returned, in order (needs ``record=True``)."""
+        self._require_record()
+        return list(self._sched.actions)
+
+    def _require_record(self) -> None:
         if not self.policy.record:
             raise ConfigurationError("this region records no schedule: pass record=True to offload_activations")
-        return list(self._sched.actions)
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> OffloadHandle:

@@ -19,12 +19,12 @@ from typing import Any
 from torch import nn
 
 from offcore.errors import ConfigurationError
+from offcore.residency import PREFETCH_MODES
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
 
 __all__ = ["OffloadPolicy", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
-PREFETCH_MODES = ("deadline", "on_demand")
 FALLBACKS = ("pageable", "keep")
 
 

@@ -427,15 +427,9 @@ def runtime_for(device: Any) -> DeviceRuntime:
     if runtime is not None:
         return runtime
     with _registry_lock:
-        runtime = getattr(device, _RUNTIME_ATTRIBUTE, None)
+        runtime = runtime_of(device)
         if runtime is not None:
             return runtime
-        try:
-            return _fallback_runtimes[device]
-        except (KeyError, TypeError):
-            pass
-        if id(device) in _fallback_by_id:
-            return _fallback_by_id[id(device)]
         runtime = DeviceRuntime(device)
         try:
             setattr(device, _RUNTIME_ATTRIBUTE, runtime)
