@@ -21,6 +21,13 @@ __all__ = [
     "IllegalTransitionError",
     "SavedTensorModifiedError",
     "CopyFailedError",
+    "StorageError",
+    "StorageFullError",
+    "ShortTransferError",
+    "StorageFileMissingError",
+    "StorageFileTruncatedError",
+    "ChecksumMismatchError",
+    "UnsafeStoragePathError",
     "OffcoreWarning",
 ]
 
@@ -67,6 +74,41 @@ class CopyFailedError(OffcoreError, RuntimeError):
     copy keeps the device copy, a failed prefetch is reloaded synchronously. This is
     raised only when the one remaining copy of the data cannot be brought back.
     """
+
+
+class StorageError(OffcoreError, OSError):
+    """A read or write of the NVMe storage tier (:mod:`offcore.nvme`) failed.
+
+    Every message names the file and the bytes. A failed *write* never loses data: the
+    tier above (the host buffer written from) keeps the only valid copy, and the object
+    is no longer readable from the tier until it is written again. The subclasses say
+    what went wrong; this class itself is an I/O error the kernel reported (``EIO``, ...),
+    with ``errno`` set.
+    """
+
+
+class StorageFullError(StorageError):
+    """The storage tier's filesystem is full (``ENOSPC``, ``EDQUOT``, or a file-size limit: ``EFBIG``)."""
+
+
+class ShortTransferError(StorageError):
+    """A read or write moved fewer bytes than asked and then made no progress at all."""
+
+
+class StorageFileMissingError(StorageError):
+    """A file of the storage tier was removed behind offcore's back (by another process or a cleaner)."""
+
+
+class StorageFileTruncatedError(StorageError):
+    """A file of the storage tier is shorter than what was written to it."""
+
+
+class ChecksumMismatchError(StorageError):
+    """A block read back from the storage tier differs from what was written (``verify=True``)."""
+
+
+class UnsafeStoragePathError(StorageError):
+    """The directory named for the storage tier is unsafe: a symlink, someone else's, or writable by others."""
 
 
 class OffcoreWarning(UserWarning):

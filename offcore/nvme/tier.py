@@ -1,0 +1,652 @@
+"""The NVMe storage tier: objects in private files, read and written asynchronously from host buffers.
+
+    >>> import numpy as np, tempfile
+    >>> from offcore.nvme import NvmeTier
+    >>> with NvmeTier(tempfile.mkdtemp(), budget="64MiB", verify=True) as tier:
+    ...     state = np.arange(1000, dtype=np.float32)
+    ...     tier.write("exp_avg.0", state).synchronize()     # only now may ``state`` be freed
+    ...     back = np.empty_like(state)
+    ...     tier.read("exp_avg.0", back).synchronize()
+    ...     bool((back == state).all()), tier.used_bytes
+    (True, 4096)
+
+One file per object (Note [one file per object]); ``O_DIRECT`` where the filesystem takes
+it, buffered I/O where it refuses (tmpfs); ``os.preadv`` / ``os.pwritev`` on two thread
+pools, one for reads and one for writes, each object split into ``chunk_size`` requests
+so one large object keeps several requests in flight (docs/nvme.md has the measurements
+behind this choice).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from offcore.errors import (
+    CapacityExceededError,
+    ChecksumMismatchError,
+    ConfigurationError,
+    IllegalTransitionError,
+    ShortTransferError,
+    StorageError,
+    StorageFileMissingError,
+    StorageFileTruncatedError,
+    StorageFullError,
+)
+from offcore.kinds import Kind, Tier
+from offcore.ledger import CopyTotals, Ledger
+from offcore.nvme.files import (
+    ALIGNMENT,
+    aligned_empty,
+    direct_io_supported,
+    open_private_file,
+    private_directory,
+    remove_private_directory,
+)
+from offcore.scheduler import BandwidthEstimator
+from offcore.units import format_bytes, parse_size
+
+__all__ = ["NvmeTier", "IOHandle"]
+
+# Note [one file per object]
+# Each object written to the tier gets its own file (named by a counter, never by the
+# caller's key), rather than slots in one large block-aligned file. Objects are read and
+# written whole (an optimizer-state group, a parameter, an activation), so a file per
+# object needs no allocator and cannot fragment; deleting or resizing an object gives its
+# space back to the filesystem at once (unlink / ftruncate); a truncated or removed file
+# is detected per object (fstat before a read, EOF during it); and ZeRO-Infinity's swapper
+# does the same (one swap file per tensor). A rewrite of the same key overwrites its file
+# in place (no new allocation on the filesystem). With O_DIRECT a file is padded to a
+# multiple of ALIGNMENT bytes; the logical size lives in the tier's in-memory index only:
+# nothing is ever read back as metadata from the disk (and nothing is unpickled).
+
+# Note [when may the host copy be released]
+# The tier never copies a source buffer up front: ``write(key, buffer)`` reads ``buffer``
+# from its worker threads until the returned handle completes. So the caller must keep the
+# buffer alive and unchanged until ``handle.synchronize()`` returned without raising (or
+# ``handle.query()`` returned True). Only then is the disk copy complete, and only then may
+# the host copy (the tier above) be released or reused. If the write failed, the handle
+# raises a StorageError, the object is removed from the tier (its file too), and the host
+# buffer is the only valid copy: keep it, or write it again. ``query()`` and
+# ``synchronize()`` raise on failure for exactly this reason: a caller polling for "done"
+# must never mistake "failed" for "done". The pipelined optimizer step
+# (offcore.nvme.pipeline) follows this rule; the optimizer wiring must too.
+
+_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG) if e is not None)
+
+
+def _round_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _as_bytes(buffer: Any, *, writable: bool, what: str) -> np.ndarray:
+    """``buffer`` (a numpy array of any dtype, a memoryview, bytes...) as a flat uint8 view of the same memory."""
+    if isinstance(buffer, np.ndarray):
+        array = buffer
+    else:
+        try:
+            array = np.frombuffer(buffer, np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"{what} must be a numpy array or a contiguous buffer (memoryview, bytearray), "
+                f"got {type(buffer).__name__}: {exc}"
+            ) from None
+    if array.dtype.hasobject:
+        raise ConfigurationError(f"{what} holds Python objects (dtype {array.dtype}); only plain numbers go to disk")
+    if not array.flags.c_contiguous:
+        raise ConfigurationError(
+            f"{what} is not contiguous (strides {array.strides}); pass a contiguous copy (np.ascontiguousarray)"
+        )
+    if writable and not array.flags.writeable:
+        raise ConfigurationError(f"{what} is read-only; reads need a writable destination buffer")
+    return array.reshape(-1).view(np.uint8)
+
+
+def _errname(code: int | None) -> str:
+    return errno.errorcode.get(code or 0, str(code))
+
+
+def _io_error(exc: OSError, op: str, path: str, offset: int, length: int) -> StorageError:
+    """The specific StorageError for an OSError of ``op`` ("write"/"read") of ``length`` bytes at ``offset``."""
+    where = f"{op} of {format_bytes(length)} at byte {offset} of {path!r}"
+    keep = " The data is still in the host buffer written from: keep it." if op == "write" else ""
+    code = exc.errno
+    if code in _FULL_ERRNOS:
+        return StorageFullError(
+            code,
+            f"{where} failed: the filesystem is full or a size limit was hit ({_errname(code)}: {exc.strerror}). "
+            "Free space there, raise the quota / file-size limit, or give the NVMe tier a larger disk or a smaller "
+            f"budget.{keep}",
+        )
+    if code == errno.ENOENT:
+        return StorageFileMissingError(
+            code, f"{where} failed: the file is gone (removed by another process?). Keep the tier's directory private."
+        )
+    return StorageError(
+        code, f"{where} failed: {_errname(code)} ({exc.strerror}); check the disk and its kernel log (dmesg).{keep}"
+    )
+
+
+class IOHandle:
+    """An asynchronous read or write of one object; ``query()`` / ``synchronize()`` as a backend event's.
+
+    Both raise the :class:`~offcore.StorageError` of a failed transfer (so "failed" is never
+    taken for "done"); ``exception()`` returns it without raising.
+
+        >>> import numpy as np, tempfile
+        >>> from offcore.nvme import NvmeTier
+        >>> tier = NvmeTier(tempfile.mkdtemp(), budget="1MiB")
+        >>> handle = tier.write("x", np.ones(10))
+        >>> handle.synchronize(); handle.query(), handle.nbytes
+        (True, 80)
+        >>> tier.close()
+    """
+
+    def __init__(self, op: str, key: Hashable, path: str, nbytes: int, chunks: int) -> None:
+        self.op = op
+        self.key = key
+        self.path = path
+        self.nbytes = nbytes
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self.finished: float | None = None
+        self._remaining = chunks
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._on_complete: Callable[[IOHandle], None] | None = None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self._done.is_set() else "in flight")
+        return f"<IOHandle {self.op} {self.key!r} {format_bytes(self.nbytes)} {state}>"
+
+    def query(self) -> bool:
+        """True once the transfer completed; raises its error if it failed; False while in flight."""
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the transfer completed; raises its error if it failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def exception(self) -> BaseException | None:
+        """Block until done; the error of a failed transfer, or None."""
+        self._done.wait()
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        """True once finished, successfully or not (never raises)."""
+        return self._done.is_set()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from the first request's start to the last one's end (0 until done)."""
+        if self.finished is None or self.started is None:
+            return 0.0
+        return self.finished - self.started
+
+    # -- called by the tier's workers ---------------------------------------------------
+    def _begin(self) -> bool:
+        """Mark a request as started; False if an earlier request already failed (skip the work)."""
+        with self._lock:
+            if self.started is None:
+                self.started = time.perf_counter()
+            return self._error is None
+
+    def _end(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        self.finished = time.perf_counter()
+        if self.started is None:
+            self.started = self.finished
+        try:
+            if self._on_complete is not None:
+                self._on_complete(self)
+        except BaseException as exc:  # bookkeeping failed: report it through the handle, never lose it
+            if self._error is None:
+                self._error = exc
+        finally:
+            self._done.set()
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Hashable
+    path: str
+    kind: Kind
+    nbytes: int = 0  # logical bytes of the last completed write
+    file_bytes: int = 0  # bytes the file has after the last completed write (padded with O_DIRECT)
+    reserved: int = 0  # bytes counted against the budget
+    crcs: list[int] | None = None
+    written: bool = False  # a write completed (the object is readable)
+    writing: IOHandle | None = None
+    reads: int = 0
+    ledger_bytes: int = 0
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """One open file for one handle: the fd, and a buffered fd for unaligned remainders."""
+
+    path: str
+    fd: int
+    direct: bool
+    buffered: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fd_for(self, offset: int, address: int, length: int) -> int:
+        if not self.direct or (offset % ALIGNMENT == 0 and address % ALIGNMENT == 0 and length % ALIGNMENT == 0):
+            return self.fd
+        with self.lock:  # a short O_DIRECT transfer left an unaligned remainder: finish it buffered
+            if self.buffered is None:
+                self.buffered = open_private_file(self.path, create=False, direct=False)
+            return self.buffered
+
+    def close(self) -> None:
+        for fd in (self.fd, self.buffered):
+            if fd is not None:
+                os.close(fd)
+
+
+def _shutdown(directory: str, pools: tuple[ThreadPoolExecutor, ...]) -> None:
+    """Finalizer of a tier (close, garbage collection, interpreter exit): drain the queues, remove the files."""
+    for pool in pools:
+        pool.shutdown(wait=True)
+    remove_private_directory(directory)
+
+
+class NvmeTier:
+    """Objects of at most ``budget`` bytes in all, in private files under ``path``.
+
+    - ``path``: a directory you own, not writable by others (created 0700 if missing);
+      the tier works in a fresh 0700 subdirectory of it, removed by :meth:`close`, when the
+      tier is garbage collected, and at interpreter exit.
+    - ``budget``: bytes on disk (``"64GiB"``), files padded to 4 KiB under ``O_DIRECT``;
+      a write beyond it raises :class:`~offcore.CapacityExceededError` before any I/O.
+    - ``verify``: keep a CRC-32 per chunk and check it on every read
+      (:class:`~offcore.ChecksumMismatchError`).
+    - ``direct``: ``None`` uses ``O_DIRECT`` where the filesystem takes it (probed once),
+      ``True`` requires it, ``False`` never uses it.
+    - ``chunk_size``, ``threads``: each object moves as ``chunk_size`` requests, with up to
+      ``threads`` in flight per direction (reads and writes have separate pools).
+    - ``ledger``: bytes on disk are counted there as (``Tier.NVME``, kind).
+
+    See the module docstring for an example, and Note [when may the host copy be released].
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        budget: int | str,
+        verify: bool = False,
+        direct: bool | None = None,
+        chunk_size: int | str = "4MiB",
+        threads: int = 4,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.budget = parse_size(budget, what="NVMe tier budget")
+        self.chunk_size = parse_size(chunk_size, what="NVMe chunk size")
+        if self.chunk_size <= 0 or self.chunk_size % ALIGNMENT:
+            raise ConfigurationError(f"NVMe chunk size must be a positive multiple of {ALIGNMENT}, got {chunk_size!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigurationError(f"NVMe threads must be a positive integer, got {threads!r}")
+        self.verify = bool(verify)
+        self.ledger = ledger
+        self.directory = private_directory(path)
+        try:
+            supported, reason = direct_io_supported(self.directory)
+        except BaseException:
+            remove_private_directory(self.directory)
+            raise
+        if direct and not supported:
+            remove_private_directory(self.directory)
+            raise ConfigurationError(f"O_DIRECT was required but does not work under {os.fspath(path)!r}: {reason}")
+        self.direct = supported if direct is None else bool(direct)
+        self.direct_reason = reason
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-read")
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-write")
+        self._finalizer = weakref.finalize(self, _shutdown, self.directory, (self._readers, self._writers))
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._counter = 0
+        self._bounce = threading.local()
+        self.used_bytes = 0
+        self.peak_used_bytes = 0
+        self.reads = CopyTotals()
+        self.writes = CopyTotals()
+        self.read_link = BandwidthEstimator()
+        """NVMe → host bandwidth, measured on completed reads (the scheduler's link for this direction)."""
+        self.write_link = BandwidthEstimator()
+        """Host → NVMe bandwidth, measured on completed writes."""
+
+    # -- introspection ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        mode = "O_DIRECT" if self.direct else "buffered"
+        return (
+            f"<NvmeTier {self.directory!r} {format_bytes(self.used_bytes)} of {format_bytes(self.budget)}, "
+            f"{len(self._entries)} objects, {mode}>"
+        )
+
+    def __contains__(self, key: Hashable) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.written
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> Iterator[Hashable]:
+        """Keys of the objects written so far."""
+        return iter([k for k, e in list(self._entries.items()) if e.written])
+
+    def nbytes(self, key: Hashable) -> int:
+        """Logical bytes of ``key`` as last written."""
+        return self._entry(key, "size of").nbytes
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget - self.used_bytes
+
+    def _entry(self, key: Hashable, what: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None or not entry.written:
+            raise IllegalTransitionError(
+                f"cannot {what} {key!r}: it is not on the NVMe tier (never written, deleted, or its last write "
+                "failed, in which case its host copy is the valid one)"
+            )
+        return entry
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise IllegalTransitionError(f"the NVMe tier under {self.directory!r} is closed")
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, key: Hashable, buffer: Any, *, kind: Kind | str = Kind.OPTIMIZER_STATE) -> IOHandle:
+        """Start writing ``buffer`` as ``key``; keep ``buffer`` unchanged until the handle completes.
+
+        Overwrites a previous version of ``key`` (no read or write of it may be in flight).
+        Raises :class:`~offcore.CapacityExceededError` beyond the budget, at once.
+        """
+        kind = Kind(kind)
+        src = _as_bytes(buffer, writable=False, what=f"the buffer written as {key!r}")
+        nbytes = src.nbytes
+        file_bytes = _round_up(nbytes) if self.direct else nbytes
+        with self._lock:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is not None and (entry.writing is not None or entry.reads):
+                raise IllegalTransitionError(
+                    f"cannot write {key!r} while a {'write' if entry.writing else 'read'} of it is in flight; "
+                    "synchronize that handle first"
+                )
+            old = entry.reserved if entry is not None else 0
+            if self.used_bytes - old + file_bytes > self.budget:
+                raise CapacityExceededError(
+                    f"NVMe tier budget exhausted: writing {key!r} needs {format_bytes(file_bytes)} on disk, "
+                    f"{format_bytes(self.used_bytes - old)} of {format_bytes(self.budget)} are in use under "
+                    f"{self.directory!r}. Raise the NVMe budget, delete objects, or keep this one in host memory."
+                )
+            create = entry is None
+            if entry is None:
+                path = os.path.join(self.directory, f"{self._counter:08d}.blk")
+                self._counter += 1
+                entry = _Entry(key=key, path=path, kind=kind)
+            try:
+                fd = open_private_file(entry.path, create=create, direct=self.direct)
+            except OSError as exc:
+                raise _io_error(exc, "write", entry.path, 0, nbytes) from exc
+            try:
+                if not create and entry.file_bytes > file_bytes:
+                    os.ftruncate(fd, file_bytes)
+            except OSError as exc:
+                os.close(fd)
+                raise _io_error(exc, "write", entry.path, 0, nbytes) from exc
+            self._entries[key] = entry
+            entry.kind = kind
+            entry.reserved = file_bytes
+            entry.written = False  # not readable until this write completes
+            self.used_bytes += file_bytes - old
+            self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+            chunks = list(range(0, nbytes, self.chunk_size))
+            handle = IOHandle("write", key, entry.path, nbytes, len(chunks))
+            entry.writing = handle
+        transfer = _Transfer(entry.path, fd, self.direct)
+        crcs: list[int] | None = [0] * len(chunks) if self.verify else None
+        handle._on_complete = lambda h: self._write_done(entry, h, transfer, nbytes, file_bytes, crcs)
+        if not chunks:
+            handle._complete()
+        for i, offset in enumerate(chunks):
+            piece = src[offset : offset + self.chunk_size]
+            self._writers.submit(self._run, handle, self._write_chunk, transfer, piece, offset, i, crcs)
+        return handle
+
+    def _write_chunk(self, t: _Transfer, src: np.ndarray, offset: int, index: int, crcs: list[int] | None) -> None:
+        if crcs is not None:
+            crcs[index] = zlib.crc32(src)
+        buf = src
+        if t.direct and (_address(src) % ALIGNMENT or src.nbytes % ALIGNMENT):
+            padded = _round_up(src.nbytes)
+            bounce = self._bounce_buffer()[:padded]
+            bounce[: src.nbytes] = src
+            bounce[src.nbytes :] = 0
+            buf = bounce
+        view = memoryview(buf)
+        done = 0
+        while done < buf.nbytes:
+            fd = t.fd_for(offset + done, _address(buf) + done, buf.nbytes - done)
+            try:
+                n = os.pwritev(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise _io_error(exc, "write", t.path, offset + done, buf.nbytes - done) from exc
+            if n <= 0:
+                raise ShortTransferError(
+                    f"write of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} stopped after {done} bytes "
+                    f"(pwritev returned {n}); check free space and the disk. The data is still in the host buffer."
+                )
+            done += n
+
+    def _write_done(
+        self, entry: _Entry, h: IOHandle, t: _Transfer, nbytes: int, file_bytes: int, crcs: list[int] | None
+    ) -> None:
+        try:
+            t.close()
+        except OSError as exc:  # close can report a deferred write error (NFS, ...)
+            if h._error is None:
+                h._error = _io_error(exc, "write", entry.path, 0, nbytes)
+        ledger_delta: tuple[int, int] = (entry.ledger_bytes, 0)
+        with self._lock:
+            entry.writing = None
+            if h._error is None:
+                entry.nbytes, entry.file_bytes, entry.crcs, entry.written = nbytes, file_bytes, crcs, True
+                ledger_delta = (entry.ledger_bytes, nbytes)
+                entry.ledger_bytes = nbytes
+                self.writes.bytes += nbytes
+                self.writes.seconds += h.seconds
+                self.writes.copies += 1
+            else:  # nothing lost: the caller's buffer is the valid copy; drop the half-written file
+                self._entries.pop(entry.key, None)
+                self.used_bytes -= entry.reserved
+                entry.reserved = entry.ledger_bytes = 0
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        self._ledger_change(entry.kind, *ledger_delta)
+        if h._error is None:
+            self.write_link.observe(nbytes, h.seconds)
+
+    def _ledger_change(self, kind: Kind, old: int, new: int) -> None:
+        if self.ledger is None or old == new:
+            return
+        if old:
+            self.ledger.remove(Tier.NVME, kind, old)
+        if new:
+            self.ledger.add(Tier.NVME, kind, new)
+
+    # -- reads --------------------------------------------------------------------------
+    def read(self, key: Hashable, out: Any) -> IOHandle:
+        """Start reading ``key`` into ``out`` (a writable contiguous buffer of exactly its size)."""
+        dst = _as_bytes(out, writable=True, what=f"the buffer read into for {key!r}")
+        with self._lock:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is not None and entry.writing is not None:
+                raise IllegalTransitionError(
+                    f"cannot read {key!r} while its write is in flight; synchronize the write's handle first"
+                )
+            entry = self._entry(key, "read")
+            if dst.nbytes != entry.nbytes:
+                raise ConfigurationError(
+                    f"cannot read {key!r} ({entry.nbytes} bytes) into a buffer of {dst.nbytes} bytes; "
+                    "pass a buffer of exactly the object's size"
+                )
+            try:
+                fd = open_private_file(entry.path, create=False, direct=self.direct)
+            except OSError as exc:
+                raise _io_error(exc, "read", entry.path, 0, entry.nbytes) from exc
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                os.close(fd)
+                raise _io_error(exc, "read", entry.path, 0, entry.nbytes) from exc
+            if size < entry.file_bytes:
+                os.close(fd)
+                raise StorageFileTruncatedError(
+                    f"read of {key!r} from {entry.path!r}: the file has {size} bytes, {entry.file_bytes} were "
+                    "written; something truncated it. Keep the tier's directory private; the object's data is lost "
+                    "unless a copy is kept elsewhere."
+                )
+            entry.reads += 1
+            chunks = list(range(0, entry.nbytes, self.chunk_size))
+            handle = IOHandle("read", key, entry.path, entry.nbytes, len(chunks))
+            crcs = entry.crcs
+        transfer = _Transfer(entry.path, fd, self.direct)
+        handle._on_complete = lambda h: self._read_done(entry, h, transfer)
+        if not chunks:
+            handle._complete()
+        for i, offset in enumerate(chunks):
+            piece = dst[offset : offset + self.chunk_size]
+            crc = crcs[i] if crcs is not None else None
+            self._readers.submit(self._run, handle, self._read_chunk, transfer, piece, offset, crc)
+        return handle
+
+    def _read_chunk(self, t: _Transfer, dst: np.ndarray, offset: int, crc: int | None) -> None:
+        buf = dst
+        if t.direct and (_address(dst) % ALIGNMENT or dst.nbytes % ALIGNMENT):
+            buf = self._bounce_buffer()[: _round_up(dst.nbytes)]
+        view = memoryview(buf)
+        done = 0
+        while done < buf.nbytes:
+            fd = t.fd_for(offset + done, _address(buf) + done, buf.nbytes - done)
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise _io_error(exc, "read", t.path, offset + done, buf.nbytes - done) from exc
+            if n <= 0:
+                raise StorageFileTruncatedError(
+                    f"read of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} hit the end of the file after "
+                    f"{done} bytes: the file was truncated behind offcore's back. Keep the tier's directory private."
+                )
+            done += n
+        if buf is not dst:
+            dst[:] = buf[: dst.nbytes]
+        if crc is not None:
+            found = zlib.crc32(dst)
+            if found != crc:
+                raise ChecksumMismatchError(
+                    f"bytes {offset}..{offset + dst.nbytes} of {t.path!r} read back with CRC-32 {found:#010x}, "
+                    f"{crc:#010x} was written: the disk or something else corrupted them. The object cannot be "
+                    "trusted; restore it from a checkpoint (and check the disk)."
+                )
+
+    def _read_done(self, entry: _Entry, h: IOHandle, t: _Transfer) -> None:
+        t.close()
+        with self._lock:
+            entry.reads -= 1
+            if h._error is None:
+                self.reads.bytes += h.nbytes
+                self.reads.seconds += h.seconds
+                self.reads.copies += 1
+        if h._error is None:
+            self.read_link.observe(h.nbytes, h.seconds)
+
+    # -- shared -------------------------------------------------------------------------
+    def _run(self, handle: IOHandle, work: Callable[..., None], *args: Any) -> None:
+        error: BaseException | None = None
+        if handle._begin():
+            try:
+                work(*args)
+            except BaseException as exc:
+                error = exc
+        handle._end(error)
+
+    def _bounce_buffer(self) -> np.ndarray:
+        """This worker thread's aligned bounce buffer of ``chunk_size`` bytes (for unaligned O_DIRECT transfers)."""
+        buf = getattr(self._bounce, "buffer", None)
+        if buf is None:
+            buf = self._bounce.buffer = aligned_empty(self.chunk_size)
+        return buf
+
+    def delete(self, key: Hashable) -> None:
+        """Remove ``key`` and its file (nothing of it may be in flight)."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(key, "delete")
+            if entry.writing is not None or entry.reads:
+                raise IllegalTransitionError(f"cannot delete {key!r} while a transfer of it is in flight")
+            del self._entries[key]
+            self.used_bytes -= entry.reserved
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+        self._ledger_change(entry.kind, entry.ledger_bytes, 0)
+
+    def close(self) -> None:
+        """Wait for transfers in flight, remove every file and the tier's directory (idempotent)."""
+        if self.closed:
+            return
+        self._finalizer()  # drains both pools, so every handle has completed
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self.used_bytes = 0
+        for entry in entries:
+            self._ledger_change(entry.kind, entry.ledger_bytes, 0)
+
+    def __enter__(self) -> NvmeTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
