@@ -24,16 +24,22 @@ __all__ = ["Ledger", "CopyTotals"]
 
 @dataclass
 class CopyTotals:
-    """Copied bytes and busy seconds in one direction."""
+    """Copied bytes and busy seconds in one direction.
+
+    ``bytes`` and ``copies`` count every copy; ``seconds`` only the timed ones, whose bytes
+    are ``timed_bytes`` (a binding may time a sample of its copies), so ``bandwidth`` is
+    the achieved rate of the timed copies.
+    """
 
     bytes: int = 0
     seconds: float = 0.0
     copies: int = 0
+    timed_bytes: int = 0
 
     @property
     def bandwidth(self) -> float:
-        """Achieved bytes per second (0 when nothing was timed)."""
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+        """Achieved bytes per second of the timed copies (0 when nothing was timed)."""
+        return self.timed_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -42,11 +48,13 @@ class Ledger:
 
     Thread-safe: copy workers may record from their own threads. ``reset_step()``
     starts a new step: peaks restart from the current level, copy and wait totals
-    from zero.
+    from zero. Every record is O(1) (a running total per tier, not a sum over kinds):
+    bindings call it once per copy and per host buffer on their hot path.
     """
 
     _current: dict[tuple[Tier, Kind], int] = field(default_factory=lambda: defaultdict(int))
     _peak: dict[tuple[Tier, Kind], int] = field(default_factory=lambda: defaultdict(int))
+    _tier_current: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
     _tier_peak: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
     copies: dict[Direction, CopyTotals] = field(default_factory=lambda: defaultdict(CopyTotals))
     wait_seconds: float = 0.0
@@ -57,9 +65,14 @@ class Ledger:
         """Count ``nbytes`` of ``kind`` as now living on ``tier``."""
         with self._lock:
             key = (tier, kind)
-            self._current[key] += nbytes
-            self._peak[key] = max(self._peak[key], self._current[key])
-            self._tier_peak[tier] = max(self._tier_peak[tier], self._tier_total(tier))
+            now = self._current[key] + nbytes
+            self._current[key] = now
+            if now > self._peak[key]:
+                self._peak[key] = now
+            total = self._tier_current[tier] + nbytes
+            self._tier_current[tier] = total
+            if total > self._tier_peak[tier]:
+                self._tier_peak[tier] = total
 
     def remove(self, tier: Tier, kind: Kind, nbytes: int) -> None:
         """Count ``nbytes`` of ``kind`` as really freed from ``tier``."""
@@ -71,30 +84,41 @@ class Ledger:
                     f"which holds {self._current[key]}; every remove needs a matching add"
                 )
             self._current[key] -= nbytes
+            self._tier_current[tier] -= nbytes
 
     def _tier_total(self, tier: Tier) -> int:
-        return sum(v for (t, _), v in self._current.items() if t is tier)
+        return self._tier_current.get(tier, 0)
 
     def bytes(self, tier: Tier, kind: Kind | None = None) -> int:
         """Bytes now on ``tier`` (of ``kind``, or of every kind)."""
         with self._lock:
             if kind is None:
                 return self._tier_total(tier)
-            return self._current[(tier, kind)]
+            return self._current.get((tier, kind), 0)
 
     def peak(self, tier: Tier, kind: Kind | None = None) -> int:
         """Peak bytes on ``tier`` since the last ``reset_step`` (of ``kind``, or all kinds together)."""
         with self._lock:
             if kind is None:
-                return self._tier_peak[tier]
-            return self._peak[(tier, kind)]
+                return self._tier_peak.get(tier, 0)
+            return self._peak.get((tier, kind), 0)
 
-    def record_copy(self, direction: Direction, nbytes: int, *, seconds: float = 0.0) -> None:
+    def record_copy(self, direction: Direction, nbytes: int, *, seconds: float | None = None) -> None:
+        """Count one copy of ``nbytes`` in ``direction``; ``seconds``: its measured time, if it was timed."""
         with self._lock:
             totals = self.copies[direction]
             totals.bytes += nbytes
-            totals.seconds += seconds
             totals.copies += 1
+            if seconds is not None:
+                totals.timed_bytes += nbytes
+                totals.seconds += seconds
+
+    def record_timing(self, direction: Direction, nbytes: int, seconds: float) -> None:
+        """Add the measured time of a copy already counted by :meth:`record_copy` (timed later, when it landed)."""
+        with self._lock:
+            totals = self.copies[direction]
+            totals.timed_bytes += nbytes
+            totals.seconds += seconds
 
     def record_wait(self, seconds: float, *, what: str = "") -> None:
         """Charge ``seconds`` of exposed wait (to ``what``, e.g. an object's name)."""

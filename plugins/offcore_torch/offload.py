@@ -69,11 +69,11 @@ from offcore.errors import (
     CapacityExceededError,
     ConfigurationError,
     CopyFailedError,
-    IllegalTransitionError,
     OffcoreWarning,
     SavedTensorModifiedError,
 )
 from offcore.kinds import Direction, Kind, Tier
+from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
 from offcore.protocols import Capability
 from offcore.residency import Action, ActionKind, ResidencyScheduler, Watermark
@@ -81,7 +81,7 @@ from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
 from offcore_torch.policy import OffloadPolicy
-from offcore_torch.runtime import CopyCounters, DeviceRuntime, runtime_for, runtime_of
+from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
@@ -188,39 +188,6 @@ def _inside_checkpoint() -> bool:
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (CapacityExceededError, torch.OutOfMemoryError))
-
-
-# ------------------------------------------------------------------------- host bytes
-class _HostBytes:
-    """Host bytes a region's offloaded storages hold, current and peak, per host tier.
-
-    What :class:`offcore.ledger.Ledger` would count for one kind (activations), at a
-    fraction of its cost: one add per offloaded storage, one remove per release.
-    """
-
-    __slots__ = ("current", "peak", "lock")
-
-    def __init__(self) -> None:
-        self.current = {Tier.PINNED: 0, Tier.PAGEABLE: 0}
-        self.peak = {Tier.PINNED: 0, Tier.PAGEABLE: 0}
-        self.lock = threading.Lock()  # releases may run on a thread calling synchronize()
-
-    def add(self, tier: Tier, nbytes: int) -> None:
-        with self.lock:
-            now = self.current[tier] + nbytes
-            self.current[tier] = now
-            if now > self.peak[tier]:
-                self.peak[tier] = now
-
-    def remove(self, tier: Tier, nbytes: int) -> None:
-        with self.lock:
-            now = self.current[tier] - nbytes
-            if now < 0:
-                raise IllegalTransitionError(
-                    f"host byte count underflow: removing {nbytes} bytes from {tier.value}, which holds "
-                    f"{self.current[tier]}; every remove needs a matching add"
-                )
-            self.current[tier] = now
 
 
 class _CopyRefused(Exception):
@@ -475,8 +442,9 @@ class OffloadHandle:
             record=policy.record,
         )
         self._graph_task = -1  # the autograd graph task of the current backward round
-        self._host_bytes = _HostBytes()
-        self._counters = CopyCounters(trace=TraceRecorder(process_name="offcore_torch") if policy.trace else None)
+        # host bytes per tier, copies per direction, waits (the one byte ledger, offcore.ledger)
+        self._ledger = Ledger()
+        self._trace = TraceRecorder(process_name="offcore_torch") if policy.trace else None
         self._stats = OffloadStats()
         self._kept: collections.Counter[str] = collections.Counter()
         self._peak_samples = 0
@@ -586,8 +554,8 @@ class OffloadHandle:
             self._hooks = None
             self._remove_module_hooks()
             self._t_exit = time.perf_counter()
-            if self._counters.trace is not None:
-                self._counters.trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
+            if self._trace is not None:
+                self._trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
             self._sample_peak()
             poll(self.runtime)
         if exc_type is None:
@@ -789,6 +757,7 @@ class OffloadHandle:
                 done = device.copy_(dst, src, stream=stream, start_event=start)
             else:
                 done = device.copy_(dst, src, stream=stream)
+            self._ledger.record_copy(direction, nbytes)
             if timed:
                 runtime.end_timing(
                     device,
@@ -798,7 +767,8 @@ class OffloadHandle:
                     nbytes=nbytes,
                     direction=direction,
                     label=entry.name,
-                    counters=self._counters,
+                    ledger=self._ledger,
+                    trace=self._trace,
                 )
         return done
 
@@ -830,7 +800,7 @@ class OffloadHandle:
             self._by_storage[entry.skey] = entry
             self._by_key[key] = entry
         self.runtime.track_d2h(done, entry)
-        self._host_bytes.add(tier, nbytes)
+        self._ledger.add(tier, Kind.ACTIVATION, nbytes)
         self._stats.offloaded_bytes += nbytes
         self._stats.offloaded_storages += 1
         return entry
@@ -865,7 +835,7 @@ class OffloadHandle:
         if host is not None:
             self._pool().release(host)
         if host_view is not None:
-            self._host_bytes.remove(tier, entry.nbytes)
+            self._ledger.remove(tier, Kind.ACTIVATION, entry.nbytes)
         self._stats.offloaded_bytes -= entry.nbytes
         self._stats.offloaded_storages -= 1
         self._kept["copy_failed"] += entry.live
@@ -940,10 +910,8 @@ class OffloadHandle:
         """Called by autograd when the backward pass that used this region ends."""
         try:
             now = time.perf_counter()
-            if self._counters.trace is not None:
-                self._counters.trace.span(
-                    "compute", f"backward {self._round}", self._t_backward, now - self._t_backward
-                )
+            if self._trace is not None:
+                self._trace.span("compute", f"backward {self._round}", self._t_backward, now - self._t_backward)
             for action in self._sched.backward_ended(now):  # frees what was held
                 entry = self._by_key.get(action.key)
                 if entry is not None and not entry.disposed:
@@ -1053,6 +1021,7 @@ class OffloadHandle:
             start, issued = runtime.begin_timing(device, compute)
             try:
                 done = device.copy_(dst, entry.host_view, stream=compute)
+                self._ledger.record_copy(Direction.H2D, entry.nbytes)
                 compute.wait_event(done)
             except Exception as exc:
                 raise CopyFailedError(
@@ -1069,7 +1038,8 @@ class OffloadHandle:
                     nbytes=nbytes,
                     direction=direction,
                     label=entry.name,
-                    counters=self._counters,
+                    ledger=self._ledger,
+                    trace=self._trace,
                 )
         self._sched.reloaded(entry.key, done)
         self._stats.stalls += 1
@@ -1111,7 +1081,8 @@ class OffloadHandle:
                         nbytes=0,
                         direction=None,
                         label=entry.name,
-                        counters=self._counters,
+                        ledger=self._ledger,
+                        trace=self._trace,
                     )
             else:
                 self.device.current_stream().wait_event(event)  # ordering only; it has landed
@@ -1235,7 +1206,7 @@ class OffloadHandle:
         host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
         entry.host = entry.host_view = entry.src = entry.restored = None
         tier = obj.host_tier or Tier.PINNED
-        host_bytes, runtime, device = self._host_bytes, self.runtime, self.device
+        ledger, runtime, device = self._ledger, self.runtime, self.device
         pool = self._pool() if host is not None else None
         sanitize = self._sanitize
 
@@ -1247,7 +1218,7 @@ class OffloadHandle:
             elif sanitize and host_view is not None:
                 device.poison(host_view)
             if host_view is not None:  # a failed offload returned its host buffer already
-                host_bytes.remove(tier, obj.nbytes)
+                ledger.remove(tier, Kind.ACTIVATION, obj.nbytes)
             if obj.state is not State.RELEASED:
                 obj.release()
 
@@ -1265,7 +1236,7 @@ class OffloadHandle:
     def stats(self) -> OffloadStats:
         """The region's figures so far (final once backward ended); see :class:`OffloadStats`."""
         poll(self.runtime)
-        for event in self.runtime.pending_timings(self._counters):
+        for event in self.runtime.pending_timings(self._ledger):
             try:
                 event.synchronize()
             except Exception:  # a bracket around a failed copy: resolved without a sample
@@ -1273,16 +1244,17 @@ class OffloadHandle:
         poll(self.runtime)
         self.runtime.resolve_timings()
         s = self._stats
-        c = self._counters
+        ledger = self._ledger
         peak = self._peak_final if self._peak_final is not None else self._peak_now()
         out = OffloadStats(**{k: v for k, v in s.as_dict().items()})
         out.peak_device_bytes = peak if peak > self._peak_baseline else self._peak_samples
-        out.peak_pinned_bytes = self._host_bytes.peak[Tier.PINNED]
-        out.peak_pageable_bytes = self._host_bytes.peak[Tier.PAGEABLE]
-        out.exposed_wait_s = c.wait_seconds
-        out.waits = dict(c.waits)
-        out.d2h_bandwidth = c.d2h_bytes / c.d2h_seconds if c.d2h_seconds > 0 else 0.0
-        out.h2d_bandwidth = c.h2d_bytes / c.h2d_seconds if c.h2d_seconds > 0 else 0.0
+        out.peak_pinned_bytes = ledger.peak(Tier.PINNED)
+        out.peak_pageable_bytes = ledger.peak(Tier.PAGEABLE)
+        out.exposed_wait_s = ledger.wait_seconds
+        out.waits = dict(ledger.waits)
+        copies = ledger.copies
+        out.d2h_bandwidth = copies[Direction.D2H].bandwidth if Direction.D2H in copies else 0.0
+        out.h2d_bandwidth = copies[Direction.H2D].bandwidth if Direction.H2D in copies else 0.0
         out.peak_prefetched_bytes = self._sched.peak_outstanding
         kept = collections.Counter(self._kept)
         for reason in ("prefetch_no_room", "prefetch_oom"):
@@ -1293,17 +1265,17 @@ class OffloadHandle:
 
     def write_trace(self, path: Any) -> None:
         """Write a Chrome-trace / Perfetto JSON of compute, D2H, H2D and waits (needs ``trace=True``)."""
-        if self._counters.trace is None:
+        if self._trace is None:
             raise ConfigurationError("this region records no trace: pass trace=True to offload_activations")
         self.stats()  # resolves pending copy timings
-        self._counters.trace.write(path)
+        self._trace.write(path)
 
     def trace_dict(self) -> dict[str, Any]:
         """The trace as a dict (Chrome's JSON object format); needs ``trace=True``."""
-        if self._counters.trace is None:
+        if self._trace is None:
             raise ConfigurationError("this region records no trace: pass trace=True to offload_activations")
         self.stats()
-        return self._counters.trace.to_dict()
+        return self._trace.to_dict()
 
     def synchronize(self) -> None:
         """Wait for this device's copies in flight and run every release that waited on one."""

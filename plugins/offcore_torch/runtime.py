@@ -57,17 +57,17 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import OffcoreWarning
 from offcore.kinds import Direction
+from offcore.ledger import Ledger
 from offcore.pool import HostBufferPool
 from offcore.protocols import Capability
 from offcore.scheduler import BandwidthEstimator, Scheduler
 from offcore.trace import TraceRecorder
 
-__all__ = ["DeviceRuntime", "runtime_for", "runtime_of", "CopyCounters"]
+__all__ = ["DeviceRuntime", "runtime_for", "runtime_of"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
@@ -75,23 +75,10 @@ _fallback_by_id: dict[int, DeviceRuntime] = {}
 _registry_lock = threading.Lock()
 
 
-@dataclass
-class CopyCounters:
-    """Copy and wait figures of one offload region, filled in as copies are timed."""
-
-    d2h_bytes: int = 0
-    d2h_seconds: float = 0.0
-    h2d_bytes: int = 0
-    h2d_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    waits: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    trace: TraceRecorder | None = None
-
-
 class _Timed:
     """A copy or wait bracketed by timing events, resolved once ``end`` completes."""
 
-    __slots__ = ("start", "end", "nbytes", "direction", "issued", "label", "counters", "host_seconds")
+    __slots__ = ("start", "end", "nbytes", "direction", "issued", "label", "ledger", "trace")
 
     def __init__(
         self,
@@ -101,11 +88,11 @@ class _Timed:
         direction: Direction | None,
         issued: float,
         label: str,
-        counters: CopyCounters,
-        host_seconds: float | None = None,
+        ledger: Ledger,
+        trace: TraceRecorder | None,
     ) -> None:
         self.start, self.end, self.nbytes, self.direction = start, end, nbytes, direction
-        self.issued, self.label, self.counters, self.host_seconds = issued, label, counters, host_seconds
+        self.issued, self.label, self.ledger, self.trace = issued, label, ledger, trace
 
 
 def _stream_key(stream: Any) -> Any:
@@ -334,16 +321,21 @@ class DeviceRuntime:
         nbytes: int,
         direction: Direction | None,
         label: str,
-        counters: CopyCounters,
+        ledger: Ledger,
+        trace: TraceRecorder | None = None,
     ) -> None:
         """Close a bracket opened by :meth:`begin_timing`; it is resolved when the end event completes.
 
-        Without event timing the host time since ``issued`` is used (exact on backends
-        whose compute stream is the host thread; an upper bound for copies otherwise).
+        A copy's time goes to the link estimate of its direction and to ``ledger``'s copy
+        totals (the copy itself was counted with :meth:`offcore.ledger.Ledger.record_copy`
+        when it was submitted); a wait (``direction=None``) to ``ledger``'s waits under
+        ``label``; both to ``trace`` when given. Without event timing the host time since
+        ``issued`` is used (exact on backends whose compute stream is the host thread; an
+        upper bound for copies otherwise).
         """
         if start is None:
             seconds = time.perf_counter() - issued
-            self._account(_Timed(None, None, nbytes, direction, issued, label, counters, seconds), seconds)
+            self._account(_Timed(None, None, nbytes, direction, issued, label, ledger, trace), seconds)
             return
         end = device.new_event(enable_timing=True)
         stream.record_event(end)
@@ -352,7 +344,7 @@ class DeviceRuntime:
             queue = self._timed.get(key)
             if queue is None:
                 queue = self._timed[key] = collections.deque()
-            queue.append(_Timed(start, end, nbytes, direction, issued, label, counters))
+            queue.append(_Timed(start, end, nbytes, direction, issued, label, ledger, trace))
 
     def resolve_timings(self) -> None:
         """Read the copy timings whose copies completed (between steps where reading one is a barrier)."""
@@ -372,31 +364,24 @@ class DeviceRuntime:
             self._account(item, max(seconds, 0.0))
 
     def _account(self, item: _Timed, seconds: float) -> None:
-        c = item.counters
-        if item.direction is Direction.D2H:
-            self.d2h_link.observe(item.nbytes, seconds)
-            c.d2h_bytes += item.nbytes
-            c.d2h_seconds += seconds
-            track = "d2h"
-        elif item.direction is Direction.H2D:
-            self.h2d_link.observe(item.nbytes, seconds)
-            c.h2d_bytes += item.nbytes
-            c.h2d_seconds += seconds
-            track = "h2d"
-        else:
-            c.wait_seconds += seconds
-            c.waits[item.label] += seconds
+        direction = item.direction
+        if direction is None:
+            item.ledger.record_wait(seconds, what=item.label)
             track = "wait"
-        if c.trace is not None:
+        else:
+            (self.d2h_link if direction is Direction.D2H else self.h2d_link).observe(item.nbytes, seconds)
+            item.ledger.record_timing(direction, item.nbytes, seconds)
+            track = direction.value
+        if item.trace is not None:
             with self.lock:
                 start = max(item.issued, self._track_end[track]) if track != "wait" else item.issued
                 self._track_end[track] = start + seconds
-            c.trace.span(track, item.label, start, seconds, bytes=item.nbytes)
+            item.trace.span(track, item.label, start, seconds, bytes=item.nbytes)
 
-    def pending_timings(self, counters: CopyCounters) -> list[Any]:
-        """End events of timings of ``counters`` not resolved yet."""
+    def pending_timings(self, ledger: Ledger) -> list[Any]:
+        """End events of the timings recorded into ``ledger`` not resolved yet."""
         with self.lock:
-            return [item.end for queue in self._timed.values() for item in queue if item.counters is counters]
+            return [item.end for queue in self._timed.values() for item in queue if item.ledger is ledger]
 
     def h2d_duration(self, nbytes: int) -> float:
         """Predicted seconds of a host-to-device copy (measured H2D, else measured D2H, else unknown: inf)."""
