@@ -63,6 +63,11 @@ def pipelined(
     completed. Group i+1 is read while group i is computed and group i−1 written; the
     results are those of the plain loop (same calls in the same order per group), and at
     most three groups are between ``read`` and ``release`` at any time.
+
+    A ``read`` or ``write`` call that raises (rather than returning a handle that fails)
+    must leave nothing behind for that call: a ``read`` that raised frees what it
+    acquired itself. On any failure the exception carries ``unwritten_groups``
+    (Note [pipelined step and the host copy]).
     """
     order = list(groups)
     n = len(order)
