@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_peak",
     "adam_state_bytes",
     "copy_lower_bound",
+    "two_hop_transfer_time",
 ]
 
 
@@ -183,3 +184,41 @@ def copy_lower_bound(
     d2h = transfer_time(d2h_bytes, d2h_bandwidth)
     h2d = transfer_time(h2d_bytes, h2d_bandwidth)
     return max(d2h, h2d) if duplex else d2h + h2d
+
+
+def two_hop_transfer_time(
+    nbytes: float,
+    first_bandwidth: float,
+    second_bandwidth: float,
+    *,
+    chunk: float | None = None,
+    latency: float = 0.0,
+) -> float:
+    """Seconds to move ``nbytes`` over two links in series (NVMe → host → device), staged in ``chunk`` s.
+
+    Without staging (``chunk`` None or ≥ ``nbytes``) the hops add up. With ``k`` chunks the
+    hops overlap: the first chunk crosses both, the other ``k − 1`` are paced by the slower
+    hop — ``t1 + t2 + (k − 1) · max(t1, t2)`` for per-chunk times ``t1``, ``t2`` (the last
+    chunk may be smaller) — plus ``latency`` once per hop.
+
+    >>> gib = 2**30
+    >>> two_hop_transfer_time(gib, 2 * gib, 32 * gib)                     # 0.5 s + 1/32 s
+    0.53125
+    >>> two_hop_transfer_time(gib, 2 * gib, 32 * gib, chunk=64 * 2**20)   # ≈ the NVMe hop alone
+    0.501953125
+    """
+    nbytes = _non_negative(nbytes, "nbytes")
+    latency = _non_negative(latency, "latency")
+    if chunk is None or chunk >= nbytes or nbytes == 0:
+        return transfer_time(nbytes, first_bandwidth, latency) + transfer_time(nbytes, second_bandwidth, latency)
+    chunk = _positive(chunk, "chunk")
+    full, rest = divmod(nbytes, chunk)
+    sizes = [chunk] * int(full) + ([rest] if rest else [])
+    t1 = [transfer_time(s, first_bandwidth) for s in sizes]
+    t2 = [transfer_time(s, second_bandwidth) for s in sizes]
+    # flow shop of two machines in order: chunk i enters hop 2 when it left hop 1 and hop 2 is free
+    end1 = end2 = 0.0
+    for a, b in zip(t1, t2, strict=True):
+        end1 += a
+        end2 = max(end2, end1) + b
+    return 2 * latency + end2

@@ -174,3 +174,18 @@ def test_failed_read_releases_its_buffers(tmp_path: Path, monkeypatch: pytest.Mo
             pipelined(range(GROUPS), groups.read, groups.compute, groups.write, release=groups.release)
         assert info.value.unwritten_groups == []  # type: ignore[attr-defined]
         assert groups.host == {} and groups.live == 0
+
+
+def test_two_hop_transfer_time_formula() -> None:
+    from offcore.sim.formulas import transfer_time, two_hop_transfer_time
+
+    mib = 2**20
+    # unstaged: the hops add up; staged: the slower hop paces, the faster one shows once per chunk
+    assert two_hop_transfer_time(64 * mib, 1e9, 4e9) == transfer_time(64 * mib, 1e9) + transfer_time(64 * mib, 4e9)
+    staged = two_hop_transfer_time(64 * mib, 1e9, 4e9, chunk=mib)
+    assert staged == pytest.approx(64 * mib / 1e9 + mib / 4e9)
+    assert two_hop_transfer_time(64 * mib, 4e9, 1e9, chunk=mib) == pytest.approx(mib / 4e9 + 64 * mib / 1e9)
+    assert two_hop_transfer_time(10.5, 1.0, 1.0, chunk=2.0) == 12.5  # first chunk's hop 1, then all of hop 2
+    assert two_hop_transfer_time(0, 1.0, 2.0, latency=0.5) == 1.0
+    with pytest.raises(offcore.ConfigurationError):
+        two_hop_transfer_time(10, 1.0, 1.0, chunk=-1)
