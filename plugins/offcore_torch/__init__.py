@@ -12,6 +12,8 @@
     True
 
 Public API: :func:`offload_activations` (returns an :class:`OffloadHandle`),
+:class:`OffloadOptimizer` (optimizer states and gradients on the host, with
+:func:`clip_grad_norm_`, :class:`OffloadGradScaler` and :func:`from_deepspeed_config`),
 :func:`no_offload`, :func:`mark`, :func:`synchronize`, :class:`OffloadStats`,
 :class:`OffloadPolicy`, and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
 as ``schedule=`` to share what prefetch learns across regions). Names load lazily.
@@ -24,15 +26,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
+    from offcore_torch.clip import clip_grad_norm_
+    from offcore_torch.deepspeed_config import from_deepspeed_config
     from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
+    from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
     from offcore_torch.policy import OffloadPolicy
     from offcore_torch.stats import OffloadStats
 
 __all__ = [
+    "OffloadGradScaler",
     "OffloadHandle",
+    "OffloadOptimizer",
     "OffloadPolicy",
     "OffloadStats",
     "Scheduler",
+    "clip_grad_norm_",
+    "from_deepspeed_config",
     "mark",
     "no_offload",
     "offload_activations",
@@ -48,6 +57,10 @@ _EXPORTS = {
     "OffloadStats": "offcore_torch.stats",
     "synchronize": "offcore_torch.offload",
     "Scheduler": "offcore.scheduler",
+    "OffloadOptimizer": "offcore_torch.optimizer",
+    "OffloadGradScaler": "offcore_torch.optimizer",
+    "clip_grad_norm_": "offcore_torch.clip",
+    "from_deepspeed_config": "offcore_torch.deepspeed_config",
 }
 
 

@@ -1,0 +1,905 @@
+"""OffloadOptimizer: any torch optimizer, run on the host over host copies of the parameters.
+
+Optimizer states never take device memory; gradients leave the device as backward
+produces them (post-accumulate-grad hooks, D2H on the device's copy stream), accumulate
+on the host in the master dtype, and updated parameters go back on the H2D stream, the
+next forward waiting per parameter on its own event.
+
+    >>> import offcore, offcore_torch, torch
+    >>> dev = offcore.device("cpu", capacity="256MiB")
+    >>> with dev:
+    ...     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    ...     opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)
+    ...     for _ in range(2):
+    ...         model(torch.randn(8, 16)).square().mean().backward()
+    ...         opt.step()
+    ...         opt.zero_grad()
+    >>> len(opt.state_dict()["state"])
+    4
+    >>> opt.close()
+
+# Note [Host step rounds]
+# A *round* is everything between two ``step()`` calls. Each parameter's gradients of the
+# round accumulate into its host gradient buffer (``copy`` for the first since
+# ``zero_grad``, ``add_`` after, in the master dtype: the same additions autograd makes on
+# the device, so the sums are bit-identical). The host step of a parameter runs either at
+# ``step()`` or, when the user declared where accumulation ends (``accumulation_steps=N``:
+# its N-th gradient of the round; or a backward inside ``opt.last_micro_step()``), as soon
+# as that gradient landed, on the worker, while backward goes on. A gradient arriving for a
+# parameter whose step already ran in this round is refused (it would be silently dropped
+# from the update, the DeepSpeed accumulation bug), naming the fix.
+#
+# Note [Host work runs on one worker thread]
+# Every read or write of host masters, host gradients and the host optimizer's state runs
+# on the optimizer's single worker thread, in submission order: accumulation, host steps,
+# casts for the H2D, clipping, unscaling, load_state_dict. So they never race with each
+# other, the main thread never blocks on a copy (the worker waits for D2H events), and on
+# the fake device the tensors the host optimizer creates are host memory (its storage
+# tracker counts tensors created on the activating thread only). ``step()``, ``zero_grad()``,
+# ``state_dict()`` ... drain the worker first, re-raising the first exception it met.
+#
+# Note [Masters are refreshed when the device parameter changed]
+# The host master is the truth the optimizer updates. If the device parameter was written
+# by someone else (``model.load_state_dict`` after the optimizer was built), the master is
+# stale and the next step would overwrite the loaded weights with it (Megatron's resume
+# bug). Each slot remembers the device parameter's version counter from when it last
+# matched the master (construction, and the H2D of each step once the host observed it
+# land); before a host step, a changed version reloads the master from the device.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError
+from offcore.kinds import Kind, Tier
+from offcore.ledger import Ledger
+from offcore.pool import HostBuffer
+from offcore.units import format_bytes, parse_size
+from offcore_torch.runtime import runtime_for
+
+__all__ = ["OffloadOptimizer", "OffloadGradScaler", "MASTER_WEIGHTS_KEY"]
+
+MASTER_WEIGHTS_KEY = "offcore_master_weights"
+"""Top-level key of :meth:`OffloadOptimizer.state_dict` holding fp32 masters by parameter index
+(only when the masters' dtype differs from the device parameters'; torch optimizers ignore it)."""
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_CHUNK_BYTES = 32 * 1024**2  # host steps at step(): batches of about this many master bytes
+
+
+class _Slot:
+    """One device parameter and its host copies."""
+
+    __slots__ = (
+        "index",
+        "param",
+        "group",
+        "master",
+        "grad",
+        "stage",
+        "buffers",
+        "accumulated",
+        "arrivals",
+        "stepped",
+        "h2d",
+        "synced_version",
+        "order",
+        "hook",
+    )
+
+    def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
+        self.index = index
+        self.param = param
+        self.group = group
+        self.master: torch.Tensor = param  # replaced by the host copy
+        self.grad: torch.Tensor = param
+        self.stage: torch.Tensor | None = None  # pinned, device dtype: casts of masters for the H2D
+        self.buffers: list[HostBuffer] = []
+        self.accumulated = False  # main thread: the host gradient holds a sum to add to
+        self.arrivals = 0  # gradients of this round
+        self.stepped = False  # its host step of this round ran (or is queued)
+        self.h2d: Any = None  # event of the last H2D of the master into the device parameter
+        self.synced_version = param._version
+        self.order = index
+        self.hook: Any = None
+
+
+def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    return buffer.view.view(dtype).view(shape)
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Run ``optimizer_class`` on the host over host copies of ``params`` (see the module doc).
+
+    - ``device``: the offcore backend device the parameters live on.
+    - ``master_weights``: keep fp32 masters on the host when device parameters are bf16/fp16
+      (the step runs in fp32; the device gets the master rounded to its dtype).
+    - ``offload_gradients`` (True): each gradient leaves the device as soon as backward made it;
+      False keeps gradients on the device until ``step()``.
+    - ``accumulation_steps`` (None): with N, a parameter's host step runs as soon as its N-th
+      gradient since the last ``step()`` landed, under backward (Note [Host step rounds]);
+      None steps at ``step()`` (any number of micro-steps). ``opt.last_micro_step()`` declares
+      one backward the last instead.
+    - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
+      staging room): the host pool holding masters, gradients and staging buffers.
+
+    ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
+    keyed by the host masters); ``state_dict()`` is in torch's format.
+
+        >>> opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        device: Any,
+        master_weights: bool = False,
+        offload_gradients: bool = True,
+        pin_memory: bool = True,
+        accumulation_steps: int | None = None,
+        host_budget: int | str | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ConfigurationError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
+            )
+        if optimizer_class.__name__ == "LBFGS":
+            raise ConfigurationError(
+                "LBFGS keeps state over all parameters at once; OffloadOptimizer steps per parameter"
+            )
+        if accumulation_steps is not None and (
+            isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
+        ):
+            raise ConfigurationError(f"accumulation_steps must be a positive int or None, got {accumulation_steps!r}")
+        if isinstance(params, torch.Tensor):
+            raise ConfigurationError("params must be an iterable of tensors or of param-group dicts, not one tensor")
+        groups = list(params)
+        if not groups:
+            raise ConfigurationError("OffloadOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+
+        self._device = device
+        self._runtime = runtime_for(device)
+        self._master_weights = master_weights
+        self._offload_gradients = offload_gradients
+        self._accumulation_steps = accumulation_steps
+        self._pin_memory = pin_memory
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = dict(optimizer_kwargs)
+        self.ledger = Ledger()
+        self._slots: list[_Slot] = []
+        self._by_param: dict[int, _Slot] = {}
+        self._lock = threading.Lock()
+        self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
+        self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
+        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._last_micro = False
+        self._seen: set[int] = set()  # parameters seen in forward this round (their order is first use)
+        self._state_bytes = 0
+        self._closed = False
+        self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offcore-optimizer")
+
+        # the host pool: budget for masters + grads (+ stages) and staging room
+        flat = [
+            p for g in groups for p in (g["params"] if not isinstance(g["params"], torch.Tensor) else [g["params"]])
+        ]
+        need = sum(self._persistent_bytes(p) for p in flat)
+        if host_budget is None:
+            largest = max((p.numel() * p.element_size() for p in flat), default=0)
+            budget = need + max(4 * largest, min(need, 64 * 1024**2)) + 512 * (4 * len(flat) + 8)
+        else:
+            budget = parse_size(host_budget, what="host_budget")
+        self._pool = device.host_pool(budget, pinned=pin_memory)
+        self._host: torch.optim.Optimizer | None = None
+
+        # torch.optim.Optimizer's own attributes (hooks, profiling names), without its param handling
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._patch_step_function()
+
+        try:
+            host_groups = [self._make_slots(g) for g in groups]
+            self._host = optimizer_class(host_groups, **optimizer_kwargs)
+        except BaseException:
+            self._release_everything()
+            raise
+        group_of = {id(m): g for g in self._host.param_groups for m in g["params"]}
+        for slot in self._slots:
+            slot.group = group_of[id(slot.master)]
+        self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle)
+
+    # -- construction ------------------------------------------------------------------
+    def _master_dtype(self, param: torch.Tensor) -> torch.dtype:
+        if self._master_weights and param.dtype in _LOW_PRECISION:
+            return torch.float32
+        return param.dtype
+
+    def _persistent_bytes(self, param: torch.Tensor) -> int:
+        n = param.numel()
+        master = n * torch.empty((), dtype=self._master_dtype(param)).element_size()
+        stage = n * param.element_size() if self._master_dtype(param) != param.dtype else 0
+        return 2 * master + stage
+
+    def _acquire(self, nbytes: int, what: str) -> HostBuffer:
+        try:
+            return self._pool.acquire(max(nbytes, 1))
+        except CapacityExceededError as exc:
+            raise CapacityExceededError(
+                f"OffloadOptimizer: the host budget ({format_bytes(self._pool.budget)}, "
+                f"{'pinned' if self._pin_memory else 'pageable'}) cannot hold {what} ({format_bytes(nbytes)}); "
+                f"{format_bytes(self._pool.used_bytes)} are in use. Pass a larger host_budget= "
+                "(masters and gradients need about 2 x master bytes per parameter, plus a cast stage for bf16/fp16 "
+                "with master_weights)."
+            ) from exc
+
+    def _make_slots(self, group: dict[str, Any]) -> dict[str, Any]:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        masters: list[torch.Tensor] = []
+        for param in params:
+            if not isinstance(param, torch.Tensor):
+                raise ConfigurationError(f"OffloadOptimizer params must be tensors, got {type(param).__name__}")
+            if id(param) in self._by_param:
+                raise ConfigurationError("some parameters appear in more than one parameter group")
+            if not param.is_floating_point():
+                raise ConfigurationError(f"OffloadOptimizer optimizes floating-point parameters, got {param.dtype}")
+            slot = _Slot(len(self._slots), param, group)
+            dtype = self._master_dtype(param)
+            nbytes = param.numel() * torch.empty((), dtype=dtype).element_size()
+            master_buf = self._acquire(nbytes, "a master copy")
+            slot.buffers.append(master_buf)
+            grad_buf = self._acquire(nbytes, "a host gradient")
+            slot.buffers.append(grad_buf)
+            slot.master = _typed(master_buf, dtype, param.shape)
+            slot.grad = _typed(grad_buf, dtype, param.shape)
+            self.ledger.add(self._host_tier, Kind.PARAMETER, nbytes)
+            self.ledger.add(self._host_tier, Kind.GRADIENT, nbytes)
+            if dtype != param.dtype:
+                stage_buf = self._acquire(param.numel() * param.element_size(), "a cast stage")
+                slot.buffers.append(stage_buf)
+                slot.stage = _typed(stage_buf, param.dtype, param.shape)
+                self.ledger.add(self._host_tier, Kind.PARAMETER, stage_buf.nbytes)
+            self._slots.append(slot)
+            self._by_param[id(param)] = slot
+            self._load_master(slot)
+            if self._offload_gradients and param.requires_grad:
+                slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+            masters.append(slot.master)
+        return {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
+
+    def _load_master(self, slot: _Slot) -> None:
+        """Copy the device parameter into its master (synchronously: construction, refresh, load)."""
+        dev, rt = self._device, self._runtime
+        param = slot.param.detach()
+        produced = dev.new_event()
+        dev.current_stream().record_event(produced)
+        rt.d2h_stream.wait_event(produced)
+        target = slot.master if slot.stage is None else slot.stage
+        done = dev.copy_(target, param, stream=rt.d2h_stream)
+        done.synchronize()
+        if slot.stage is not None:
+            slot.master.copy_(slot.stage)
+        slot.synced_version = slot.param._version
+
+    # -- torch.optim.Optimizer's surface -------------------------------------------------
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The host optimizer's parameter groups (their ``params`` are the host masters)."""
+        return self._host.param_groups if self._host is not None else []
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The host optimizer's state, keyed by host masters."""
+        return self._host.state if self._host is not None else {}
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._host.defaults if self._host is not None else {}
+
+    @property
+    def host_optimizer(self) -> torch.optim.Optimizer:
+        """The ``optimizer_class`` instance that runs on the host."""
+        assert self._host is not None
+        return self._host
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The host master of device parameter ``param`` (its ``.grad`` is the host gradient)."""
+        return self._slot(param).master
+
+    def host_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The accumulated host gradient of ``param`` (None after ``zero_grad(set_to_none=True)``)."""
+        self._drain()
+        return self._slot(param).master.grad
+
+    def _slot(self, param: torch.Tensor) -> _Slot:
+        slot = self._by_param.get(id(param))
+        if slot is None:
+            raise ConfigurationError("this tensor is not a parameter of the OffloadOptimizer")
+        return slot
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of device parameters (their host copies are made now)."""
+        if self._host is None:  # Optimizer.__init__ path, unused: groups are built in __init__
+            raise OffcoreError("OffloadOptimizer is not initialised")
+        self._drain()
+        first = len(self._slots)
+        host_group = self._make_slots(param_group)
+        self._host.add_param_group(host_group)
+        group = self._host.param_groups[-1]
+        for slot in self._slots[first:]:
+            slot.group = group
+
+    # -- gradients ----------------------------------------------------------------------
+    def _on_gradient(self, slot: _Slot) -> None:
+        """A gradient of ``slot`` was accumulated on the device (main thread, inside backward)."""
+        param = slot.param
+        grad = param.grad
+        if grad is None or self._closed:
+            return
+        if slot.stepped:
+            raise OffcoreError(
+                f"OffloadOptimizer: parameter {slot.index} ({tuple(param.shape)}) got a gradient after its host step "
+                "of this round ran; call opt.step() before the next backward, or raise accumulation_steps "
+                "(Note [Host step rounds])"
+            )
+        dev, rt = self._device, self._runtime
+        produced = dev.new_event()
+        dev.current_stream().record_event(produced)
+        rt.d2h_stream.wait_event(produced)
+        direct = not slot.accumulated and grad.dtype == slot.grad.dtype
+        staging: HostBuffer | None = None
+        nbytes = grad.numel() * grad.element_size()
+        if direct:
+            target = slot.grad
+        else:
+            staging = self._acquire_staging(nbytes)
+            target = _typed(staging, grad.dtype, grad.shape)
+            self.ledger.add(self._host_tier, Kind.GRADIENT, staging.nbytes)
+        try:
+            done = dev.copy_(target, grad, stream=rt.d2h_stream)
+        except BaseException:
+            if staging is not None:
+                self._release_staging(staging)
+            raise
+        param.grad = None  # freed once the copy landed (the holder keeps it until then)
+        holder = [grad]
+        self.ledger.add(Tier.DEVICE, Kind.GRADIENT, nbytes)
+        with self._lock:
+            self._in_flight.append((done, holder, nbytes))
+        accumulate = slot.accumulated
+        slot.accumulated = True
+        slot.arrivals += 1
+        n = self._accumulation_steps
+        run_step = self._last_micro or (n is not None and slot.arrivals == n)
+        if run_step:
+            slot.stepped = True
+            self._check_fresh(slot)
+        self._submit(self._land, slot, done, holder, staging, target, accumulate, run_step)
+        self._release_landed()
+
+    def _acquire_staging(self, nbytes: int) -> HostBuffer:
+        while True:
+            try:
+                return self._pool.acquire(nbytes)
+            except CapacityExceededError:
+                with self._lock:
+                    oldest = next((f for f in self._futures if not f.done()), None)
+                if oldest is None:
+                    return self._acquire(nbytes, "a gradient staging buffer")
+                concurrent.futures.wait([oldest])  # the worker frees staging as it accumulates
+
+    def _release_staging(self, staging: HostBuffer) -> None:
+        self._pool.release(staging)
+        self.ledger.remove(self._host_tier, Kind.GRADIENT, staging.nbytes)
+
+    def _release_landed(self, *, wait: bool = False) -> None:
+        """Drop the device gradients whose D2H copy landed (oldest first; the D2H stream is in order)."""
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    return
+                done, holder, nbytes = self._in_flight[0]
+            if not wait:
+                try:
+                    if not done.query():
+                        return
+                except Exception:
+                    pass  # a failed copy is complete; its task reports the failure
+            else:
+                with contextlib.suppress(Exception):
+                    done.synchronize()
+            with self._lock:
+                if self._in_flight and self._in_flight[0][1] is holder:
+                    self._in_flight.popleft()
+                    if holder:
+                        holder.clear()
+                        self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+
+    def _land(
+        self,
+        slot: _Slot,
+        done: Any,
+        holder: list[torch.Tensor],
+        staging: HostBuffer | None,
+        target: torch.Tensor,
+        accumulate: bool,
+        run_step: bool,
+    ) -> None:
+        """Worker: wait for one gradient's D2H, accumulate it on the host, step if its round ended."""
+        try:
+            try:
+                done.synchronize()
+            except Exception as exc:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the D2H copy of parameter {slot.index}'s gradient failed ({exc}); "
+                    "its gradient of this micro-step is lost, run the micro-step again"
+                ) from exc
+            with self._lock:
+                if holder:
+                    holder.clear()
+                    nbytes = target.numel() * target.element_size()
+                    self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+            if staging is not None:
+                if accumulate:
+                    slot.grad.add_(target)
+                else:
+                    slot.grad.copy_(target)
+        finally:
+            if staging is not None:
+                self._release_staging(staging)
+        slot.master.grad = slot.grad
+        if run_step:
+            self._step_slots([slot])
+
+    # -- host steps -----------------------------------------------------------------------
+    def _step_slots(self, slots: list[_Slot]) -> None:
+        """Worker: one host optimizer step over ``slots`` only, then their H2D copies."""
+        assert self._host is not None
+        for slot in slots:
+            if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
+                slot.h2d.synchronize()
+        chosen: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        for slot in slots:
+            chosen[id(slot.group)].append(slot.master)
+        saved = [(group, group["params"]) for group in self._host.param_groups]
+        try:
+            for group, _ in saved:
+                group["params"] = chosen.get(id(group), [])
+            self._host.step()
+        finally:
+            for group, params in saved:
+                group["params"] = params
+        self._issue_h2d(slots)
+
+    def _issue_h2d(self, slots: list[_Slot]) -> None:
+        dev, rt = self._device, self._runtime
+        for slot in sorted(slots, key=lambda s: s.order):
+            src = slot.master
+            if slot.stage is not None:
+                slot.stage.copy_(slot.master)
+                src = slot.stage
+            event = dev.copy_(slot.param.detach(), src, stream=rt.h2d_stream)
+            with self._lock:
+                slot.h2d = event
+                self._pending_h2d[id(slot.param)] = slot
+
+    def _wait_parameter(self, slot: _Slot) -> None:
+        """Make the compute stream wait for ``slot``'s H2D (a forward pre-hook); the host observes it."""
+        with self._lock:
+            if self._pending_h2d.pop(id(slot.param), None) is None:
+                return
+            event = slot.h2d
+        self._device.current_stream().wait_event(event)
+        if event.query():
+            slot.synced_version = slot.param._version
+
+    def _observe(self, slot: _Slot) -> bool:
+        """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
+        with self._lock:
+            if id(slot.param) not in self._pending_h2d:
+                return True
+            event = slot.h2d
+        try:
+            landed = event.query()
+        except Exception:
+            landed = False
+        if landed:
+            with self._lock:
+                self._pending_h2d.pop(id(slot.param), None)
+            slot.synced_version = slot.param._version
+        return landed
+
+    def _check_fresh(self, slot: _Slot) -> None:
+        """Note [Masters are refreshed when the device parameter changed] (main thread)."""
+        if self._observe(slot) and slot.param._version != slot.synced_version:
+            self._drain()
+            self._load_master(slot)
+
+    def synchronize(self) -> None:
+        """Wait for every copy and host step in flight; the device parameters are up to date after it."""
+        self._drain()
+        with self._lock:
+            pending = list(self._pending_h2d.values())
+        for slot in pending:
+            self._wait_parameter(slot)
+        self._release_landed(wait=True)
+
+    @contextlib.contextmanager
+    def last_micro_step(self) -> Iterator[OffloadOptimizer]:
+        """The backward inside is the last micro-step before ``step()``: host steps start under it.
+
+        >>> with opt.last_micro_step():        # doctest: +SKIP
+        ...     loss.backward()
+        """
+        self._last_micro = True
+        try:
+            yield self
+        finally:
+            self._last_micro = False
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run the host steps not run yet (first-used parameters first) and issue their H2D copies.
+
+        Returns when the host steps finished; the next forward waits per parameter for its copy.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._drain()
+        if not self._offload_gradients:
+            self._gradients_from_device()
+        remaining = [s for s in sorted(self._slots, key=lambda s: s.order) if not s.stepped and s.accumulated]
+        for slot in remaining:
+            self._check_fresh(slot)
+        chunk: list[_Slot] = []
+        size = 0
+        for slot in remaining:
+            chunk.append(slot)
+            size += slot.master.numel() * slot.master.element_size()
+            if size >= _CHUNK_BYTES:
+                self._submit(self._step_slots, chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._submit(self._step_slots, chunk)
+        try:
+            self._drain()
+        finally:
+            self._end_round()
+        return loss
+
+    def _end_round(self) -> None:
+        for slot in self._slots:
+            slot.stepped = False
+            slot.arrivals = 0
+        self._seen.clear()
+        self._count_state()
+
+    def _gradients_from_device(self) -> None:
+        """``offload_gradients=False``: the device gradients come over now (host gradient = device sum)."""
+        dev, rt = self._device, self._runtime
+        produced = dev.new_event()
+        dev.current_stream().record_event(produced)
+        rt.d2h_stream.wait_event(produced)
+        for slot in self._slots:
+            grad = slot.param.grad
+            if grad is None:
+                continue
+            staging = None
+            if grad.dtype == slot.grad.dtype:
+                target = slot.grad
+            else:
+                staging = self._acquire_staging(grad.numel() * grad.element_size())
+                self.ledger.add(self._host_tier, Kind.GRADIENT, staging.nbytes)
+                target = _typed(staging, grad.dtype, grad.shape)
+            done = dev.copy_(target, grad, stream=rt.d2h_stream)
+            slot.accumulated = True
+            self._submit(self._land, slot, done, [], staging, target, False, False)  # p.grad keeps the source
+
+    def _count_state(self) -> None:
+        total = 0
+        for state in self.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        if total != self._state_bytes:
+            if total > self._state_bytes:
+                self.ledger.add(Tier.PAGEABLE, Kind.OPTIMIZER_STATE, total - self._state_bytes)
+            else:
+                self.ledger.remove(Tier.PAGEABLE, Kind.OPTIMIZER_STATE, self._state_bytes - total)
+            self._state_bytes = total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the host gradients (and any device gradients), as ``torch.optim.Optimizer.zero_grad``."""
+        self._drain()
+        for slot in self._slots:
+            grad = slot.param.grad
+            if grad is not None:
+                if set_to_none:
+                    slot.param.grad = None
+                else:
+                    if grad.grad_fn is not None:
+                        grad.detach_()
+                    else:
+                        grad.requires_grad_(False)
+                    grad.zero_()
+            if set_to_none:
+                slot.accumulated = False
+                slot.master.grad = None
+            elif slot.accumulated:
+                slot.grad.zero_()
+
+    # -- worker -----------------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._closed:
+            raise OffcoreError("OffloadOptimizer is closed")
+        future = self._worker.submit(fn, *args)
+        with self._lock:
+            self._futures.append(future)
+
+    def _drain(self) -> None:
+        """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one worker thread])."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                if error is None:
+                    error = exc
+        self._release_landed()
+        if error is not None:
+            self._end_round()
+            raise error
+
+    def run_on_host(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the worker after everything queued (host tensors stay host memory)."""
+        self._drain()
+        future = self._worker.submit(fn, *args)
+        return future.result()
+
+    def host_grads(self) -> list[torch.Tensor]:
+        """The accumulated host gradients, in parameter order (drains the worker first)."""
+        self._drain()
+        return [s.master.grad for s in self._slots if s.master.grad is not None]
+
+    @property
+    def stepped_any(self) -> bool:
+        """Whether a host step of the current round already ran (or is queued)."""
+        return any(s.stepped for s in self._slots)
+
+    # -- state dicts ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The host optimizer's ``state_dict()`` (torch's format), plus fp32 masters when they differ
+        from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`)."""
+        self._drain()
+        assert self._host is not None
+        sd = self._host.state_dict()
+        masters = {s.index: s.master.clone() for s in self._slots if s.stage is not None}
+        if masters:
+            sd[MASTER_WEIGHTS_KEY] = masters
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (of this class or of ``optimizer_class`` itself).
+
+        Masters come from the state dict when it has them, else from the device parameters
+        as they are now (load the model first).
+        """
+        self._drain()
+        assert self._host is not None
+        state_dict = dict(state_dict)
+        masters = state_dict.pop(MASTER_WEIGHTS_KEY, None) or {}
+        host = self._host
+        self.run_on_host(host.load_state_dict, state_dict)
+        self.synchronize()
+        for slot in self._slots:
+            master = masters.get(slot.index, masters.get(str(slot.index)))
+            if master is not None and slot.stage is not None:
+                self.run_on_host(slot.master.copy_, master)
+                self._issue_h2d([slot])
+                self._wait_parameter(slot)
+                slot.h2d.synchronize()
+                slot.synced_version = slot.param._version
+            else:
+                self._load_master(slot)
+        self._count_state()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for work in flight, remove the hooks, give the host memory back."""
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            self._release_everything()
+
+    def _release_everything(self) -> None:
+        with contextlib.suppress(Exception):
+            self._worker.shutdown(wait=True)
+        for slot in self._slots:
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
+            if slot.h2d is not None:
+                with contextlib.suppress(Exception):
+                    slot.h2d.synchronize()
+        self._release_landed(wait=True)
+        handle = getattr(self, "_wait_handle", None)
+        if handle is not None:
+            handle.remove()
+        host = self._host
+        if host is not None:
+            host.state.clear()
+            for slot in self._slots:
+                slot.master.grad = None
+        for slot in self._slots:
+            for buffer in slot.buffers:
+                self._pool.release(buffer)
+            slot.buffers = []
+        self._pool.trim()
+        self.ledger = Ledger()
+        empty = torch.empty(0)
+        for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
+            slot.master = slot.grad = empty
+            slot.stage = None
+        self._host = None
+        self._pending_h2d.clear()
+
+    def __enter__(self) -> OffloadOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = self._optimizer_class.__name__
+        return (
+            f"OffloadOptimizer({name}, {len(self._slots)} parameters, masters="
+            f"{'fp32' if self._master_weights else 'param dtype'}, offload_gradients={self._offload_gradients})"
+        )
+
+
+def _grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(opt)
+
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._on_gradient(slot)
+
+    return hook
+
+
+def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
+    ref = weakref.ref(opt)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        optimizer = ref()
+        if optimizer is None:
+            return
+        by_param = optimizer._by_param
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            slot = by_param.get(id(param))
+            if slot is None:
+                continue
+            if optimizer._pending_h2d:
+                optimizer._wait_parameter(slot)
+            seen = optimizer._seen
+            if id(param) not in seen:
+                seen.add(id(param))
+                slot.order = len(seen)
+
+    return hook
+
+
+def _shutdown(worker: concurrent.futures.ThreadPoolExecutor, handle: Any) -> None:
+    handle.remove()
+    worker.shutdown(wait=False)
+
+
+class OffloadGradScaler:
+    """fp16 loss scaling for :class:`OffloadOptimizer`: unscale on the host, skip the step on inf/NaN.
+
+    The same arithmetic as ``torch.amp.GradScaler`` over the host gradients.
+
+        >>> scaler = OffloadGradScaler()                     # doctest: +SKIP
+        >>> scaler.scale(loss).backward()                    # doctest: +SKIP
+        >>> scaler.step(opt); scaler.update()                # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        self._scaler = torch.amp.GradScaler(
+            "cpu",
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` multiplied by the scale (a device tensor times a Python float)."""
+        if not self._scaler.is_enabled():
+            return outputs
+        if self._scaler._scale is None:
+            self._scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        return outputs * self.get_scale()
+
+    def get_scale(self) -> float:
+        return float(self._scaler.get_scale())
+
+    def _check(self, optimizer: OffloadOptimizer) -> None:
+        if not isinstance(optimizer, OffloadOptimizer):
+            raise ConfigurationError("OffloadGradScaler works with an OffloadOptimizer")
+        if optimizer.stepped_any:
+            raise ConfigurationError(
+                "OffloadGradScaler: host steps already ran under backward (accumulation_steps / last_micro_step); "
+                "unscaling needs every gradient before any step: build the optimizer with accumulation_steps=None"
+            )
+
+    def unscale_(self, optimizer: OffloadOptimizer) -> None:
+        """Divide the host gradients by the scale (once per step), recording inf/NaN."""
+        self._check(optimizer)
+        optimizer.run_on_host(self._scaler.unscale_, optimizer.host_optimizer)
+
+    def step(self, optimizer: OffloadOptimizer) -> Any:
+        """Unscale (if not yet), then ``optimizer.step()`` unless a gradient held inf/NaN."""
+        self._check(optimizer)
+        host = optimizer.host_optimizer
+        state = self._scaler._per_optimizer_states[id(host)]
+        if self._scaler.is_enabled() and state["stage"].name == "READY":
+            self.unscale_(optimizer)
+        found = sum(v.item() for v in state["found_inf_per_device"].values()) if self._scaler.is_enabled() else 0
+        if found:
+            optimizer._drain()
+            optimizer._end_round()
+            result = None
+        else:
+            result = optimizer.step()
+        if self._scaler.is_enabled():
+            from torch.amp.grad_scaler import OptState
+
+            state["stage"] = OptState.STEPPED
+        return result
+
+    def update(self, new_scale: float | None = None) -> None:
+        self._scaler.update(new_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._scaler.load_state_dict(state_dict)
