@@ -1,4 +1,4 @@
-"""Measure a backend's copy bandwidth per direction: host-to-device, device-to-host, both at once.
+"""Measure a backend's link: copy bandwidth per direction, alone and both at once, and its latency.
 
 Works on any :class:`~offcore.protocols.Backend` through the protocol alone (raw
 ``uint8`` buffers, streams, events), so it needs no torch. Times come from timing
@@ -13,10 +13,28 @@ the host clock around the copy and its synchronisation.
 
 PCIe links often slow one direction while the other runs, so "both" measures each
 direction while the other is busy: measure, don't assume.
+
+:func:`measure_link` fits ``seconds = latency + bytes / bandwidth`` per direction (what
+the simulator and the planner take, :class:`LinkMeasurement`):
+
+    >>> from offcore.bandwidth import measure_link
+    >>> link = measure_link(dev, max_bytes="4MiB")                       # doctest: +SKIP
+    >>> link.h2d_bandwidth, link.latency_s                               # doctest: +SKIP
+
+# Note [One link estimator]
+# The link is measured in one way: copies timed by :class:`_Timer` (the backend's timing
+# events, else the host clock around the copy and its synchronisation), fitted by
+# :class:`offcore.scheduler.BandwidthEstimator` (least squares of ``latency + bytes /
+# bandwidth``). :func:`measure_link` feeds it the medians of the two largest probe sizes
+# (with two points least squares is the line through them), offcore_torch's profiler
+# re-exports it, and the runtime's online estimate of each direction is the same
+# estimator fed by the copies it times (offcore_torch.runtime). So the planner, the
+# simulator and the runtime's deadlines read one model of the link.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,9 +44,10 @@ from typing import Any
 from offcore.errors import CapacityExceededError, ConfigurationError
 from offcore.kinds import Tier
 from offcore.protocols import Capability
+from offcore.scheduler import BandwidthEstimator
 from offcore.units import format_bytes, parse_size
 
-__all__ = ["LinkProbe", "measure_copy_bandwidth", "DEFAULT_PROBE_SIZES"]
+__all__ = ["LinkProbe", "LinkMeasurement", "measure_copy_bandwidth", "measure_link", "fit_link", "DEFAULT_PROBE_SIZES"]
 
 DEFAULT_PROBE_SIZES: tuple[str, ...] = ("1MiB", "16MiB", "64MiB")
 
@@ -53,8 +72,47 @@ class LinkProbe:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """Measured copy speed between device and pinned host memory.
+
+    ``*_bandwidth`` in bytes per second (``inf`` when a copy takes no measurable
+    time beyond its latency), ``latency_s`` the fixed cost per copy (fit of
+    ``seconds = latency + bytes / bandwidth`` over two sizes, mean of both directions),
+    ``duplex`` whether the backend copies both directions at once.
+
+    >>> LinkMeasurement(1e9, 2e9, 1e-5, True).as_profile_fields()["h2d_bandwidth"]
+    2000000000.0
+    """
+
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    latency_s: float
+    duplex: bool
+    sizes: tuple[int, ...] = ()
+
+    def as_profile_fields(self) -> dict[str, Any]:
+        """The :class:`~offcore.sim.StepProfile` keyword arguments this measurement gives."""
+        return {
+            "d2h_bandwidth": self.d2h_bandwidth,
+            "h2d_bandwidth": self.h2d_bandwidth,
+            "latency_s": self.latency_s,
+            "duplex": self.duplex,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``inf`` written as ``"inf"``)."""
+        return {
+            "d2h_bandwidth": "inf" if math.isinf(self.d2h_bandwidth) else self.d2h_bandwidth,
+            "h2d_bandwidth": "inf" if math.isinf(self.h2d_bandwidth) else self.h2d_bandwidth,
+            "latency_s": self.latency_s,
+            "duplex": self.duplex,
+            "sizes": list(self.sizes),
+        }
+
+
 class _Timer:
-    """Times one copy on one stream with events, or with the host clock."""
+    """Times one copy on one stream with events, or with the host clock (the one timed-copy helper)."""
 
     def __init__(self, backend: Any, stream: Any, use_events: bool) -> None:
         self.backend = backend
@@ -84,8 +142,14 @@ class _Timer:
 
     def seconds(self) -> float:
         if self.use_events:
-            return float(self.start_event.elapsed_time(self.end_event)) / 1e3
+            return max(0.0, float(self.start_event.elapsed_time(self.end_event)) / 1e3)
         return self.host_end - self.host_start
+
+    def time(self, dst: Any, src: Any) -> float:
+        """Seconds one copy of ``src`` into ``dst`` occupies the stream (waits for it)."""
+        self.enqueue(dst, src)
+        self.wait()
+        return self.seconds()
 
 
 def _rate(nbytes: int, samples: list[float]) -> float:
@@ -131,15 +195,12 @@ def measure_copy_bandwidth(
         h2d = _Timer(backend, h2d_stream, use_events)
         d2h = _Timer(backend, d2h_stream, use_events)
         for timer, dst, src in ((h2d, device_dst, host_src), (d2h, host_dst, device_src)):  # warm-up
-            timer.enqueue(dst, src)
-            timer.wait()
+            timer.time(dst, src)
         alone: dict[str, list[float]] = {"h2d": [], "d2h": []}
         both: dict[str, list[float]] = {"h2d": [], "d2h": []}
         for _ in range(repeat):
             for name, timer, dst, src in (("h2d", h2d, device_dst, host_src), ("d2h", d2h, host_dst, device_src)):
-                timer.enqueue(dst, src)
-                timer.wait()
-                alone[name].append(timer.seconds())
+                alone[name].append(timer.time(dst, src))
             h2d.enqueue(device_dst, host_src)
             d2h.enqueue(host_dst, device_src)
             h2d.wait()
@@ -159,3 +220,81 @@ def measure_copy_bandwidth(
         del host_src, host_dst, device_dst, device_src
     backend.synchronize()
     return results
+
+
+def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(bandwidth, latency)`` from ``(bytes, seconds)`` points, by :class:`BandwidthEstimator`'s least squares.
+
+    Copies that took no measurable time say the link is faster than the clock: ``inf``
+    bandwidth. A fit with a negative latency or a non-increasing time falls back to the
+    ratio of totals with no latency (what the estimator does).
+
+        >>> bandwidth, latency = fit_link([(1 << 20, 1e-5 + (1 << 20) / 1e9), (4 << 20, 1e-5 + (4 << 20) / 1e9)])
+        >>> round(bandwidth / 1e9, 6), round(latency * 1e6, 3)
+        (1.0, 10.0)
+    """
+    estimator = BandwidthEstimator(decay=1.0)
+    for nbytes, seconds in points:
+        estimator.observe(nbytes, seconds)
+    bandwidth = estimator.bandwidth
+    if bandwidth is None:
+        return math.inf, 0.0
+    return bandwidth, estimator.latency
+
+
+def measure_link(
+    backend: Any,
+    *,
+    min_bytes: int | str = "64KiB",
+    max_bytes: int | str = "64MiB",
+    target_s: float = 0.01,
+    repeats: int = 3,
+) -> LinkMeasurement:
+    """Measure D2H and H2D bandwidth and the per-copy latency with timed copies on a copy stream.
+
+    The copy size starts at ``min_bytes`` and grows ×4 until one copy takes at least
+    ``target_s`` or reaches ``max_bytes`` (and never more than a quarter of the
+    device's free memory). Each size is copied ``repeats`` times; the median counts.
+    Bandwidth and latency are fitted over the two largest sizes (Note [One link estimator]).
+
+        >>> import offcore                                                  # doctest: +SKIP
+        >>> dev = offcore.device("cpu", h2d_bandwidth="128MiB/s", d2h_bandwidth="256MiB/s", latency=0)  # doctest: +SKIP
+        >>> 0.5 < measure_link(dev, max_bytes="4MiB").d2h_bandwidth / 2**28 < 1.5  # doctest: +SKIP
+        True
+    """
+    low = parse_size(min_bytes, what="min_bytes")
+    high = parse_size(max_bytes, what="max_bytes")
+    if high < low:
+        raise ConfigurationError(f"max_bytes ({high}) must be at least min_bytes ({low})")
+    if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
+        raise ConfigurationError(f"repeats must be a positive integer, got {repeats!r}")
+    stats = backend.memory_stats()
+    free = int(stats.get("capacity_bytes", 0) or 0) - int(stats.get("allocated_bytes", 0) or 0)
+    if free > 0:
+        high = max(low, min(high, free // 4))
+    use_events = Capability.EVENT_TIMING in frozenset(getattr(backend, "capabilities", ()))
+    stream = backend.new_stream()
+    stream.wait_stream(backend.current_stream())  # after what the caller's compute stream has queued
+    timer = _Timer(backend, stream, use_events)
+    device_buffer = backend.allocate(high, Tier.DEVICE)
+    host_buffer = backend.allocate(high, Tier.PINNED)
+    samples: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+    try:
+        for direction in ("d2h", "h2d"):
+            size = low
+            while True:
+                dev_view, host_view = device_buffer[:size], host_buffer[:size]
+                dst, src = (host_view, dev_view) if direction == "d2h" else (dev_view, host_view)
+                median = statistics.median(timer.time(dst, src) for _ in range(repeats))
+                samples[direction].append((size, median))
+                if median >= target_s or size >= high:
+                    break
+                size = min(high, size * 4)
+    finally:
+        stream.synchronize()
+        del device_buffer, host_buffer
+    d2h, d2h_latency = fit_link(samples["d2h"][-2:])
+    h2d, h2d_latency = fit_link(samples["h2d"][-2:])
+    duplex = Capability.DUPLEX_COPY in frozenset(getattr(backend, "capabilities", ()))
+    sizes = tuple(sorted({s for points in samples.values() for s, _ in points}))
+    return LinkMeasurement(d2h, h2d, (d2h_latency + h2d_latency) / 2, duplex, sizes)

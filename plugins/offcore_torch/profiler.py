@@ -58,12 +58,10 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from offcore.bandwidth import LinkMeasurement, measure_link
 from offcore.errors import ConfigurationError
-from offcore.kinds import Tier
-from offcore.protocols import Capability
 from offcore.sim import Plan, StepProfile, simulate
 from offcore.sim.profile import LayerProfile
-from offcore.units import parse_size
 from offcore_torch.layers import resolve_layers
 from offcore_torch.storage import is_offloadable_kind, is_parameter_like, storage_key
 
@@ -73,127 +71,14 @@ LayersArg = Sequence[nn.Module] | Sequence[tuple[str, nn.Module]] | None
 
 
 # ----------------------------------------------------------------------------- the link
-@dataclass(frozen=True)
-class LinkMeasurement:
-    """Measured copy speed between device and pinned host memory.
-
-    ``*_bandwidth`` in bytes per second (``inf`` when a copy takes no measurable
-    time beyond its latency), ``latency_s`` the fixed cost per copy (fit of
-    ``seconds = latency + bytes / bandwidth`` over two sizes, mean of both directions),
-    ``duplex`` whether the backend copies both directions at once.
-
-    >>> LinkMeasurement(1e9, 2e9, 1e-5, True).as_profile_fields()["h2d_bandwidth"]
-    2000000000.0
-    """
-
-    d2h_bandwidth: float
-    h2d_bandwidth: float
-    latency_s: float
-    duplex: bool
-    sizes: tuple[int, ...] = ()
-
-    def as_profile_fields(self) -> dict[str, Any]:
-        """The :class:`~offcore.sim.StepProfile` keyword arguments this measurement gives."""
-        return {
-            "d2h_bandwidth": self.d2h_bandwidth,
-            "h2d_bandwidth": self.h2d_bandwidth,
-            "latency_s": self.latency_s,
-            "duplex": self.duplex,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (``inf`` written as ``"inf"``)."""
-        return {
-            "d2h_bandwidth": "inf" if math.isinf(self.d2h_bandwidth) else self.d2h_bandwidth,
-            "h2d_bandwidth": "inf" if math.isinf(self.h2d_bandwidth) else self.h2d_bandwidth,
-            "latency_s": self.latency_s,
-            "duplex": self.duplex,
-            "sizes": list(self.sizes),
-        }
-
-
-def _timed_copy(device: Any, stream: Any, dst: Any, src: Any) -> float:
-    """Seconds one ``copy_`` occupies ``stream``, from timing events around it on that stream."""
-    start = device.new_event(enable_timing=True)
-    end = device.new_event(enable_timing=True)
-    stream.wait_stream(device.current_stream())
-    start.record(stream)
-    device.copy_(dst, src, stream=stream)
-    end.record(stream)
-    end.synchronize()
-    return max(0.0, start.elapsed_time(end) / 1e3)
-
-
-def measure_link(
-    device: Any,
-    *,
-    min_bytes: int | str = "64KiB",
-    max_bytes: int | str = "64MiB",
-    target_s: float = 0.01,
-    repeats: int = 3,
-) -> LinkMeasurement:
-    """Measure D2H and H2D bandwidth and the per-copy latency with timed copies on a copy stream.
-
-    The copy size starts at ``min_bytes`` and grows ×4 until one copy takes at least
-    ``target_s`` or reaches ``max_bytes`` (and never more than a quarter of the
-    device's free memory). Each size is copied ``repeats`` times; the median counts.
-    Bandwidth and latency come from the two largest sizes.
-
-        >>> import offcore
-        >>> dev = offcore.device("cpu", h2d_bandwidth="128MiB/s", d2h_bandwidth="256MiB/s", latency=0)
-        >>> link = measure_link(dev, max_bytes="4MiB")
-        >>> 0.5 < link.d2h_bandwidth / 2**28 < 1.5
-        True
-        >>> dev.close()
-    """
-    low = parse_size(min_bytes, what="min_bytes")
-    high = parse_size(max_bytes, what="max_bytes")
-    if high < low:
-        raise ConfigurationError(f"max_bytes ({high}) must be at least min_bytes ({low})")
-    if not (isinstance(repeats, int) and repeats >= 1):
-        raise ConfigurationError(f"repeats must be a positive integer, got {repeats!r}")
-    stats = device.memory_stats()
-    free = int(stats.get("capacity_bytes", 0) or 0) - int(stats.get("allocated_bytes", 0) or 0)
-    if free > 0:
-        high = max(low, min(high, free // 4))
-    stream = device.new_stream()
-    device_buffer = device.allocate(high, Tier.DEVICE)
-    host_buffer = device.allocate(high, Tier.PINNED)
-    samples: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
-    try:
-        for direction in ("d2h", "h2d"):
-            size = low
-            while True:
-                dev_view, host_view = device_buffer[:size], host_buffer[:size]
-                times = []
-                for _ in range(repeats):
-                    if direction == "d2h":
-                        times.append(_timed_copy(device, stream, host_view, dev_view))
-                    else:
-                        times.append(_timed_copy(device, stream, dev_view, host_view))
-                samples[direction].append((size, statistics.median(times)))
-                if samples[direction][-1][1] >= target_s or size >= high:
-                    break
-                size = min(high, size * 4)
-    finally:
-        stream.synchronize()
-        del device_buffer, host_buffer
-
-    def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-        if len(points) == 1:
-            size, seconds = points[0]
-            return (size / seconds if seconds > 0 else math.inf), 0.0
-        (small, t_small), (large, t_large) = points[-2], points[-1]
-        if t_large <= t_small:
-            return (large / t_large if t_large > 0 else math.inf), 0.0
-        bandwidth = (large - small) / (t_large - t_small)
-        return bandwidth, max(0.0, t_small - small / bandwidth)
-
-    d2h, d2h_latency = fit(samples["d2h"])
-    h2d, h2d_latency = fit(samples["h2d"])
-    duplex = Capability.DUPLEX_COPY in frozenset(getattr(device, "capabilities", ()))
-    sizes = tuple(sorted({s for points in samples.values() for s, _ in points}))
-    return LinkMeasurement(d2h, h2d, (d2h_latency + h2d_latency) / 2, duplex, sizes)
+# Note [One link estimator] (offcore.bandwidth): the link is measured once, torch-free, in
+# the core; ``measure_link`` and ``LinkMeasurement`` are re-exported from there unchanged.
+#
+#     >>> import offcore
+#     >>> dev = offcore.device("cpu", h2d_bandwidth="128MiB/s", d2h_bandwidth="256MiB/s", latency=0)
+#     >>> link = measure_link(dev, max_bytes="4MiB")
+#     >>> 0.5 < link.d2h_bandwidth / 2**28 < 1.5
+#     True
 
 
 # ------------------------------------------------------------------------ the step

@@ -1,4 +1,4 @@
-"""offcore.bandwidth.measure_copy_bandwidth on the synchronous reference backend (any backend works)."""
+"""offcore.bandwidth (measure_copy_bandwidth, measure_link, fit_link) on the synchronous reference backend (any backend works)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from reference_backend import ReferenceBackend
 
 import offcore
-from offcore.bandwidth import LinkProbe, measure_copy_bandwidth
+from offcore.bandwidth import LinkMeasurement, LinkProbe, fit_link, measure_copy_bandwidth, measure_link
 
 
 class CountingBackend(ReferenceBackend):
@@ -60,3 +60,29 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
     arguments = {"sizes": ["64KiB"], **kwargs}
     with pytest.raises(offcore.ConfigurationError, match=match):
         measure_copy_bandwidth(ReferenceBackend(), **arguments)
+
+
+def test_measure_link_fits_latency_and_bandwidth_over_the_two_largest_sizes() -> None:
+    backend = CountingBackend(capacity="64MiB")
+    link = measure_link(backend, min_bytes="64KiB", max_bytes="1MiB", target_s=10.0, repeats=1)
+    assert isinstance(link, LinkMeasurement)
+    assert link.sizes == (64 * 1024, 256 * 1024, 2**20), "x4 from min_bytes up to max_bytes"
+    assert link.d2h_bandwidth > 0 and link.h2d_bandwidth > 0 and link.latency_s >= 0
+    assert backend.memory_stats().allocated_bytes == 0, "the measurement's buffers are freed"
+    assert link.to_dict()["sizes"] == list(link.sizes)
+
+
+def test_fit_link_is_the_two_point_line_and_falls_back_to_the_ratio() -> None:
+    bandwidth, latency = fit_link([(2**20, 1e-4 + 2**20 / 2e9), (2**22, 1e-4 + 2**22 / 2e9)])
+    assert bandwidth == pytest.approx(2e9) and latency == pytest.approx(1e-4)
+    assert fit_link([(2**20, 1e-3)]) == (pytest.approx(2**20 / 1e-3), 0.0)
+    assert fit_link([(2**20, 2e-3), (2**22, 1e-3)]) == (pytest.approx((2**20 + 2**22) / 3e-3), 0.0)
+    assert fit_link([(2**20, 0.0)]) == (math.inf, 0.0), "nothing measurable: faster than the clock"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"repeats": 0}, "repeats"), ({"min_bytes": "1MiB", "max_bytes": "64KiB"}, "max_bytes")]
+)
+def test_measure_link_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(offcore.ConfigurationError, match=match):
+        measure_link(ReferenceBackend(), **kwargs)
