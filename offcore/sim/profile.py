@@ -72,6 +72,13 @@ class LayerProfile:
             forward, unpacking them in backward: Python, pool, events), charged half to
             its forward and half to its backward. 0 by default; the PyTorch profiler
             measures it.
+        saved_tensors: the saved storages one by one, in save order, as
+            ``(fraction, nbytes)``: the share of the layer's forward elapsed when it was
+            saved (0 to 1) and its bytes; they sum to ``saved_bytes``. An offloaded layer's
+            storages are the objects the simulator's residency scheduler manages: each is
+            allocated from the previous save on and its device-to-host copy starts when it
+            is saved (Note [Simulated lifetimes] in simulator.py). Empty (the default): one
+            object of ``saved_bytes`` saved at the end of the forward.
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -85,6 +92,7 @@ class LayerProfile:
     working_bytes: int = 0
     input_bytes: int = 0
     offload_overhead_s: float = 0.0
+    saved_tensors: tuple[tuple[float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -102,6 +110,62 @@ class LayerProfile:
         for attribute in ("saved_bytes", "working_bytes", "input_bytes"):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
+        set_(self, "saved_tensors", self._checked_tensors())
+
+    def _checked_tensors(self) -> tuple[tuple[float, int], ...]:
+        raw = self.saved_tensors
+        if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)):
+            raise ConfigurationError(
+                f"saved_tensors of layer {self.name!r} must be a list of (fraction, nbytes) pairs, "
+                f"got {type(raw).__name__}"
+            )
+        out: list[tuple[float, int]] = []
+        previous = 0.0
+        for item in raw:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ConfigurationError(f"saved_tensors of layer {self.name!r}: each entry is (fraction, nbytes)")
+            fraction, nbytes = item
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+                raise ConfigurationError(
+                    f"saved_tensors of layer {self.name!r}: a fraction of the forward must be in [0, 1], "
+                    f"got {fraction!r}"
+                )
+            if fraction < previous:
+                raise ConfigurationError(f"saved_tensors of layer {self.name!r} must be in save order")
+            previous = float(fraction)
+            size = parse_size(nbytes, what=f"a saved tensor of layer {self.name!r}", allow_zero=True)
+            out.append((float(fraction), size))
+        if out and sum(size for _, size in out) != self.saved_bytes:
+            raise ConfigurationError(
+                f"the saved_tensors of layer {self.name!r} sum to {sum(size for _, size in out)} bytes, "
+                f"not its saved_bytes {self.saved_bytes}"
+            )
+        return tuple(out)
+
+    def scaled(self, factor: float) -> LayerProfile:
+        """This layer at ``factor`` × the batch: times and per-sample bytes scale (bytes rounded up).
+
+        >>> LayerProfile("l", 1.0, 2.0, 10, saved_tensors=[(0.5, 4), (1.0, 6)]).scaled(0.5).saved_tensors
+        ((0.5, 2), (1.0, 3))
+        """
+        divisor = round(1.0 / factor) if factor > 0 else 0
+        exact = divisor >= 1 and divisor * factor == 1.0  # one micro-batch of `divisor`: integer rounding up
+
+        def size(nbytes: int) -> int:
+            return -(-nbytes // divisor) if exact else math.ceil(nbytes * factor)
+
+        tensors = tuple((fraction, size(nbytes)) for fraction, nbytes in self.saved_tensors)
+        return LayerProfile(
+            self.name,
+            self.forward_s * factor,
+            self.backward_s * factor,
+            sum(n for _, n in tensors) if tensors else size(self.saved_bytes),
+            recompute_s=self.recompute_time * factor,
+            working_bytes=size(self.working_bytes),
+            input_bytes=size(self.input_bytes),
+            offload_overhead_s=self.offload_overhead_s,  # per saved tensor, not per sample
+            saved_tensors=tensors,
+        )
 
     @property
     def recompute_time(self) -> float:
@@ -253,20 +317,7 @@ class StepProfile:
             )
         if microbatches == 1:
             return self
-        scale = 1.0 / microbatches
-        layers = [
-            LayerProfile(
-                layer.name,
-                layer.forward_s * scale,
-                layer.backward_s * scale,
-                -(-layer.saved_bytes // microbatches),
-                recompute_s=layer.recompute_time * scale,
-                working_bytes=-(-layer.working_bytes // microbatches),
-                input_bytes=-(-layer.input_bytes // microbatches),
-                offload_overhead_s=layer.offload_overhead_s,  # per saved tensor, not per sample
-            )
-            for layer in self.layers
-        ]
+        layers = [layer.scaled(1.0 / microbatches) for layer in self.layers]
         return replace(self, layers=layers, batch_size=self.batch_size // microbatches)
 
     # --- JSON -------------------------------------------------------------------------

@@ -2,18 +2,21 @@
 
 Three in-order streams: **compute** (forward layers in order, then backward in
 reverse, with recompute inserted where the plan says), **D2H** and **H2D** (over a
-duplex link, or one shared link that serialises both directions in order of
-readiness). Copies cost ``latency + bytes / bandwidth`` in their direction.
+duplex link, or one shared link that serialises both directions in the order the
+copies were issued). Copies cost ``latency + bytes / bandwidth`` in their direction.
 
-Semantics (see ``# Note [Simulated lifetimes]`` below): an offloaded layer's D2H is
-queued when its forward ends and its device bytes are freed when the D2H completes;
-its H2D is issued by the plan's :class:`~offcore.sim.plan.PrefetchPolicy` and must
-complete before that layer's backward starts, otherwise the compute stream waits
-(exposed wait, charged to that layer). A recomputed layer keeps only its segment's
-input; the segment is rerun just before the backward of its last layer and its saved
-bytes are back on device from then until each layer's backward. Kept activations stay
-until their backward. The compute stream never stalls for memory: a plan that needs
-more than the capacity is reported with ``oom=True``.
+Offloaded layers are run by the runtime's own scheduler: every simulated step drives
+one :class:`~offcore.residency.ResidencyScheduler` on the simulated clock (Note [The
+simulator drives the runtime's scheduler]). Each saved tensor of an offloaded layer
+(``LayerProfile.saved_tensors``; one object per layer when the profile has no detail)
+is registered when forward saves it and its D2H is enqueued then; the scheduler's
+``landed`` frees or holds the device copy, its ``PREFETCH`` actions issued at the end
+of forward and at each use in backward start the reloads, backward waits for what is
+not back (exposed wait, charged to that layer). A recomputed layer keeps only its
+segment's input; the segment is rerun just before the backward of its last layer and
+its saved bytes are back on device from then until each layer's backward. Kept
+activations stay until their backward. The compute stream never stalls for memory: a
+plan that needs more than the capacity is reported with ``oom=True``.
 
     >>> from offcore.sim.profile import uniform_profile
     >>> from offcore.sim.plan import Plan
@@ -26,59 +29,78 @@ more than the capacity is reported with ``oom=True``.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import ConfigurationError
-from offcore.sim.formulas import utilization
+from offcore.kinds import Kind
+from offcore.objects import State
+from offcore.residency import Action as ScheduleAction
+from offcore.residency import ActionKind, ResidencyScheduler
+from offcore.scheduler import Scheduler, StepObservation
+from offcore.sim.formulas import transfer_time, utilization
 from offcore.sim.plan import Action, Plan
 from offcore.sim.profile import StepProfile
 
 __all__ = ["simulate", "SimResult", "TimelineEvent"]
+
+# Note [The simulator drives the runtime's scheduler]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# There is one implementation of deadline prefetch, the byte budget, holding a landed
+# copy and Belady eviction: offcore.residency.ResidencyScheduler, which offcore_torch runs.
+# A simulated step feeds a new one the events a binding would (produced, register,
+# offload_started at each save of an offloaded layer; landed when its D2H lands;
+# forward_ended; backward_began; used at each layer's backward start for every save of
+# that layer, then awaited/reused/reloaded, consumed, released at its end; backward_ended)
+# and executes its actions as offcore_torch does (PREFETCH: allocate the destination now,
+# copy on the H2D queue; EVICT: drop the copy; FREE: drop the device copy). The predictor
+# has observed this step's ideal timeline once (a runtime in steady state), and the link's
+# copy time is the profile's. So a copy starts at a trigger (the end of forward or a use
+# in backward), never between two: the trigger whose next trigger comes at or after its
+# latest start (offcore.scheduler, Note [Prefetch plan: serial link, latest start, horizon]).
+# ``simulate(..., record_schedule=True)`` returns the scheduler's log: the same event names
+# a real step's ``OffloadHandle.schedule_log`` has (tests/core/test_sim_scheduler.py).
+#
+# Note [Lead mode on the deadline plan]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``PrefetchPolicy("lead", lead_s=L)`` is the deadline plan with copies that take ``L``
+# each and no margin: latest start ``t_need − L`` (chained like the link's copies).
 
 # Note [Simulated lifetimes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Device bytes in the simulator follow the rules the runtime obeys (offcore/objects.py,
 # Note [When may a device copy be freed?]):
 #   - keep:      +saved at forward start, -saved at the end of the layer's backward.
-#   - offload:   +saved at forward start, -saved when its D2H completes (never earlier);
-#                +saved when its H2D starts (the destination buffer), -saved at the end
-#                of its backward. The H2D never starts before the D2H has completed.
+#   - offload:   each saved tensor: + from the previous save of the layer (the first from
+#                the forward start), its D2H enqueued when it is saved; - when the scheduler
+#                frees it after its D2H landed (never earlier), or kept when it holds it;
+#                + again when a reload is issued (the destination buffer), - at the end of
+#                its backward.
 #   - recompute: +input at forward start of the first layer of a segment (the checkpoint),
 #                freed at the end of that layer's backward; +saved of every layer of the
 #                segment while the segment is rerun, each freed at the end of its backward.
 #   - working bytes live while a layer runs (forward, recompute or backward).
-# At equal times frees are applied before allocations. The executor and the activation
-# plugin must keep these lifetimes for the prediction to hold.
+# Events at one instant run frees first: the end of a compute step, then a D2H landing,
+# then an H2D landing, then what allocates (a compute step's start, a save, a trigger and
+# the reloads it issues). A compute step's own end is scheduled when it starts, so a
+# layer that takes no time still holds its bytes at that instant.
 
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A device copy may be freed only after its D2H completed (offcore/objects.py, Note [When
 # may a device copy be freed?]); until then it is still there, and offcore_torch uses it
 # rather than reloading (offload.py, Note [Prefetch from the end of forward]). With
-# ``StepProfile.reuse_in_flight`` the simulator does the same for an offloaded layer whose
-# D2H lands after the end of forward:
-#   - backward reaches the layer before its D2H landed: the device copy is used in place;
-#   - its D2H lands when the prefetch policy would already start its reload (deadline or
-#     lead; within the prefetch budget): the copy is kept, as the plugin "holds" it.
-# Either way its bytes stay on the device from its forward to the end of its backward or
-# the landing of its D2H, whichever is later (offcore holds the source of a copy in flight);
-# there is no H2D and no wait; its D2H still occupies the link, and
-# the step ends when the last copy has landed (a wait charged to that layer when compute
-# finishes first). A D2H that lands before forward ends is released and reloaded as usual.
-# Without ``reuse_in_flight`` every offloaded layer is reloaded after its D2H.
-
-# Note [Copies of one step never overlap]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# D2H copies run in forward order and H2D copies in backward order, so the first reload
-# is of the last layer offloaded, whose D2H is the last in its queue: every H2D of a step
-# starts after every D2H of that step has ended (without ``reuse_in_flight``: a copy
-# used in place may still be draining while a later reload runs). For saved activations alone a duplex
-# link therefore gives the same step as a shared one (both are modelled, for profiles that
-# will carry other traffic); bounds.py relies on this to treat both directions as one
-# queue.
+# ``StepProfile.reuse_in_flight`` the simulator does the same: backward reaching a save
+# whose D2H has not landed reads the device copy (the scheduler's ``reused``), and its D2H
+# landing after forward, when the plan would start its reload before the next trigger,
+# makes the scheduler hold it (``landed`` → HOLD). A copy used in place stays on the device
+# until both its backward ended and its D2H landed; the step ends when the last copy
+# landed (a wait charged to that layer when compute finishes first). Without
+# ``reuse_in_flight`` (a runtime that always reloads) nothing is held, and backward
+# waits for such a D2H, then reloads.
 
 
 @dataclass(frozen=True)
@@ -134,6 +156,12 @@ class SimResult:
     events: tuple[TimelineEvent, ...] = field(default=(), repr=False)
     reused_bytes: int = 0
     """Offloaded bytes used in place instead of reloaded (Note [Reuse of device copies still in flight])."""
+    schedule_log: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)
+    """The events the simulated step fed its :class:`~offcore.residency.ResidencyScheduler`
+    (``simulate(..., record_schedule=True)``; the same names and arguments as a real step's
+    ``OffloadHandle.schedule_log``)."""
+    schedule_actions: tuple[Any, ...] = field(default=(), repr=False)
+    """The scheduler's actions (``record_schedule=True``), as ``OffloadHandle.schedule_actions``."""
 
     @property
     def compute_s(self) -> float:
@@ -243,6 +271,7 @@ def simulate(
     *,
     microbatch_overhead_s: float = 0.0,
     record_events: bool = True,
+    record_schedule: bool = False,
 ) -> SimResult:
     """Simulate one training step of ``profile`` under ``plan``.
 
@@ -250,6 +279,8 @@ def simulate(
     ``profile.split_microbatches(m)`` back to back, and ``microbatch_overhead_s`` is
     charged to the compute stream for each micro-step after the first.
     ``record_events=False`` skips the event list (faster; the planner uses it).
+    ``record_schedule=True`` keeps the residency scheduler's event log and actions
+    (:attr:`SimResult.schedule_log`, :attr:`SimResult.schedule_actions`).
 
     >>> from offcore.sim.profile import uniform_profile
     >>> p = uniform_profile(4, forward_s=1.0, backward_s=2.0, saved_bytes=100)
@@ -264,8 +295,8 @@ def simulate(
     if not (isinstance(microbatch_overhead_s, (int, float)) and microbatch_overhead_s >= 0):
         raise ConfigurationError(f"microbatch_overhead_s must be >= 0, got {microbatch_overhead_s!r}")
     if plan.microbatches == 1:
-        return _simulate_once(profile, plan, record_events)
-    micro = _simulate_once(profile.split_microbatches(plan.microbatches), plan, record_events)
+        return _simulate_once(profile, plan, record_events, record_schedule)
+    micro = _simulate_once(profile.split_microbatches(plan.microbatches), plan, record_events, record_schedule)
     return _repeat(micro, plan.microbatches, float(microbatch_overhead_s), profile.capacity_bytes)
 
 
@@ -310,325 +341,525 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         capacity_bytes=capacity,
         events=tuple(events),
         reused_bytes=count * micro.reused_bytes,
+        schedule_log=micro.schedule_log,
+        schedule_actions=micro.schedule_actions,
     )
 
 
-def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool) -> SimResult:
-    layers = profile.layers
-    n = len(layers)
-    names = profile.layer_names
-    actions = plan.actions
-    # offload overhead (host work of the runtime) runs on the compute stream: half in forward, half in backward
-    half_overhead = [
-        layer.offload_overhead_s / 2 if actions[i] is Action.OFFLOAD else 0.0 for i, layer in enumerate(layers)
-    ]
-    fwd = [layer.forward_s + extra for layer, extra in zip(layers, half_overhead, strict=True)]
-    bwd = [layer.backward_s + extra for layer, extra in zip(layers, half_overhead, strict=True)]
-    rec = [layer.recompute_time for layer in layers]
-    saved = [layer.saved_bytes for layer in layers]
-    work = [layer.working_bytes for layer in layers]
-    inputs = [layer.input_bytes for layer in layers]
-    prefetch = plan.prefetch
+def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool, record_schedule: bool = False) -> SimResult:
+    return _Step(profile, plan, record_events, record_schedule).run()
 
-    # Memory events: (time, rank, delta). Events at equal times are applied in causal order:
-    # compute step q allocates at rank 2q and frees at rank 2q + 1; a copy's event is ranked
-    # right after the compute step that caused it, or, when it has no cause at that instant,
-    # a D2H free goes first and an H2D allocation goes before the next compute step not yet
-    # placed. So a layer that takes no time still holds its bytes, and a buffer freed at the
-    # instant another is allocated is not counted twice.
-    memory: list[tuple[float, float, int]] = []
 
-    def allocate(time: float, nbytes: int, rank: float) -> None:
-        if nbytes:
-            memory.append((time, rank, nbytes))
+class _SimEvent:
+    """A copy's completion event on the simulated clock: it has landed once the clock reached its end."""
 
-    def free(time: float, nbytes: int, rank: float) -> None:
-        if nbytes:
-            memory.append((time, rank, -nbytes))
+    __slots__ = ("_step", "end")
 
-    events: list[TimelineEvent] = []
-    segment_of: dict[int, tuple[int, int]] = {}
-    for first, last in plan.segments():
-        for index in range(first, last + 1):
-            segment_of[index] = (first, last)
+    def __init__(self, step: _Step, end: float) -> None:
+        self._step = step
+        self.end = end
 
-    # ---- forward: the compute stream never waits -------------------------------------
-    forward_end = [0.0] * n
-    now = 0.0
-    for i in range(n):
-        start, end = now, now + fwd[i]
-        if actions[i] is Action.RECOMPUTE:
-            held = inputs[i] if segment_of[i][0] == i else 0
+    def query(self) -> bool:
+        return self._step.now >= self.end
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _Link:
+    """One serial copy queue (a direction of a duplex link, or one shared link): copies run in the order issued."""
+
+    __slots__ = ("free_at", "busy")
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy = 0.0
+
+    def run(self, now: float, seconds: float) -> tuple[float, float]:
+        start = max(now, self.free_at)
+        self.free_at = start + seconds
+        self.busy += seconds
+        return start, self.free_at
+
+
+_UNBOUNDED = 1 << 62  # no prefetch byte budget
+
+# event priorities at one instant (Note [Simulated lifetimes]: frees before allocations)
+_END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
+
+
+class _Object:
+    """One saved tensor of an offloaded layer, as the scheduler manages it."""
+
+    __slots__ = (
+        "key",
+        "layer",
+        "nbytes",
+        "fraction",
+        "d2h_end",
+        "h2d_end",
+        "in_place",
+        "held",
+        "reloaded",
+        "resident",
+        "backward_done",
+    )
+
+    def __init__(self, key: int, layer: int, nbytes: int, fraction: float) -> None:
+        self.key = key
+        self.layer = layer
+        self.nbytes = nbytes
+        self.fraction = fraction
+        self.d2h_end = math.inf
+        self.h2d_end = -math.inf  # when the device copy backward reads is usable (prefetch or reload)
+        self.in_place = False  # backward read the device copy its D2H was taken from (no reload)
+        self.held = False  # the scheduler held the device copy when its D2H landed
+        self.reloaded = False  # copied back at least once
+        self.resident = False  # device bytes are allocated for it now
+        self.backward_done = False
+
+
+class _Step:
+    """One simulated step: the compute stream, the copy links and a ResidencyScheduler on one clock."""
+
+    def __init__(self, profile: StepProfile, plan: Plan, record_events: bool, record_schedule: bool) -> None:
+        self.profile = profile
+        self.plan = plan
+        self.record_events = record_events
+        layers = profile.layers
+        actions = plan.actions
+        self.n = len(layers)
+        self.names = profile.layer_names
+        self.actions = actions
+        # offload overhead (host work of the runtime) runs on the compute stream: half in forward, half in backward
+        self.half_overhead = [
+            layer.offload_overhead_s / 2 if actions[i] is Action.OFFLOAD else 0.0 for i, layer in enumerate(layers)
+        ]
+        self.fwd = [layer.forward_s + extra for layer, extra in zip(layers, self.half_overhead, strict=True)]
+        self.bwd = [layer.backward_s + extra for layer, extra in zip(layers, self.half_overhead, strict=True)]
+        self.rec = [layer.recompute_time for layer in layers]
+        self.saved = [layer.saved_bytes for layer in layers]
+        self.work = [layer.working_bytes for layer in layers]
+        self.inputs = [layer.input_bytes for layer in layers]
+        self.segment_of: dict[int, tuple[int, int]] = {}
+        for first, last in plan.segments():
+            for index in range(first, last + 1):
+                self.segment_of[index] = (first, last)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.memory: list[tuple[float, int]] = []
+        self.level = profile.static_bytes
+        self.events: list[TimelineEvent] = []
+        self.waits: dict[str, float] = {}
+        self.recompute_total = 0.0
+        if profile.duplex:
+            self.d2h_link, self.h2d_link = _Link(), _Link()
         else:
-            held = saved[i]
-        allocate(start, held + work[i], 2 * i)
-        free(end, work[i], 2 * i + 1)
-        if record_events:
-            events.append(TimelineEvent("compute", f"forward:{names[i]}", start, end, "forward", names[i]))
-        forward_end[i] = end
-        now = end
-    forward_done = now
+            self.d2h_link = self.h2d_link = _Link()
+        self.h2d_bytes = 0
+        self.last_copy_end = 0.0
+        # the step's saves, numbered in save order as the runtime numbers them: every layer's saved
+        # tensors are keys (each use in backward is a trigger); only offloaded layers' are managed
+        self.keys_of: list[list[int]] = []
+        self.objects: dict[int, _Object] = {}
+        key = 0
+        for i, layer in enumerate(layers):
+            parts = layer.saved_tensors or ((1.0, layer.saved_bytes),)
+            keys = []
+            for fraction, nbytes in parts:
+                if actions[i] is Action.OFFLOAD:
+                    self.objects[key] = _Object(key, i, nbytes, fraction)
+                keys.append(key)
+                key += 1
+            self.keys_of.append(keys)
+        self.sched = self._make_scheduler(record_schedule)
 
-    # ---- backward task list and its no-wait (ideal) timing ---------------------------
-    # task: (kind, layer index, duration); recompute tasks carry the segment's last index
-    tasks: list[tuple[str, int, float]] = []
-    backward_task: dict[int, int] = {}
-    for i in range(n - 1, -1, -1):
-        if actions[i] is Action.RECOMPUTE and segment_of[i][1] == i:
-            first, last = segment_of[i]
-            tasks.append(("recompute", i, math.fsum(rec[first : last + 1])))
-        backward_task[i] = len(tasks)
-        tasks.append(("backward", i, bwd[i]))
-    ideal_start = [0.0] * len(tasks)
-    clock = forward_done
-    for index, (_, _, duration) in enumerate(tasks):
-        ideal_start[index] = clock
-        clock += duration
+    # -- the scheduler ----------------------------------------------------------------------
+    def _make_scheduler(self, record: bool) -> ResidencyScheduler:
+        """A ResidencyScheduler whose predictor learned this step's ideal timeline (steady state).
 
-    offloaded = [i for i in range(n) if actions[i] is Action.OFFLOAD]
-    reuse = profile.reuse_in_flight
-    reused: set[int] = set()  # Note [Reuse of device copies still in flight]
-    d2h_time = {i: profile.transfer_s(saved[i], "d2h") for i in offloaded}
-    h2d_time = {i: profile.transfer_s(saved[i], "h2d") for i in offloaded}
-    reload_order = offloaded[::-1]  # backward consumes the last layer first
+        Note [The simulator drives the runtime's scheduler]: the predictor has observed one
+        step with no waits (forward, then backward in reverse with recompute), as a runtime
+        in steady state has; the link's copy time is the profile's (``transfer_s``).
+        """
+        profile, plan = self.profile, self.plan
+        prefetch = plan.prefetch
+        pack_times: dict[int, float] = {}
+        clock = 0.0
+        for i in range(self.n):
+            for key, (fraction, _) in zip(self.keys_of[i], profile.layers[i].saved_tensors or ((1.0, 0),), strict=True):
+                pack_times[key] = clock + fraction * self.fwd[i]
+            clock += self.fwd[i]
+        forward_s = clock
+        first_use: dict[int, float] = {}
+        clock = 0.0
+        for i in range(self.n - 1, -1, -1):
+            if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][1] == i:
+                first, last = self.segment_of[i]
+                clock += math.fsum(self.rec[first : last + 1])
+            for key in self.keys_of[i]:
+                first_use[key] = clock
+            clock += self.bwd[i]
+        predictor = Scheduler(margin=prefetch.margin_s)
+        predictor.observe(StepObservation(pack_times, forward_s, first_use, clock))
+        if prefetch.mode == "lead":
+            # Note [Lead mode on the deadline plan]: a fixed lead is a deadline plan whose copies
+            # take ``lead_s`` each and no margin (chained like the link's copies)
+            lead = float(prefetch.lead_s or 0.0)
+            duration: Callable[[int], float] = lambda nbytes: lead  # noqa: E731
+            mode, margin = "deadline", 0.0
+        else:
+            duration = lambda nbytes: self.copy_s(nbytes, "h2d")  # noqa: E731
+            mode, margin = prefetch.mode, prefetch.margin_s
+        return ResidencyScheduler(
+            predictor,
+            duration=duration,
+            prefetch=mode,
+            budget=_UNBOUNDED if prefetch.budget_bytes is None else prefetch.budget_bytes,
+            margin=margin,
+            device_capacity=profile.capacity_bytes or 0,
+            device_in_use=lambda: self.level,
+            record=record,
+        )
 
-    # earliest start wanted by the prefetch policy (absolute, from the ideal timeline)
-    wanted_start: dict[int, float] = {}
-    if prefetch.mode == "deadline":
-        for i in offloaded:
-            wanted_start[i] = ideal_start[backward_task[i]] - h2d_time[i] - prefetch.margin_s
-    elif prefetch.mode == "lead":
-        assert prefetch.lead_s is not None
-        for i in offloaded:
-            wanted_start[i] = ideal_start[backward_task[i]] - prefetch.lead_s
+    # -- the clock ------------------------------------------------------------------------
+    def at(self, time: float, priority: int, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (time, priority, self._seq, callback))
+        self._seq += 1
 
-    # prefetch byte budget: reload k may start only after reload `release[k]` was consumed
-    release: list[int | None] = [None] * len(reload_order)
-    if prefetch.budget_bytes is not None and prefetch.mode != "on_demand":
-        budget = prefetch.budget_bytes
-        window_start, window_bytes = 0, 0
-        for k, i in enumerate(reload_order):
-            window_bytes += saved[i]
-            while window_start < k and window_bytes > budget:
-                window_bytes -= saved[reload_order[window_start]]
-                window_start += 1
-            release[k] = window_start - 1 if window_start > 0 else None
+    def change(self, delta: int) -> None:
+        if delta:
+            self.level += delta
+            self.memory.append((self.now, self.level))
 
-    # ---- lazy compute progress over the backward tasks -------------------------------
-    backward_end: dict[int, float] = {}
-    h2d_end: dict[int, float] = {}
-    waits: dict[str, float] = {}
-    backward_step: dict[int, int] = {}
-    task_next = 0
-    compute_clock = forward_done
-    recompute_total = 0.0
-    step = n  # compute steps 0..n-1 were the forward layers
+    def event(self, stream: str, name: str, start: float, end: float, kind: str, layer: int) -> None:
+        if self.record_events:
+            self.events.append(TimelineEvent(stream, name, start, end, kind, self.names[layer]))
 
-    def advance_to(limit: int) -> None:
-        """Run backward tasks with index < limit (their H2D copies are already scheduled)."""
-        nonlocal task_next, compute_clock, recompute_total, step
-        clock = compute_clock
-        index = task_next
-        while index < limit:
-            kind, i, duration = tasks[index]
-            if kind == "recompute":
-                first, last = segment_of[i]
-                for layer in range(first, last + 1):
-                    start, end = clock, clock + rec[layer]
-                    allocate(start, saved[layer] + work[layer], 2 * step)
-                    free(end, work[layer], 2 * step + 1)
-                    step += 1
-                    if record_events:
-                        events.append(
-                            TimelineEvent("compute", f"recompute:{names[layer]}", start, end, "recompute", names[layer])
-                        )
-                    clock = end
-                recompute_total += duration
+    def wait(self, layer: int, start: float, end: float) -> None:
+        if end > start:
+            name = self.names[layer]
+            self.waits[name] = self.waits.get(name, 0.0) + (end - start)
+            self.event("compute", f"wait:{name}", start, end, "wait", layer)
+
+    # -- copies ---------------------------------------------------------------------------
+    def _label(self, obj: _Object) -> str:
+        name = self.names[obj.layer]
+        return name if len(self.keys_of[obj.layer]) == 1 else f"{name}[{self.keys_of[obj.layer].index(obj.key)}]"
+
+    def pack(self, obj: _Object) -> None:
+        """Forward saved ``obj``: its D2H is enqueued now (Note [Simulated lifetimes])."""
+        sched = self.sched
+        sched.produced(obj.key, self.now)
+        sched.register(obj.key, Kind.ACTIVATION, obj.nbytes)
+        start, end = self.d2h_link.run(self.now, self.copy_s(obj.nbytes, "d2h"))
+        obj.d2h_end = end
+        self.last_copy_end = max(self.last_copy_end, end)
+        sched.offload_started(obj.key, _SimEvent(self, end))
+        self.event("d2h", f"d2h:{self._label(obj)}", start, end, "d2h", obj.layer)
+        self.at(end, _LAND, lambda: self.landed(obj))
+
+    def landed(self, obj: _Object) -> None:
+        """The D2H of ``obj`` landed: the scheduler frees or holds its device copy."""
+        needed = self.profile.reuse_in_flight and not obj.in_place and not obj.backward_done
+        action = self.sched.landed(obj.key, needed=needed)
+        if obj.in_place:  # backward read this device copy: it goes when both its D2H and its backward are done
+            if obj.backward_done:
+                self.free(obj)
+            return
+        if action.kind is ActionKind.HOLD:
+            obj.held = True  # the device copy stays: backward reads it in place
+            return
+        self.free(obj)
+        waiter = self._waiting_for.pop(obj.key, None)
+        if waiter is not None:  # backward waits for this copy: it is reloaded now
+            waiter()
+
+    def free(self, obj: _Object) -> None:
+        if obj.resident:
+            obj.resident = False
+            self.change(-obj.nbytes)
+
+    def allocate(self, obj: _Object) -> None:
+        if not obj.resident:
+            obj.resident = True
+            self.change(obj.nbytes)
+
+    def execute(self, actions: Iterable[ScheduleAction]) -> None:
+        """Carry out the scheduler's actions as the binding does, reporting each outcome before the next."""
+        for action in actions:
+            obj = self.objects[action.key]
+            if action.kind is ActionKind.PREFETCH:
+                self.allocate(obj)  # the destination buffer, allocated when the copy is issued
+                end = self.copy_back(obj)
+                self.sched.started(obj.key, _SimEvent(self, end))
+            elif action.kind is ActionKind.EVICT:
+                self.evict(obj)
+
+    def evict(self, obj: _Object) -> None:
+        """Drop a held or prefetched copy: freed now, or once its H2D landed."""
+        state = self.sched.objects[obj.key].state
+        if state is State.OFFLOADING:  # held on landing
+            self.free(obj)
+            return
+        self.sched.dropped(obj.key)
+        if state is State.PREFETCHING:
+            end = obj.h2d_end
+
+            def finish() -> None:
+                self.sched.drop_landed(obj.key)
+                self.free(obj)
+                waiter = self._waiting_for.pop(obj.key, None)
+                if waiter is not None:
+                    waiter()
+
+            self.at(end, _COPY_DONE, finish)
+        else:
+            self.free(obj)
+        obj.h2d_end = -math.inf
+
+    def reload(self, obj: _Object) -> float:
+        """An on-demand reload at its use: copied now, the compute stream waits for it."""
+        self.allocate(obj)
+        end = self.copy_back(obj)
+        self.sched.reloaded(obj.key, _SimEvent(self, end))
+        return end
+
+    def copy_back(self, obj: _Object) -> float:
+        """One H2D of ``obj`` on its link (in the order issued); returns when it lands."""
+        start, end = self.h2d_link.run(self.now, self.copy_s(obj.nbytes, "h2d"))
+        self.h2d_bytes += obj.nbytes
+        obj.h2d_end = end
+        obj.reloaded = True
+        self.last_copy_end = max(self.last_copy_end, end)
+        self.event("h2d", f"h2d:{self._label(obj)}", start, end, "h2d", obj.layer)
+        return end
+
+    def copy_s(self, nbytes: int, direction: str) -> float:
+        """``latency + bytes / bandwidth`` (:func:`offcore.sim.formulas.transfer_time`)."""
+        profile = self.profile
+        bandwidth = profile.d2h_bandwidth if direction == "d2h" else profile.h2d_bandwidth
+        return transfer_time(nbytes, bandwidth, profile.latency_s)
+
+    # -- the compute stream ---------------------------------------------------------------------
+    def _tasks(self) -> list[tuple[str, int]]:
+        tasks = [("forward", i) for i in range(self.n)]
+        for i in range(self.n - 1, -1, -1):
+            if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][1] == i:
+                first, last = self.segment_of[i]
+                tasks.extend(("recompute", layer) for layer in range(first, last + 1))
+            tasks.append(("backward", i))
+        return tasks
+
+    def run(self) -> SimResult:
+        self.tasks = self._tasks()
+        self._waiting_for: dict[int, Callable[[], None]] = {}
+        self.compute_end = 0.0
+        self.sched.forward_began(0.0)
+        self.at(0.0, _START, lambda: self.start_task(0))
+        heap = self._heap
+        while heap:
+            time, _, _, callback = heapq.heappop(heap)
+            self.now = time
+            callback()
+        return self.result()
+
+    def next_task(self, index: int) -> None:
+        self.at(self.now, _START, lambda: self.start_task(index))
+
+    def start_task(self, index: int) -> None:
+        sched = self.sched
+        if index == self.n:  # forward ended: plan backward's reloads (Note [Prefetch from the end of forward])
+            self.execute(sched.forward_ended(self.now))
+            sched.backward_began(self.now)
+        if index == len(self.tasks):
+            self.compute_end = self.now
+            for action in sched.backward_ended(self.now):  # frees what was held
+                self.free(self.objects[action.key])
+            return
+        kind, i = self.tasks[index]
+        if kind == "forward":
+            self.forward(index, i)
+        elif kind == "recompute":
+            start, end = self.now, self.now + self.rec[i]
+            self.change(self.saved[i] + self.work[i])
+            self.recompute_total += self.rec[i]
+            self.event("compute", f"recompute:{self.names[i]}", start, end, "recompute", i)
+
+            def finish() -> None:
+                self.change(-self.work[i])
+                self.next_task(index + 1)
+
+            self.at(end, _END, finish)
+        else:
+            self.backward_begins(index, i)
+
+    def forward(self, index: int, i: int) -> None:
+        start, end = self.now, self.now + self.fwd[i]
+        action = self.actions[i]
+        if action is Action.OFFLOAD:
+            objects = [self.objects[key] for key in self.keys_of[i]]
+            self.change(self.work[i])
+            self.allocate(objects[0])
+            for j, obj in enumerate(objects):
+                after = objects[j + 1] if j + 1 < len(objects) else None
+
+                def saved(obj: _Object = obj, after: _Object | None = after) -> None:
+                    self.pack(obj)
+                    if after is not None:  # the next saved tensor is computed from here on
+                        self.allocate(after)
+
+                self.at(start + obj.fraction * self.fwd[i], _START, saved)
+        else:
+            if action is Action.RECOMPUTE:
+                held = self.inputs[i] if self.segment_of[i][0] == i else 0
             else:
-                if actions[i] is Action.OFFLOAD and i not in reused:
-                    arrival = h2d_end[i]
-                    if arrival > clock:
-                        waits[names[i]] = arrival - clock
-                        if record_events:
-                            events.append(
-                                TimelineEvent("compute", f"wait:{names[i]}", clock, arrival, "wait", names[i])
-                            )
-                        clock = arrival
-                start, end = clock, clock + duration
-                allocate(start, work[i], 2 * step)
-                freed = work[i] + (0 if i in reused else saved[i])  # a reused copy: freed when its D2H lands
-                if actions[i] is Action.RECOMPUTE and segment_of[i][0] == i:
-                    freed += inputs[i]
-                free(end, freed, 2 * step + 1)
-                backward_step[i] = step
-                step += 1
-                if record_events:
-                    events.append(TimelineEvent("compute", f"backward:{names[i]}", start, end, "backward", names[i]))
-                backward_end[i] = end
-                clock = end
-            index += 1
-        task_next = index
-        compute_clock = clock
+                held = self.saved[i]
+            self.change(held + self.work[i])
+            for key in self.keys_of[i]:
+                self.sched.produced(key, start)
+        self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
-    reload_rank: dict[int, float] = {}
-    reload_ready_at: dict[int, float] = {}
+        def finish() -> None:
+            self.change(-self.work[i])
+            self.next_task(index + 1)
 
-    def reload_ready(k: int, d2h_end: Mapping[int, float]) -> float | None:
-        """When reload k may start, or None while its D2H is not scheduled yet."""
-        i = reload_order[k]
-        if i not in d2h_end:
-            return None
-        ready = d2h_end[i]
-        causes: list[tuple[float, float]] = []  # (time, rank) of compute ends that gate the reload
-        if prefetch.mode == "on_demand":
-            advance_to(backward_task[i])
-            ready = max(ready, compute_clock)
-            causes.append((compute_clock, 2 * step - 0.5))
-        else:
-            ready = max(ready, wanted_start[i])
-        released = release[k]
-        if released is not None:
-            j = reload_order[released]
-            advance_to(backward_task[j] + 1)
-            ready = max(ready, backward_end[j])
-            causes.append((backward_end[j], 2 * backward_step[j] + 1.5))
-        ranks = [rank for time, rank in causes if time == ready]
-        reload_rank[i] = max(ranks) if ranks else 2 * step - 0.5
-        reload_ready_at[i] = ready
-        return ready
+        self.at(end, _END, finish)
 
-    d2h_end: dict[int, float] = {}
-    d2h_free: dict[int, tuple[float, float]] = {}  # applied at the end, unless the copy was reused
-    busy = {"d2h": 0.0, "h2d": 0.0}
+    def backward_begins(self, index: int, i: int) -> None:
+        """Backward reaches layer ``i``: each of its saves is used (a trigger); wait for what is not back."""
+        sched = self.sched
+        t0 = self.now
+        ready = [t0]
+        pending = [0]
+        objects: list[_Object] = []
 
-    def reused_in_place(k: int, ready: float) -> bool:
-        """Note [Reuse of device copies still in flight]: is reload k's device copy kept instead?"""
-        i = reload_order[k]
-        landed = d2h_end[i]
-        if not reuse or landed <= forward_done or ready != landed:
-            return False
-        if prefetch.mode == "on_demand":
-            return landed > compute_clock  # reload_ready ran compute up to this layer's backward
-        return True
+        def go() -> None:
+            self.at(max(ready[0], self.now), _START, lambda: self.backward(index, i, t0, objects))
 
-    def run_d2h(i: int, start: float) -> float:
-        end = start + d2h_time[i]
-        d2h_end[i] = end
-        d2h_free[i] = (end, 2 * i + 1.5 if end == forward_end[i] else -1.0)
-        busy["d2h"] += d2h_time[i]
-        if record_events:
-            events.append(TimelineEvent("d2h", f"d2h:{names[i]}", start, end, "d2h", names[i]))
-        return end
-
-    def run_h2d(i: int, start: float) -> float:
-        end = start + h2d_time[i]
-        h2d_end[i] = end
-        allocate(start, saved[i], reload_rank[i] if start == reload_ready_at[i] else 2 * step - 0.5)
-        busy["h2d"] += h2d_time[i]
-        if record_events:
-            events.append(TimelineEvent("h2d", f"h2d:{names[i]}", start, end, "h2d", names[i]))
-        return end
-
-    if profile.duplex:
-        link_free = 0.0
-        for i in offloaded:
-            link_free = run_d2h(i, max(forward_end[i], link_free))
-        link_free = 0.0
-        for k, i in enumerate(reload_order):
-            ready = reload_ready(k, d2h_end)
-            assert ready is not None
-            if reused_in_place(k, ready):
-                reused.add(i)
+        for key in self.keys_of[i]:
+            obj = self.objects.get(key)
+            if obj is None:
+                self.execute(sched.used(key, t0))
                 continue
-            link_free = run_h2d(i, max(ready, link_free))
-    else:
-        # one shared link: serve the head of each queue in order of readiness (D2H on ties)
-        link_free = 0.0
-        next_d2h, next_h2d = 0, 0
-        while next_d2h < len(offloaded) or next_h2d < len(reload_order):
-            ready_d2h = forward_end[offloaded[next_d2h]] if next_d2h < len(offloaded) else math.inf
-            ready_h2d = math.inf
-            if next_h2d < len(reload_order):
-                candidate = reload_ready(next_h2d, d2h_end)
-                if candidate is not None:
-                    if reused_in_place(next_h2d, candidate):
-                        reused.add(reload_order[next_h2d])
-                        next_h2d += 1
-                        continue
-                    ready_h2d = candidate
-            if ready_d2h <= ready_h2d:
-                link_free = run_d2h(offloaded[next_d2h], max(ready_d2h, link_free))
-                next_d2h += 1
+            objects.append(obj)
+            state = sched.objects[key].state
+            if state is State.RESTORED or (state is State.PREFETCHING and obj.h2d_end > -math.inf):
+                self.execute(sched.used(key, t0, managed_key=key))
+                sched.awaited(key)
+                ready[0] = max(ready[0], obj.h2d_end)
+            elif state is State.OFFLOADING and (obj.held or self.profile.reuse_in_flight):
+                # Note [Reuse of device copies still in flight]: the device copy is still there
+                obj.in_place = not obj.held
+                sched.reused(key)
+                self.execute(sched.used(key, t0, managed_key=key))
+            elif state is State.OFFLOADED:
+                end = self.reload(obj)
+                self.execute(sched.used(key, t0, managed_key=key))
+                ready[0] = max(ready[0], end)
+            else:  # its D2H (or an evicted prefetch) is in flight: reload once it landed
+                pending[0] += 1
+
+                def resume(obj: _Object = obj) -> None:
+                    if self.sched.objects[obj.key].state is State.OFFLOADED:
+                        self.reload(obj)
+                    ready[0] = max(ready[0], obj.h2d_end)
+                    pending[0] -= 1
+                    if pending[0] == 0:
+                        go()
+
+                self._waiting_for[key] = resume
+                self.execute(sched.used(key, t0, managed_key=key))
+        if pending[0] == 0:
+            go()
+
+    def backward(self, index: int, i: int, t0: float, objects: list[_Object]) -> None:
+        self.wait(i, t0, self.now)
+        for obj in objects:
+            self.sched.consumed(obj.key)
+        start, end = self.now, self.now + self.bwd[i]
+        self.change(self.work[i])
+        self.event("compute", f"backward:{self.names[i]}", start, end, "backward", i)
+
+        def finish() -> None:
+            freed = self.work[i]
+            action = self.actions[i]
+            if action is Action.KEEP:
+                freed += self.saved[i]
+            elif action is Action.RECOMPUTE:
+                freed += self.saved[i] + (self.inputs[i] if self.segment_of[i][0] == i else 0)
+            self.change(-freed)
+            for obj in objects:
+                obj.backward_done = True
+                if not (obj.in_place and obj.d2h_end > self.now):  # a copy in flight keeps its source
+                    self.free(obj)
+                self.sched.released(obj.key)
+            self.next_task(index + 1)
+
+        self.at(end, _END, finish)
+
+    # -- the result --------------------------------------------------------------------------
+    def _busy(self, direction: str) -> float:
+        """Seconds of copies in ``direction`` (on a shared link both directions share one queue)."""
+        objects = self.objects.values()
+        if direction == "d2h":
+            return math.fsum(self.copy_s(o.nbytes, "d2h") for o in objects)
+        return math.fsum(self.copy_s(o.nbytes, "h2d") for o in objects if o.reloaded)
+
+    def result(self) -> SimResult:
+        profile = self.profile
+        step_time = self.compute_end
+        if self.last_copy_end > step_time:  # the step ends when its last copy landed (the device synchronises)
+            last = max(self.objects.values(), key=lambda o: max(o.d2h_end, o.h2d_end))
+            self.wait(last.layer, step_time, self.last_copy_end)
+            step_time = self.last_copy_end
+        static = profile.static_bytes
+        times: list[float] = [0.0]
+        levels: list[int] = [static]
+        peak, peak_time = static, 0.0
+        previous, last_sign = static, 0
+        for time, level in self.memory:
+            if level > peak:
+                peak, peak_time = level, time
+            sign = 1 if level > previous else -1
+            # one point per run of same-direction changes at one instant: spikes of zero width stay visible
+            if time == times[-1] and (sign == last_sign or len(times) == 1):
+                levels[-1] = level
             else:
-                link_free = run_h2d(reload_order[next_h2d], max(ready_h2d, link_free))
-                next_h2d += 1
-
-    advance_to(len(tasks))
-    for i, (time, rank) in d2h_free.items():
-        if i not in reused:
-            free(time, saved[i], rank)
-        elif time > backward_end[i]:  # the copy outlives its backward: freed when the D2H lands
-            free(time, saved[i], -1.0)
-        else:
-            free(backward_end[i], saved[i], 2 * backward_step[i] + 1)
-    step_time = compute_clock
-    if d2h_end:
-        last = max(d2h_end, key=lambda i: d2h_end[i])
-        if d2h_end[last] > step_time:  # only a reused copy's D2H can outlast compute: the step drains it
-            waits[names[last]] = waits.get(names[last], 0.0) + d2h_end[last] - step_time
-            if record_events:
-                events.append(
-                    TimelineEvent("compute", f"wait:{names[last]}", step_time, d2h_end[last], "wait", names[last])
-                )
-            step_time = d2h_end[last]
-
-    # ---- device bytes over time -------------------------------------------------------
-    memory.sort(key=lambda item: (item[0], item[1]))
-    static = profile.static_bytes
-    times: list[float] = [0.0]
-    levels: list[int] = [static]
-    level = peak = static
-    peak_time = 0.0
-    last_sign = 0
-    for time, _, delta in memory:
-        level += delta
-        if level > peak:
-            peak, peak_time = level, time
-        sign = 1 if delta > 0 else -1
-        # one point per run of same-direction changes at one instant: spikes of zero width stay visible
-        if time == times[-1] and (sign == last_sign or len(times) == 1):
-            levels[-1] = level
-        else:
-            times.append(time)
-            levels.append(level)
-        last_sign = sign
-    if times[-1] < step_time:
-        times.append(step_time)
-        levels.append(level)
-
-    if record_events:
-        events.sort(key=lambda e: (e.start, e.stream))
-    offloaded_bytes = sum(saved[i] for i in offloaded)
-    reused_bytes = sum(saved[i] for i in reused)
-    return SimResult(
-        plan=plan,
-        step_time_s=step_time,
-        forward_s=math.fsum(layer.forward_s for layer in layers),
-        backward_s=math.fsum(layer.backward_s for layer in layers),
-        recompute_s=recompute_total,
-        overhead_s=2 * math.fsum(half_overhead),
-        exposed_wait_s=math.fsum(waits.values()),
-        wait_by_layer=waits,
-        static_bytes=static,
-        peak_bytes=peak,
-        peak_time_s=peak_time,
-        memory_times=tuple(times),
-        memory_bytes=tuple(levels),
-        d2h_busy_s=busy["d2h"],
-        h2d_busy_s=busy["h2d"],
-        d2h_bytes=offloaded_bytes,
-        h2d_bytes=offloaded_bytes - reused_bytes,
-        capacity_bytes=profile.capacity_bytes,
-        events=tuple(events),
-        reused_bytes=reused_bytes,
-    )
+                times.append(time)
+                levels.append(level)
+            previous, last_sign = level, sign
+        if times[-1] < step_time:
+            times.append(step_time)
+            levels.append(previous)
+        events = self.events
+        if self.record_events:
+            events.sort(key=lambda e: (e.start, e.stream))
+        offloaded = sum(o.nbytes for o in self.objects.values())
+        reused = sum(o.nbytes for o in self.objects.values() if not o.reloaded)
+        layers = profile.layers
+        return SimResult(
+            plan=self.plan,
+            step_time_s=step_time,
+            forward_s=math.fsum(layer.forward_s for layer in layers),
+            backward_s=math.fsum(layer.backward_s for layer in layers),
+            recompute_s=self.recompute_total,
+            overhead_s=2 * math.fsum(self.half_overhead),
+            exposed_wait_s=math.fsum(self.waits.values()),
+            wait_by_layer=self.waits,
+            static_bytes=static,
+            peak_bytes=peak,
+            peak_time_s=peak_time,
+            memory_times=tuple(times),
+            memory_bytes=tuple(levels),
+            d2h_busy_s=self.d2h_link.busy if profile.duplex else self._busy("d2h"),
+            h2d_busy_s=self.h2d_link.busy if profile.duplex else self._busy("h2d"),
+            d2h_bytes=offloaded,
+            h2d_bytes=self.h2d_bytes,
+            capacity_bytes=profile.capacity_bytes,
+            events=tuple(events),
+            reused_bytes=reused,
+            schedule_log=tuple(self.sched.log),
+            schedule_actions=tuple(self.sched.actions),
+        )
