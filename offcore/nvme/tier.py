@@ -249,11 +249,22 @@ class _Entry:
     writing: IOHandle | None = None
     reads: int = 0
     ledger_bytes: int = 0
+    fd: int | None = None  # kept open between transfers (Note [open files])
+    fd_users: int = 0
+
+
+# Note [open files]
+# Each object's file stays open between transfers (opening and closing a file per transfer
+# cost as much as the transfer itself for 1 MiB blocks), up to ``max_open_files`` idle ones,
+# least recently used closed first. An open descriptor would hide a file removed or replaced
+# behind offcore's back (it still reaches the old inode), so every transfer first checks
+# ``fstat``: a link count of 0 is a missing file, a size below what was written a truncated
+# one. The descriptors are closed on delete, on close and by the tier's finalizer.
 
 
 @dataclass(eq=False)
 class _Transfer:
-    """One open file for one handle: the fd, and a buffered fd for unaligned remainders."""
+    """One transfer's file: the object's fd, and a buffered fd of its own for unaligned remainders."""
 
     path: str
     fd: int
@@ -270,15 +281,22 @@ class _Transfer:
             return self.buffered
 
     def close(self) -> None:
-        for fd in (self.fd, self.buffered):
-            if fd is not None:
-                os.close(fd)
+        if self.buffered is not None:
+            os.close(self.buffered)
+            self.buffered = None
 
 
-def _shutdown(directory: str, pools: tuple[ThreadPoolExecutor, ...]) -> None:
+def _shutdown(directory: str, pools: tuple[ThreadPoolExecutor, ...], entries: dict[Hashable, _Entry]) -> None:
     """Finalizer of a tier (close, garbage collection, interpreter exit): drain the queues, remove the files."""
     for pool in pools:
         pool.shutdown(wait=True)
+    for entry in list(entries.values()):
+        if entry.fd is not None:
+            try:
+                os.close(entry.fd)
+            except OSError:
+                pass
+            entry.fd = None
     remove_private_directory(directory)
 
 
@@ -297,6 +315,7 @@ class NvmeTier:
     - ``chunk_size``, ``threads``: each object moves as ``chunk_size`` requests, with up to
       ``threads`` in flight per direction (reads and writes have separate pools).
     - ``ledger``: bytes on disk are counted there as (``Tier.NVME``, kind).
+    - ``max_open_files``: files kept open between transfers (Note [open files]).
 
     See the module docstring for an example, and Note [when may the host copy be released].
     """
@@ -311,6 +330,7 @@ class NvmeTier:
         chunk_size: int | str = "4MiB",
         threads: int = 4,
         ledger: Ledger | None = None,
+        max_open_files: int = 256,
     ) -> None:
         self.budget = parse_size(budget, what="NVMe tier budget")
         self.chunk_size = parse_size(chunk_size, what="NVMe chunk size")
@@ -318,6 +338,9 @@ class NvmeTier:
             raise ConfigurationError(f"NVMe chunk size must be a positive multiple of {ALIGNMENT}, got {chunk_size!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigurationError(f"NVMe threads must be a positive integer, got {threads!r}")
+        if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 0:
+            raise ConfigurationError(f"max_open_files must be a non-negative integer, got {max_open_files!r}")
+        self.max_open_files = max_open_files
         self.verify = bool(verify)
         self.ledger = ledger
         self.directory = private_directory(path)
@@ -333,9 +356,12 @@ class NvmeTier:
         self.direct_reason = reason
         self._readers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-read")
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-write")
-        self._finalizer = weakref.finalize(self, _shutdown, self.directory, (self._readers, self._writers))
         self._lock = threading.Lock()
         self._entries: dict[Hashable, _Entry] = {}
+        self._idle_fds: dict[Hashable, _Entry] = {}  # entries with an open, unused fd, least recently used first
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.directory, (self._readers, self._writers), self._entries
+        )
         self._counter = 0
         self._bounce = threading.local()
         self.used_bytes = 0
@@ -422,15 +448,12 @@ class NvmeTier:
                 path = os.path.join(self.directory, f"{self._counter:08d}.blk")
                 self._counter += 1
                 entry = _Entry(key=key, path=path, kind=kind)
-            try:
-                fd = open_private_file(entry.path, create=create, direct=self.direct)
-            except OSError as exc:
-                raise _io_error(exc, "write", entry.path, 0, nbytes) from exc
+            fd = self._acquire_fd(entry, create=create, op="write", nbytes=nbytes)
             try:
                 if not create and entry.file_bytes > file_bytes:
                     os.ftruncate(fd, file_bytes)
             except OSError as exc:
-                os.close(fd)
+                self._release_fd(entry)
                 raise _io_error(exc, "write", entry.path, 0, nbytes) from exc
             self._entries[key] = entry
             entry.kind = kind
@@ -487,6 +510,7 @@ class NvmeTier:
         ledger_delta: tuple[int, int] = (entry.ledger_bytes, 0)
         with self._lock:
             entry.writing = None
+            self._release_fd(entry)
             if h._error is None:
                 entry.nbytes, entry.file_bytes, entry.crcs, entry.written = nbytes, file_bytes, crcs, True
                 ledger_delta = (entry.ledger_bytes, nbytes)
@@ -496,6 +520,7 @@ class NvmeTier:
                 self.writes.copies += 1
             else:  # nothing lost: the caller's buffer is the valid copy; drop the half-written file
                 self._entries.pop(entry.key, None)
+                self._close_fd(entry)
                 self.used_bytes -= entry.reserved
                 entry.reserved = entry.ledger_bytes = 0
                 try:
@@ -531,17 +556,14 @@ class NvmeTier:
                     f"cannot read {key!r} ({entry.nbytes} bytes) into a buffer of {dst.nbytes} bytes; "
                     "pass a buffer of exactly the object's size"
                 )
-            try:
-                fd = open_private_file(entry.path, create=False, direct=self.direct)
-            except OSError as exc:
-                raise _io_error(exc, "read", entry.path, 0, entry.nbytes) from exc
+            fd = self._acquire_fd(entry, create=False, op="read", nbytes=entry.nbytes)
             try:
                 size = os.fstat(fd).st_size
             except OSError as exc:
-                os.close(fd)
+                self._release_fd(entry)
                 raise _io_error(exc, "read", entry.path, 0, entry.nbytes) from exc
             if size < entry.file_bytes:
-                os.close(fd)
+                self._release_fd(entry)
                 raise StorageFileTruncatedError(
                     f"read of {key!r} from {entry.path!r}: the file has {size} bytes, {entry.file_bytes} were "
                     "written; something truncated it. Keep the tier's directory private; the object's data is lost "
@@ -594,6 +616,7 @@ class NvmeTier:
         t.close()
         with self._lock:
             entry.reads -= 1
+            self._release_fd(entry)
             if h._error is None:
                 self.reads.bytes += h.nbytes
                 self.reads.seconds += h.seconds
@@ -602,6 +625,54 @@ class NvmeTier:
             self.read_link.observe(h.nbytes, h.seconds)
 
     # -- shared -------------------------------------------------------------------------
+    def _acquire_fd(self, entry: _Entry, *, create: bool, op: str, nbytes: int) -> int:
+        """The entry's open fd for one more transfer (lock held); checks the file is still there."""
+        if entry.fd is None:
+            try:
+                entry.fd = open_private_file(entry.path, create=create, direct=self.direct)
+            except OSError as exc:
+                raise _io_error(exc, op, entry.path, 0, nbytes) from exc
+        else:
+            self._idle_fds.pop(entry.key, None)
+            try:
+                links = os.fstat(entry.fd).st_nlink
+            except OSError as exc:
+                self._close_fd(entry)
+                raise _io_error(exc, op, entry.path, 0, nbytes) from exc
+            if links == 0:
+                self._close_fd(entry)
+                raise StorageFileMissingError(
+                    errno.ENOENT,
+                    f"{op} of {format_bytes(nbytes)} of {entry.path!r} refused: the file was removed or replaced "
+                    "behind offcore's back (by another process?). Keep the tier's directory private.",
+                )
+        entry.fd_users += 1
+        return entry.fd
+
+    def _release_fd(self, entry: _Entry) -> None:
+        """One transfer less on the entry's fd (lock held); idle fds beyond ``max_open_files`` are closed."""
+        entry.fd_users -= 1
+        if entry.fd_users or entry.fd is None:
+            return
+        if self._entries.get(entry.key) is not entry:
+            self._close_fd(entry)
+            return
+        self._idle_fds[entry.key] = entry
+        while len(self._idle_fds) > self.max_open_files:
+            oldest = next(iter(self._idle_fds))
+            self._close_fd(self._idle_fds[oldest])
+
+    def _close_fd(self, entry: _Entry) -> None:
+        """Close the entry's fd (lock held, no transfer using it)."""
+        if self._idle_fds.get(entry.key) is entry:
+            del self._idle_fds[entry.key]
+        if entry.fd is not None:
+            fd, entry.fd = entry.fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def _run(self, handle: IOHandle, work: Callable[..., None], *args: Any) -> None:
         error: BaseException | None = None
         if handle._begin():
@@ -626,6 +697,7 @@ class NvmeTier:
             if entry.writing is not None or entry.reads:
                 raise IllegalTransitionError(f"cannot delete {key!r} while a transfer of it is in flight")
             del self._entries[key]
+            self._close_fd(entry)
             self.used_bytes -= entry.reserved
             try:
                 os.unlink(entry.path)
@@ -641,6 +713,7 @@ class NvmeTier:
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
+            self._idle_fds.clear()
             self.used_bytes = 0
         for entry in entries:
             self._ledger_change(entry.kind, entry.ledger_bytes, 0)

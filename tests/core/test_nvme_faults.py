@@ -160,10 +160,43 @@ def test_truncated_file_is_detected(tier: NvmeTier) -> None:
 
 def test_missing_file_is_detected(tier: NvmeTier) -> None:
     tier.write("s", _data()).synchronize()
-    os.unlink(_file_of(tier))
-    with pytest.raises(offcore.StorageFileMissingError, match="gone") as info:
+    os.unlink(_file_of(tier))  # the tier still holds it open: detected by its link count
+    with pytest.raises(offcore.StorageFileMissingError, match="removed or replaced") as info:
         tier.read("s", np.empty(5000))
     assert info.value.errno == errno.ENOENT
+    with pytest.raises(offcore.StorageFileMissingError, match="gone"):  # now also closed: open fails
+        tier.read("s", np.empty(5000))
+
+
+def test_missing_file_is_detected_when_files_are_not_kept_open(tmp_path: Path) -> None:
+    with NvmeTier(tmp_path, budget="1MiB", max_open_files=0) as tier:
+        tier.write("s", _data()).synchronize()
+        assert _open_files(tier) == 0
+        os.unlink(_file_of(tier))
+        with pytest.raises(offcore.StorageFileMissingError, match="gone"):
+            tier.read("s", np.empty(5000))
+
+
+def _open_files(tier: NvmeTier) -> int:
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}").startswith(tier.directory + os.sep))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_idle_open_files_are_bounded_and_closed(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path, budget="1MiB", max_open_files=2)
+    for k in range(5):
+        tier.write(k, _data(100, seed=k)).synchronize()
+    assert _open_files(tier) == 2
+    out = np.empty(100)
+    for k in range(5):
+        tier.read(k, out).synchronize()
+        assert (out == _data(100, seed=k)).all()
+    assert _open_files(tier) == 2
+    tier.delete(4)
+    assert _open_files(tier) == 1
+    tier.close()
+    assert _open_files(tier) == 0
 
 
 def test_checksum_catches_a_flipped_byte(tmp_path: Path) -> None:

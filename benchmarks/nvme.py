@@ -1,0 +1,400 @@
+"""The NVMe tier's throughput next to the filesystem's raw sequential throughput, and the pipelined optimizer step.
+
+Part 1, for blocks of 1–64 MiB: the tier writes and reads ``--volume`` bytes as objects of
+one block each (from and into page-aligned host buffers, as the pinned pool hands out),
+and a dd-like loop writes and reads the same bytes sequentially in the same block size
+through one file (``dd bs=B oflag=direct``, single thread: the *raw* baseline). Both use
+O_DIRECT when the tier does (else both are buffered, and the files' pages are dropped
+before every read). The variants alternate round by round; medians are reported with the
+ratio tier / raw (target ≥ 0.80 for blocks ≥ 1 MiB). Optional engines run in the same
+rounds when importable: ``io_uring`` (the ``liburing`` package: one ring, queue depth
+``--threads * 2``, same chunking) and ``kvikio`` (its POSIX thread pool on host memory).
+
+Part 2: an Adam step (numpy) over ``--groups`` groups of state on the tier: sequential
+(read, step, write, one group at a time) vs :func:`offcore.nvme.pipelined` (target ≥ 1.5 ×
+faster) vs states in host memory (the floor: compute alone).
+
+Say where it ran: the filesystem type of ``--dir`` is printed (use a disk-backed directory;
+/tmp may be tmpfs, i.e. memory).
+
+    python benchmarks/nvme.py --dir /work/nvme-bench
+    python benchmarks/nvme.py --dir /work/nvme-bench --blocks 1MiB,4MiB --volume 128MiB --rounds 5 --json nvme.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from offcore.nvme import ALIGNMENT, NvmeTier, aligned_empty, pipelined
+from offcore.units import format_bytes, parse_size
+
+MiB = 1 << 20
+TARGET_RAW = 0.80
+TARGET_PIPELINE = 1.5
+
+
+def filesystem_of(path: str) -> str:
+    """``ext4 on /dev/vda`` and the like (from ``df -T``)."""
+    try:
+        out = subprocess.run(["df", "-T", path], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+        device, fstype = out.split()[:2]
+        return f"{fstype} on {device}"
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return "unknown filesystem"
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Raw:
+    """dd-like: one file, sequential single-threaded pwrite/pread of ``block`` bytes."""
+
+    name = "raw dd"
+
+    def __init__(self, directory: str, block: int, count: int, direct: bool) -> None:
+        self.path = os.path.join(directory, "raw.dd")
+        self.block, self.count, self.direct = block, count, direct
+        self.buf = aligned_empty(block)
+        self.buf[:] = 1
+        self.flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+
+    def write(self) -> None:
+        fd = os.open(self.path, self.flags, 0o600)
+        try:
+            for i in range(self.count):
+                os.pwrite(fd, self.buf, i * self.block)
+        finally:
+            os.close(fd)
+
+    def read(self) -> None:
+        if not self.direct:
+            _drop_cache(self.path)
+        fd = os.open(self.path, self.flags, 0o600)
+        try:
+            for i in range(self.count):
+                os.preadv(fd, [self.buf], i * self.block)
+        finally:
+            os.close(fd)
+
+
+class Tier:
+    """The offcore tier: ``count`` objects of ``block`` bytes, all submitted, then synchronized."""
+
+    name = "offcore tier"
+
+    def __init__(self, directory: str, block: int, count: int, direct: bool, threads: int, chunk: int) -> None:
+        self.tier = NvmeTier(directory, budget=block * count + MiB, direct=direct, threads=threads, chunk_size=chunk)
+        self.bufs = [aligned_empty(block) for _ in range(count)]
+        for b in self.bufs:
+            b[:] = 1
+
+    def write(self) -> None:
+        for h in [self.tier.write(i, b) for i, b in enumerate(self.bufs)]:
+            h.synchronize()
+
+    def read(self) -> None:
+        if not self.tier.direct:
+            for name in os.listdir(self.tier.directory):
+                _drop_cache(os.path.join(self.tier.directory, name))
+        for h in [self.tier.read(i, b) for i, b in enumerate(self.bufs)]:
+            h.synchronize()
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class Uring:
+    """io_uring through the ``liburing`` package: one ring, chunked requests, ``depth`` in flight."""
+
+    name = "io_uring"
+
+    def __init__(self, directory: str, block: int, count: int, direct: bool, depth: int, chunk: int) -> None:
+        import liburing  # optional: only where it is installed
+
+        self.L = liburing
+        self.ring = liburing.Ring()
+        liburing.io_uring_queue_init(max(depth, 2), self.ring)
+        self.cqe = liburing.Cqe()
+        self.depth, self.chunk = depth, chunk
+        self.bufs = [aligned_empty(block) for _ in range(count)]
+        self.paths = [os.path.join(directory, f"uring.{i}") for i in range(count)]
+        self.flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        self.direct = direct
+
+    def _run(self, write: bool) -> None:
+        L = self.L
+        fds = [os.open(p, self.flags, 0o600) for p in self.paths]
+        pending = [
+            (fd, buf, off) for fd, buf in zip(fds, self.bufs, strict=True) for off in range(0, buf.nbytes, self.chunk)
+        ]
+        keep: dict[int, Any] = {}
+        inflight = 0
+        try:
+            while pending or inflight:
+                while pending and inflight < self.depth:
+                    fd, buf, off = pending.pop(0)
+                    iov = L.Iovec([memoryview(buf[off : off + self.chunk])])
+                    sqe = L.io_uring_get_sqe(self.ring)
+                    (L.io_uring_prep_writev if write else L.io_uring_prep_readv)(sqe, fd, iov, off)
+                    L.io_uring_sqe_set_data64(sqe, id(iov))
+                    keep[id(iov)] = iov
+                    inflight += 1
+                L.io_uring_submit(self.ring)
+                L.io_uring_wait_cqe(self.ring, self.cqe)
+                cqe = self.cqe[0]
+                if cqe.res < 0:
+                    raise OSError(-cqe.res, os.strerror(-cqe.res))
+                keep.pop(L.io_uring_cqe_get_data64(cqe), None)
+                L.io_uring_cqe_seen(self.ring, cqe)
+                inflight -= 1
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def write(self) -> None:
+        self._run(True)
+
+    def read(self) -> None:
+        if not self.direct:
+            for p in self.paths:
+                _drop_cache(p)
+        self._run(False)
+
+    def close(self) -> None:
+        self.L.io_uring_queue_exit(self.ring)
+
+
+class Kvikio:
+    """KvikIO's CuFile on host buffers (its POSIX thread pool when there is no GPUDirect Storage)."""
+
+    name = "kvikio"
+
+    def __init__(self, directory: str, block: int, count: int, direct: bool) -> None:
+        import kvikio  # optional
+
+        self.kvikio = kvikio
+        self.bufs = [aligned_empty(block) for _ in range(count)]
+        self.paths = [os.path.join(directory, f"kvikio.{i}") for i in range(count)]
+        self.write()  # fails here on a machine without libcuda.so.1
+
+    def write(self) -> None:
+        files = [self.kvikio.CuFile(p, "w") for p in self.paths]
+        for f, fut in [(f, f.pwrite(b)) for f, b in zip(files, self.bufs, strict=True)]:
+            fut.get()
+            f.close()
+
+    def read(self) -> None:
+        files = [self.kvikio.CuFile(p, "r") for p in self.paths]
+        for f, fut in [(f, f.pread(b)) for f, b in zip(files, self.bufs, strict=True)]:
+            fut.get()
+            f.close()
+
+    def close(self) -> None:
+        pass
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def throughput(args: argparse.Namespace, direct: bool) -> list[dict[str, Any]]:
+    rows = []
+    for block in [parse_size(b) for b in args.blocks.split(",")]:
+        count = max(1, args.volume // block)
+        work = os.path.join(args.dir, f"block-{block}")
+        os.makedirs(work, mode=0o700, exist_ok=True)
+        variants: list[Any] = [Raw(work, block, count, direct)]
+        variants.append(Tier(work, block, count, direct, args.threads, args.chunk))
+        skipped: dict[str, str] = {}
+        for name, make in (
+            ("io_uring", lambda: Uring(work, block, count, direct, 2 * args.threads, args.chunk)),
+            ("kvikio", lambda: Kvikio(work, block, count, direct)),
+        ):
+            if name in args.engines:
+                try:
+                    variants.append(make())
+                except Exception as exc:  # noqa: BLE001 - report why an optional engine cannot run
+                    skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        times: dict[tuple[str, str], list[float]] = {}
+        for v in variants:  # warm-up: files created and allocated
+            v.write()
+            v.read()
+        for _ in range(args.rounds):
+            for op in ("write", "read"):
+                for v in variants:
+                    times.setdefault((v.name, op), []).append(_timed(getattr(v, op)))
+        nbytes = block * count
+        row: dict[str, Any] = {"block": block, "count": count, "bytes": nbytes, "skipped": skipped}
+        for (name, op), ts in times.items():
+            row[f"{name} {op} GB/s"] = nbytes / statistics.median(ts) / 1e9
+        for op in ("write", "read"):
+            row[f"tier/raw {op}"] = row[f"offcore tier {op} GB/s"] / row[f"raw dd {op} GB/s"]
+        rows.append(row)
+        for v in variants:
+            if hasattr(v, "close"):
+                v.close()
+        shutil.rmtree(work, ignore_errors=True)
+        names = [v.name for v in variants]
+        print(f"\nblock {format_bytes(block)} x {count} ({format_bytes(nbytes)}), medians of {args.rounds} rounds:")
+        for op in ("write", "read"):
+            figures = "  ".join(f"{n} {row[f'{n} {op} GB/s']:6.2f}" for n in names)
+            ratio = row[f"tier/raw {op}"]
+            ok = "meets" if ratio >= TARGET_RAW else "BELOW"
+            print(f"  {op:5s} GB/s: {figures}   tier/raw {ratio:.2f} ({ok} {TARGET_RAW:.2f})")
+        for name, why in skipped.items():
+            print(f"  {name} not run: {why}")
+    return rows
+
+
+class AdamOnTier:
+    """Adam moments of ``groups`` groups on the tier, stepped through aligned host buffers."""
+
+    def __init__(self, tier: NvmeTier | None, groups: int, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.tier, self.groups, self.n = tier, groups, n
+        self.params = [rng.standard_normal(n).astype(np.float32) for _ in range(groups)]
+        self.grads = [rng.standard_normal(n).astype(np.float32) for _ in range(groups)]
+        self.resident = [np.zeros((2, n), np.float32) for _ in range(groups)] if tier is None else []
+        self.free = [aligned_empty(2 * n * 4).view(np.float32).reshape(2, n) for _ in range(3)]
+        self.host: dict[int, np.ndarray] = {}
+        self.t = 0
+        if tier is not None:
+            for g in range(groups):
+                tier.write(g, np.zeros((2, n), np.float32)).synchronize()
+
+    def read(self, g: int) -> Any:
+        assert self.tier is not None
+        self.host[g] = self.free.pop()
+        return self.tier.read(g, self.host[g])
+
+    def compute(self, g: int) -> None:
+        m, v = self.host[g] if self.tier is not None else self.resident[g]
+        grad, b1, b2 = self.grads[g], np.float32(0.9), np.float32(0.999)
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * np.square(grad)
+        denom = np.sqrt(v / (1 - b2 ** (self.t + 1))) + np.float32(1e-8)
+        self.params[g] -= np.float32(1e-3) / (1 - b1 ** (self.t + 1)) * m / denom
+
+    def write(self, g: int) -> Any:
+        assert self.tier is not None
+        return self.tier.write(g, self.host[g])
+
+    def release(self, g: int) -> None:
+        self.free.append(self.host.pop(g))
+
+    def sequential(self) -> None:
+        for g in range(self.groups):
+            self.read(g).synchronize()
+            self.compute(g)
+            self.write(g).synchronize()
+            self.release(g)
+        self.t += 1
+
+    def pipelined(self) -> None:
+        pipelined(range(self.groups), self.read, self.compute, self.write, release=self.release)
+        self.t += 1
+
+    def in_host(self) -> None:
+        for g in range(self.groups):
+            self.compute(g)
+        self.t += 1
+
+
+def optimizer_step(args: argparse.Namespace, direct: bool) -> dict[str, Any]:
+    n = args.group_params
+    work = os.path.join(args.dir, "step")
+    os.makedirs(work, mode=0o700, exist_ok=True)
+    budget = args.groups * 2 * n * 4 + MiB
+    with (
+        NvmeTier(work, budget=budget, direct=direct, threads=args.threads, chunk_size=args.chunk) as t1,
+        NvmeTier(work, budget=budget, direct=direct, threads=args.threads, chunk_size=args.chunk) as t2,
+    ):
+        seq, pipe, host = (
+            AdamOnTier(t1, args.groups, n),
+            AdamOnTier(t2, args.groups, n),
+            AdamOnTier(None, args.groups, n),
+        )
+        variants = {"sequential": seq.sequential, "pipelined": pipe.pipelined, "host memory": host.in_host}
+        for fn in variants.values():
+            fn()  # warm-up
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                times[name].append(_timed(fn))
+        same = all(a.tobytes() == b.tobytes() for a, b in zip(seq.params, pipe.params, strict=True))
+    shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    state = args.groups * 2 * n * 4
+    print(
+        f"\nAdam step, {args.groups} groups x {format_bytes(2 * n * 4)} of state ({format_bytes(state)} on the tier),"
+    )
+    print(f"medians of {args.rounds} rounds (baseline: sequential):")
+    for k, v in med.items():
+        print(f"  {k:12s} {v * 1e3:8.1f} ms   {med['sequential'] / v:5.2f} x sequential")
+    speedup = med["sequential"] / med["pipelined"]
+    print(
+        f"  pipelined / sequential speed-up {speedup:.2f} ({'meets' if speedup >= TARGET_PIPELINE else 'BELOW'} ",
+        end="",
+    )
+    print(f"{TARGET_PIPELINE}); pipelined params bit-identical to sequential: {same}")
+    return {"ms": {k: v * 1e3 for k, v in med.items()}, "speedup": speedup, "bit_identical": same, "state_bytes": state}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=os.path.expanduser("~/.cache/offcore-nvme-bench"), help="where to write")
+    parser.add_argument("--blocks", default="1MiB,4MiB,16MiB,64MiB", help="comma-separated block sizes")
+    parser.add_argument("--volume", type=parse_size, default=parse_size("256MiB"), help="bytes per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    parser.add_argument("--threads", type=int, default=4, help="tier threads per direction")
+    parser.add_argument("--chunk", type=parse_size, default=parse_size("4MiB"), help="tier request size")
+    parser.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for every variant")
+    parser.add_argument("--engines", default="io_uring,kvikio", help="optional engines to try (if importable)")
+    parser.add_argument("--groups", type=int, default=8, help="optimizer-state groups (part 2)")
+    parser.add_argument("--group-params", type=int, default=2_000_000, help="parameters per group (part 2)")
+    parser.add_argument("--skip", choices=["throughput", "step"], action="append", default=[], help="skip a part")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.chunk % ALIGNMENT:
+        parser.error(f"--chunk must be a multiple of {ALIGNMENT}")
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    with NvmeTier(args.dir, budget=MiB, direct={"auto": None, "on": True, "off": False}[args.direct]) as probe:
+        direct, reason = probe.direct, probe.direct_reason
+    load = os.getloadavg()
+    where = filesystem_of(args.dir)
+    print(f"directory {args.dir}: {where}; {'O_DIRECT' if direct else 'buffered (' + reason + ')'}")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs, load {load[0]:.2f}")
+    results: dict[str, Any] = {"dir": args.dir, "filesystem": where, "direct": direct, "load": load}
+    if "throughput" not in args.skip:
+        results["throughput"] = throughput(args, direct)
+    if "step" not in args.skip:
+        results["step"] = optimizer_step(args, direct)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
