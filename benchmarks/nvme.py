@@ -224,10 +224,11 @@ def throughput(args: argparse.Namespace, direct: bool) -> list[dict[str, Any]]:
         variants: list[Any] = [Raw(work, block, count, direct)]
         variants.append(Tier(work, block, count, direct, args.threads, args.chunk))
         skipped: dict[str, str] = {}
-        for name, make in (
-            ("io_uring", lambda: Uring(work, block, count, direct, 2 * args.threads, args.chunk)),
-            ("kvikio", lambda: Kvikio(work, block, count, direct)),
-        ):
+        engines: list[tuple[str, Callable[[], Any]]] = [
+            ("io_uring", lambda w=work, b=block, c=count: Uring(w, b, c, direct, 2 * args.threads, args.chunk)),
+            ("kvikio", lambda w=work, b=block, c=count: Kvikio(w, b, c, direct)),
+        ]
+        for name, make in engines:
             if name in args.engines:
                 try:
                     variants.append(make())
