@@ -221,9 +221,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._release_everything()
             raise
-        group_of = {id(m): g for g in self._host.param_groups for m in g["params"]}
-        for slot in self._slots:
-            slot.group = group_of[id(slot.master)]
+        self._regroup()
         self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle)
 
@@ -300,6 +298,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.master.copy_(slot.stage)
         slot.synced_version = slot.param._version
 
+    def _regroup(self) -> None:
+        """Point every slot at the host group holding its master (torch's load_state_dict makes new groups)."""
+        assert self._host is not None
+        group_of = {id(m): g for g in self._host.param_groups for m in g["params"]}
+        for slot in self._slots:
+            slot.group = group_of[id(slot.master)]
+
     # -- torch.optim.Optimizer's surface -------------------------------------------------
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -341,12 +346,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._host is None:  # Optimizer.__init__ path, unused: groups are built in __init__
             raise OffcoreError("OffloadOptimizer is not initialised")
         self._drain()
-        first = len(self._slots)
         host_group = self._make_slots(param_group)
         self._host.add_param_group(host_group)
-        group = self._host.param_groups[-1]
-        for slot in self._slots[first:]:
-            slot.group = group
+        self._regroup()
 
     # -- gradients ----------------------------------------------------------------------
     def _on_gradient(self, slot: _Slot) -> None:
@@ -713,6 +715,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         masters = state_dict.pop(MASTER_WEIGHTS_KEY, None) or {}
         host = self._host
         self.run_on_host(host.load_state_dict, state_dict)
+        self._regroup()
         self.synchronize()
         for slot in self._slots:
             master = masters.get(slot.index, masters.get(str(slot.index)))
