@@ -328,7 +328,7 @@ class NvmeTier:
         verify: bool = False,
         direct: bool | None = None,
         chunk_size: int | str = "4MiB",
-        threads: int = 4,
+        threads: int = 8,
         ledger: Ledger | None = None,
         max_open_files: int = 256,
     ) -> None:
