@@ -367,3 +367,12 @@ def test_o_direct_fallback_when_aligned_writes_fail(tmp_path: Path, monkeypatch:
     with NvmeTier(tmp_path, budget="1MiB") as tier:
         assert tier.direct is False and "aligned O_DIRECT write failed" in tier.direct_reason
         tier.write("a", np.ones(3)).synchronize()
+
+
+def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "nvme.md").read_text()
+    example = doc.split("## Example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/nvme.md", "exec"), {})
+    lines = capsys.readouterr().out.split("\n")
+    assert lines[0] == "3200000"
+    assert lines[1].split() == ["0.040000003", "4000000", "True"]
