@@ -53,6 +53,7 @@ import collections
 import concurrent.futures
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -63,6 +64,7 @@ from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailed
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
 from offcore.pool import HostBuffer
+from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
 from offcore_torch.runtime import runtime_for
 
@@ -73,7 +75,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 (only when the masters' dtype differs from the device parameters'; torch optimizers ignore it)."""
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_CHUNK_BYTES = 32 * 1024**2  # host steps at step(): batches of about this many master bytes
+_CHUNK_BYTES = 8 * 1024**2  # host steps at step(): batches of about this many master bytes
 
 
 class _Slot:
@@ -129,6 +131,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
       gradient since the last ``step()`` landed, under backward (Note [Host step rounds]);
       None steps at ``step()`` (any number of micro-steps). ``opt.last_micro_step()`` declares
       one backward the last instead.
+    - ``trace``: an :class:`offcore.trace.TraceRecorder` that gets the host work (track
+      ``"host"``: accumulation and steps) and the forward's waits for parameters (``"wait"``).
     - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
       staging room): the host pool holding masters, gradients and staging buffers.
 
@@ -149,6 +153,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory: bool = True,
         accumulation_steps: int | None = None,
         host_budget: int | str | None = None,
+        trace: TraceRecorder | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -180,6 +185,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = dict(optimizer_kwargs)
         self.ledger = Ledger()
+        self.trace = trace
         self._slots: list[_Slot] = []
         self._by_param: dict[int, _Slot] = {}
         self._lock = threading.Lock()
@@ -461,10 +467,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     nbytes = target.numel() * target.element_size()
                     self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
             if staging is not None:
+                began = time.perf_counter()
                 if accumulate:
                     slot.grad.add_(target)
                 else:
                     slot.grad.copy_(target)
+                if self.trace is not None:
+                    self.trace.span("host", "accumulate", began, time.perf_counter() - began, param=slot.index)
         finally:
             if staging is not None:
                 self._release_staging(staging)
@@ -473,8 +482,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._step_slots([slot])
 
     # -- host steps -----------------------------------------------------------------------
-    def _step_slots(self, slots: list[_Slot]) -> None:
-        """Worker: one host optimizer step over ``slots`` only, then their H2D copies."""
+    def _step_slots(self, slots: list[_Slot], issue: bool = True) -> None:
+        """Worker: one host optimizer step over ``slots`` only, the casts for their H2D copies, and
+        (``issue``) the copies themselves."""
         assert self._host is not None
         for slot in slots:
             if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
@@ -483,6 +493,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in slots:
             chosen[id(slot.group)].append(slot.master)
         saved = [(group, group["params"]) for group in self._host.param_groups]
+        began = time.perf_counter()
         try:
             for group, _ in saved:
                 group["params"] = chosen.get(id(group), [])
@@ -490,14 +501,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             for group, params in saved:
                 group["params"] = params
-        self._issue_h2d(slots)
+        if self.trace is not None:
+            self.trace.span("host", "step", began, time.perf_counter() - began, params=len(slots))
+        for slot in slots:
+            if slot.stage is not None:
+                slot.stage.copy_(slot.master)
+        if issue:
+            self._issue_h2d(slots, cast=False)
 
-    def _issue_h2d(self, slots: list[_Slot]) -> None:
+    def _issue_h2d(self, slots: list[_Slot], *, cast: bool = True) -> None:
         dev, rt = self._device, self._runtime
         for slot in sorted(slots, key=lambda s: s.order):
             src = slot.master
             if slot.stage is not None:
-                slot.stage.copy_(slot.master)
+                if cast:
+                    slot.stage.copy_(slot.master)
                 src = slot.stage
             event = dev.copy_(slot.param.detach(), src, stream=rt.h2d_stream)
             with self._lock:
@@ -510,7 +528,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._pending_h2d.pop(id(slot.param), None) is None:
                 return
             event = slot.h2d
+        began = time.perf_counter()
         self._device.current_stream().wait_event(event)
+        if self.trace is not None:
+            self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         if event.query():
             slot.synced_version = slot.param._version
 
@@ -574,20 +595,30 @@ class OffloadOptimizer(torch.optim.Optimizer):
         remaining = [s for s in sorted(self._slots, key=lambda s: s.order) if not s.stepped and s.accumulated]
         for slot in remaining:
             self._check_fresh(slot)
-        chunk: list[_Slot] = []
+        chunks: list[list[_Slot]] = [[]]
         size = 0
         for slot in remaining:
-            chunk.append(slot)
+            chunks[-1].append(slot)
             size += slot.master.numel() * slot.master.element_size()
             if size >= _CHUNK_BYTES:
-                self._submit(self._step_slots, chunk)
-                chunk, size = [], 0
-        if chunk:
-            self._submit(self._step_slots, chunk)
+                chunks.append([])
+                size = 0
+        # the worker steps chunk k+1 while this thread issues chunk k's H2D copies
+        futures = [(self._worker.submit(self._step_slots, chunk, False), chunk) for chunk in chunks if chunk]
+        error: BaseException | None = None
         try:
-            self._drain()
+            for future, chunk in futures:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    error = error or exc
+                    continue
+                if error is None:
+                    self._issue_h2d(chunk, cast=False)
         finally:
             self._end_round()
+        if error is not None:
+            raise error
         return loss
 
     def _end_round(self) -> None:
