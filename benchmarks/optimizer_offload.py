@@ -257,6 +257,7 @@ def host_step_scenario(work: Any, *, rounds: int) -> dict[str, Any]:
 def timeline(variant: Variant, trace: TraceRecorder, work: Any, step: int) -> TraceRecorder:
     """One more offcore step with compute spans and the device's copies added to ``trace``."""
     dev = variant.device
+    variant.optimizer.trace = trace  # type: ignore[attr-defined]
     dev.clear_copy_log()
     with dev:
         batch = work.make_batch(step, torch.device("cpu"))
@@ -294,12 +295,15 @@ def draw(trace: TraceRecorder, path: str) -> None:
     order = [t for t in ("compute", "d2h", "host", "h2d", "wait") if t in names.values()]
     colours = {"compute": "#4C72B0", "d2h": "#DD8452", "host": "#937860", "h2d": "#C44E52", "wait": "#000000"}
     fig, ax = plt.subplots(figsize=(12, 3))
+    phases = {"forward": "#4C72B0", "backward": "#55A868", "opt.step()": "#8172B2", "next forward": "#64B5CD"}
     for row, track in enumerate(order):
-        bars = [(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.02)) for e in spans if names.get(e["tid"]) == track]
-        ax.broken_barh(bars, (row - 0.4, 0.8), color=colours[track])
         for e in spans:
-            if names.get(e["tid"]) == "compute":
-                ax.text(e["ts"] / 1e3, -0.55, e["name"], fontsize=7)
+            if names.get(e["tid"]) != track:
+                continue
+            colour = phases.get(e["name"], colours[track]) if track == "compute" else colours[track]
+            ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.02))], (row - 0.4, 0.8), color=colour)
+            if track == "compute":
+                ax.text(e["ts"] / 1e3, row, " " + e["name"], fontsize=7, va="center", color="white")
     ax.set_yticks(range(len(order)), order)
     ax.invert_yaxis()
     ax.set_xlabel("ms")
