@@ -11,15 +11,16 @@
 #   1. compute:  T ≥ Σ f + Σ b + Σ_recomputed r     (the compute stream is serial)
 #   2. copies, with the prefix constraints of forward and backward: every copy queue is a
 #      single machine whose jobs have a release time ("head": a D2H cannot start before
-#      its layer's forward ends, an H2D not before its D2H ends) and a "tail" (after a
+#      its layer's first save, ``release(j)`` — the end of its forward without
+#      ``LayerProfile.saved_tensors`` —, an H2D not before its D2H ends) and a "tail" (after a
 #      D2H ends, that layer's H2D and all backward from that layer on must still run; after
 #      an H2D, all backward from that layer on). For any set S of jobs on one machine
 #          T ≥ min_S head + Σ_S duration + min_S tail,
-#      evaluated for the offloaded layers from each one to the end of the stack. The D2H
-#      and H2D jobs are taken as one machine even on a duplex link: within one step they
-#      never overlap (Note [Copies of one step never overlap] in simulator.py). With no
-#      compute at all this is the bytes there and back over their bandwidths, e.g.
-#      10 × 256 MiB over 32 GiB/s: 156.25 ms.
+#      evaluated for the offloaded layers from each one to the end of the stack. One shared
+#      link is one machine for both directions; a duplex link is one per direction (a
+#      reload may run while a later D2H is in flight: the scheduler skips copies in flight).
+#      With no compute at all on a shared link this is the bytes there and back over their
+#      bandwidth, e.g. 10 × 256 MiB over 32 GiB/s: 156.25 ms.
 #      With ``StepProfile.reuse_in_flight`` any offloaded layer may skip its reload (Note
 #      [Reuse of device copies still in flight] in simulator.py), so only the D2H queue
 #      is bounded: T ≥ F(i) + Σ_{j≥i} d_j (the step ends when its last copy landed), and no
@@ -28,13 +29,16 @@
 # For an *instance* (any plan that fits a device budget) the planner needs a bound that
 # holds for every feasible plan. :func:`instance_lower_bound` minimises T over the
 # per-layer choices under (1), a relaxed (2) (``min head`` and ``min tail`` taken at a
-# layer that need not be offloaded itself), and memory conditions every plan must meet:
+# layer that need not be offloaded itself), and memory conditions every plan must meet
+# (over the bytes resident all step, ``StepProfile.resident_bytes``; a layer's "own"
+# bytes are its largest saved tensor, what is on the device whatever its saves' lifetimes):
 #   - at the end of layer i's forward: the kept activations and checkpoints so far, the
 #     offloaded layers whose D2H cannot have finished yet (the D2H queue can only have
-#     drained Σ d_l ≤ F(i) − F(j) of the layers after any j), its own saved bytes and
+#     drained Σ d_l ≤ F(i) − release(j) of the layers from any j on), its own bytes and
 #     working set;
+#   - at the turn: the head's bytes and every kept activation;
 #   - during layer i's backward: the kept activations and checkpoints of earlier layers,
-#     its own saved bytes and working set, and the reload of layer i−1 if that reload
+#     its own bytes and working set, and the reload of layer i−1 if that reload
 #     overlaps it; a reload that overlaps nothing is an exposed wait of h_{i−1} in (1).
 # That is a small MILP (scipy.optimize.milp). Prefetches further ahead and recompute
 # segments longer than one layer are not counted, so the bound can be optimistic when the
@@ -80,12 +84,8 @@ def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
     offloaded = [i for i, a in enumerate(plan.actions) if a is Action.OFFLOAD]
     if not offloaded:
         return compute
-    forward_end: list[float] = []
-    clock = 0.0
-    for layer in layers:
-        clock += layer.forward_s
-        forward_end.append(clock)
     tail = _tails(profile, plan)
+    release = _releases(profile)
     d = [profile.transfer_s(layers[j].saved_bytes, "d2h") for j in offloaded]
     h = [profile.transfer_s(layers[j].saved_bytes, "h2d") for j in offloaded]
     if profile.reuse_in_flight:  # a reload may be skipped: bound the D2H queue alone
@@ -93,13 +93,30 @@ def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
         tail = [0.0] * len(tail)
     best = compute
     count = len(offloaded)
-    # Note [Copies of one step never overlap]: every H2D starts after the last D2H ended,
-    # so the D2H and H2D jobs form one machine whether or not the link is duplex.
     for lo in range(count):
         first = offloaded[lo]
-        total = math.fsum(d[lo:]) + math.fsum(h[lo:])
-        best = max(best, forward_end[first] + total + tail[first])
+        if profile.duplex:  # one machine per direction
+            total = max(math.fsum(d[lo:]), math.fsum(h[lo:]))
+        else:
+            total = math.fsum(d[lo:]) + math.fsum(h[lo:])
+        best = max(best, release[first] + total + tail[first])
     return best
+
+
+def _releases(profile: StepProfile) -> list[float]:
+    """release(j): when layer j's first save can be copied out (no detail: the end of its forward)."""
+    out: list[float] = []
+    clock = 0.0
+    for layer in profile.layers:
+        first = layer.saved_tensors[0][0] if layer.saved_tensors else 1.0
+        out.append(clock + first * layer.forward_s)
+        clock += layer.forward_s
+    return out
+
+
+def _own_bytes(profile: StepProfile) -> list[int]:
+    """A layer's largest saved tensor: on the device at some moment of its forward and of its backward."""
+    return [max((n for _, n in layer.saved_tensors), default=layer.saved_bytes) for layer in profile.layers]
 
 
 def plan_lower_bound(profile: StepProfile, plan: Plan, *, microbatch_overhead_s: float = 0.0) -> float:
@@ -136,7 +153,7 @@ def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval:
     h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
     recomputed = (codes == 2) * r
     compute = f.sum() + b.sum() + recomputed.sum(axis=1)
-    forward_end = np.cumsum(f)
+    release = np.array(_releases(profile))
     tail = np.cumsum(b) + _shifted_cumsum(recomputed, max_interval - 1)
     if profile.reuse_in_flight:  # a reload may be skipped: bound the D2H queue alone
         h = np.zeros_like(h)
@@ -146,7 +163,8 @@ def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval:
     def suffix(values: np.ndarray) -> np.ndarray:
         return np.cumsum((offloaded * values)[:, ::-1], axis=1)[:, ::-1]
 
-    link = (forward_end + suffix(d + h) + tail).max(axis=1)  # Note [Copies of one step never overlap]
+    copies = np.maximum(suffix(d), suffix(h)) if profile.duplex else suffix(d + h)
+    link = (release + copies + tail).max(axis=1)
     return np.maximum(compute, link)
 
 
@@ -163,18 +181,21 @@ def _shifted_cumsum(values: np.ndarray, shift: int) -> np.ndarray:
 def batch_memory_floor(profile: StepProfile, codes: np.ndarray) -> np.ndarray:
     """A lower bound on the device peak of each action vector (rows of ``codes``).
 
-    The larger of, over layers i: during i's forward, the static bytes + kept activations
-    of earlier layers + i's own (unless recomputed) + its working set; at the start of
-    i's backward, static + kept earlier + i's saved + working.
+    The larger of, over layers i: during i's forward, the resident bytes + kept activations
+    of earlier layers + i's own (its largest saved tensor, unless recomputed) + its working
+    set; at the start of i's backward, resident + kept earlier + i's own + working; at the
+    turn, resident + the head's bytes + every kept activation.
     """
     layers = profile.layers
     s = np.array([layer.saved_bytes for layer in layers], dtype=np.int64)
+    own = np.array(_own_bytes(profile), dtype=np.int64)
     w = np.array([layer.working_bytes for layer in layers], dtype=np.int64)
     kept = (codes == 0) * s
     before = np.cumsum(kept, axis=1) - kept
-    during_forward = before + (codes != 2) * s + w
-    at_backward = before + s + w
-    return profile.static_bytes + np.maximum(during_forward, at_backward).max(axis=1)
+    during_forward = before + (codes != 2) * own + w
+    at_backward = before + own + w
+    at_turn = profile.head_bytes + kept.sum(axis=1)
+    return profile.resident_bytes + np.maximum(np.maximum(during_forward, at_backward).max(axis=1), at_turn)
 
 
 # --- instance bound (MILP) -------------------------------------------------------------------
@@ -254,6 +275,8 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     b = np.array([layer.backward_s for layer in layers])
     r = np.array([layer.recompute_time for layer in layers])
     s = np.array([layer.saved_bytes for layer in layers], dtype=float)
+    own = np.array(_own_bytes(profile), dtype=float)
+    release = np.array(_releases(profile))
     w = np.array([layer.working_bytes for layer in layers], dtype=float)
     x = np.array([layer.input_bytes for layer in layers], dtype=float)
     d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
@@ -261,8 +284,8 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     reuse = profile.reuse_in_flight  # a reload may be skipped: no exposed reload, D2H queue alone
     if reuse:
         h = np.zeros_like(h)
-    static = float(profile.static_bytes)
-    if np.any(static + s + w > budget):  # a layer's own backward needs its saved bytes and working set
+    static = float(profile.resident_bytes)
+    if np.any(static + own + w > budget):  # a layer's own backward needs its own bytes and working set
         return math.inf
     time_scale = max(float(f.sum() + b.sum()), 1e-30)
     forward_end = np.cumsum(f)
@@ -313,15 +336,17 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
         row[overlap + i] = h[i] / time_scale
         add({overlap + i: 1.0, off + i: -1.0}, -math.inf, 0.0)
     add(row, float(f.sum() + b.sum()) / time_scale, math.inf)
-    # (2) copies, one queue (Note [Copies of one step never overlap]), prefix constraints
+    # (2) copies: one queue on a shared link, one per direction on a duplex one; prefix constraints
     backward_prefix = np.cumsum(b)
+    queues = [d, h] if profile.duplex else [d + h]
     for i in range(n):
-        row = {T: 1.0}
-        for j in range(i, n):
-            row[off + j] = -(d[j] + h[j]) / time_scale
-        for j in range(0, i - kmax + 2):
-            row[rec + j] = -r[j] / time_scale
-        add(row, float(forward_end[i] + (0.0 if reuse else backward_prefix[i])) / time_scale, math.inf)
+        for seconds in queues:
+            row = {T: 1.0}
+            for j in range(i, n):
+                row[off + j] = -seconds[j] / time_scale
+            for j in range(0, i - kmax + 2):
+                row[rec + j] = -r[j] / time_scale
+            add(row, float(release[i] + (0.0 if reuse else backward_prefix[i])) / time_scale, math.inf)
     # (3) memory at the end of each forward: kept, checkpoints, offloaded but not yet copied out
     for i in range(n):
         row: dict[int, float] = {}
@@ -330,15 +355,17 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
             row[off + j] = s[j] / budget
             row[freed_index[(i, j)]] = -s[j] / budget
             row[start + j] = x[j] / budget
-        row[keep + i] = s[i] / budget
-        row[off + i] = s[i] / budget
+        row[keep + i] = own[i] / budget
+        row[off + i] = own[i] / budget
         row[start + i] = x[i] / budget
         add(row, -math.inf, (budget - static - w[i]) / budget)
         for j in range(i):  # freed share <= offloaded
             add({freed_index[(i, j)]: 1.0, off + j: -1.0}, -math.inf, 0.0)
-        for first in range(i):  # D2H jobs released at or after F(first) end by F(i)
+        for first in range(i):  # D2H jobs released at or after release(first) end by F(i)
             row = {freed_index[(i, j)]: d[j] / time_scale for j in range(first, i)}
-            add(row, -math.inf, float(forward_end[i] - forward_end[first]) / time_scale)
+            add(row, -math.inf, float(forward_end[i] - release[first]) / time_scale)
+    # (3b) at the turn: the head's bytes and every kept activation
+    add({keep + j: s[j] / budget for j in range(n)}, -math.inf, (budget - static - profile.head_bytes) / budget)
     # (4) memory during each backward: kept earlier layers, checkpoints, its own saved bytes, and
     #     the next layer's reload when that overlaps it
     for i in range(n):
@@ -348,8 +375,8 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
             row[start + j] = x[j] / budget
         row[start + i] = x[i] / budget
         if i > 0:
-            row[overlap + i - 1] = s[i - 1] / budget
-        add(row, -math.inf, (budget - static - s[i] - w[i]) / budget)
+            row[overlap + i - 1] = own[i - 1] / budget
+        add(row, -math.inf, (budget - static - own[i] - w[i]) / budget)
 
     upper_bounds = np.ones(nv)
     upper_bounds[T] = np.inf

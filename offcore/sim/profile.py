@@ -79,6 +79,10 @@ class LayerProfile:
             allocated from the previous save on and its device-to-host copy starts when it
             is saved (Note [Simulated lifetimes] in simulator.py). Empty (the default): one
             object of ``saved_bytes`` saved at the end of the forward.
+        grad_bytes: gradient bytes of the layer's parameters: allocated when its backward
+            starts, alive to the end of the step (the optimizer takes them over). 0 by
+            default; ignored when :attr:`StepProfile.grad_bytes` already counts every
+            gradient as resident for the whole step (gradient accumulation).
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -93,6 +97,7 @@ class LayerProfile:
     input_bytes: int = 0
     offload_overhead_s: float = 0.0
     saved_tensors: tuple[tuple[float, int], ...] = ()
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -107,7 +112,7 @@ class LayerProfile:
             "offload_overhead_s",
             _seconds(self.offload_overhead_s, f"offload_overhead_s of layer {self.name!r}"),
         )
-        for attribute in ("saved_bytes", "working_bytes", "input_bytes"):
+        for attribute in ("saved_bytes", "working_bytes", "input_bytes", "grad_bytes"):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
         set_(self, "saved_tensors", self._checked_tensors())
@@ -165,6 +170,7 @@ class LayerProfile:
             input_bytes=size(self.input_bytes),
             offload_overhead_s=self.offload_overhead_s,  # per saved tensor, not per sample
             saved_tensors=tensors,
+            grad_bytes=self.grad_bytes,  # per parameter, not per sample
         )
 
     @property
@@ -184,6 +190,11 @@ class StepProfile:
         grad_bytes: gradient bytes counted as resident for the whole step (0 by default;
             set it to ``param_bytes`` when gradients persist across steps).
         other_bytes: anything else resident (optimizer states kept on device, buffers).
+        head_bytes: the part of ``other_bytes`` that lives only around the turn from
+            forward to backward: what the output head and the loss save and their
+            transients (the batch-dependent bytes outside the layers). Allocated when the
+            last layer's forward ends, freed before the last layer's backward starts.
+            0 by default (everything in ``other_bytes`` is resident all step).
         d2h_bandwidth, h2d_bandwidth: bytes per second per direction (numbers or strings
             such as ``"53GB/s"``; ``"inf"`` for a free copy).
         latency_s: fixed cost added to every copy.
@@ -208,6 +219,7 @@ class StepProfile:
     param_bytes: int = 0
     grad_bytes: int = 0
     other_bytes: int = 0
+    head_bytes: int = 0
     d2h_bandwidth: float = math.inf
     h2d_bandwidth: float = math.inf
     latency_s: float = 0.0
@@ -231,8 +243,13 @@ class StepProfile:
             raise ConfigurationError(f"layer names must be unique; repeated: {duplicates}")
         set_(self, "layers", layers)
         set_(self, "_names", names)
-        for attribute in ("param_bytes", "grad_bytes", "other_bytes"):
+        for attribute in ("param_bytes", "grad_bytes", "other_bytes", "head_bytes"):
             set_(self, attribute, parse_size(getattr(self, attribute), what=attribute, allow_zero=True))
+        if self.head_bytes > self.other_bytes:
+            raise ConfigurationError(
+                f"head_bytes ({self.head_bytes}) is the part of other_bytes ({self.other_bytes}) alive only "
+                "around the turn from forward to backward: it cannot exceed other_bytes"
+            )
         set_(self, "d2h_bandwidth", parse_bandwidth(self.d2h_bandwidth, what="d2h_bandwidth"))
         set_(self, "h2d_bandwidth", parse_bandwidth(self.h2d_bandwidth, what="h2d_bandwidth"))
         set_(self, "latency_s", parse_duration(self.latency_s, what="latency_s"))
@@ -259,8 +276,13 @@ class StepProfile:
 
     @property
     def static_bytes(self) -> int:
-        """Bytes resident for the whole step: parameters + gradients + other."""
+        """Parameters + gradients + other (``head_bytes`` included: the most the step holds outside its layers)."""
         return self.param_bytes + self.grad_bytes + self.other_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes resident for the whole step: :attr:`static_bytes` without ``head_bytes``."""
+        return self.static_bytes - self.head_bytes
 
     @property
     def forward_s(self) -> float:
@@ -334,6 +356,7 @@ class StepProfile:
             "param_bytes": self.param_bytes,
             "grad_bytes": self.grad_bytes,
             "other_bytes": self.other_bytes,
+            "head_bytes": self.head_bytes,
             "d2h_bandwidth": bandwidth(self.d2h_bandwidth),
             "h2d_bandwidth": bandwidth(self.h2d_bandwidth),
             "latency_s": self.latency_s,
@@ -360,6 +383,7 @@ class StepProfile:
             "param_bytes",
             "grad_bytes",
             "other_bytes",
+            "head_bytes",
             "d2h_bandwidth",
             "h2d_bandwidth",
             "latency_s",

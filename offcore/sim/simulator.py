@@ -389,7 +389,7 @@ _END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
 
 
 class _Object:
-    """One saved tensor of an offloaded layer, as the scheduler manages it."""
+    """One saved tensor of a layer (managed by the scheduler when the layer is offloaded)."""
 
     __slots__ = (
         "key",
@@ -403,9 +403,11 @@ class _Object:
         "reloaded",
         "resident",
         "backward_done",
+        "managed",
     )
 
-    def __init__(self, key: int, layer: int, nbytes: int, fraction: float) -> None:
+    def __init__(self, key: int, layer: int, nbytes: int, fraction: float, managed: bool) -> None:
+        self.managed = managed  # offloaded: the scheduler manages it
         self.key = key
         self.layer = layer
         self.nbytes = nbytes
@@ -449,7 +451,7 @@ class _Step:
         self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = 0
         self.memory: list[tuple[float, int]] = []
-        self.level = profile.static_bytes
+        self.level = profile.resident_bytes
         self.events: list[TimelineEvent] = []
         self.waits: dict[str, float] = {}
         self.recompute_total = 0.0
@@ -462,17 +464,33 @@ class _Step:
         # the step's saves, numbered in save order as the runtime numbers them: every layer's saved
         # tensors are keys (each use in backward is a trigger); only offloaded layers' are managed
         self.keys_of: list[list[int]] = []
+        self.saves: list[list[_Object]] = []
         self.objects: dict[int, _Object] = {}
+        # backward uses each layer's saves in reverse save order, a save made after a share f of the
+        # forward at a share 1 - f of the backward (Note [Simulated lifetimes]); saves used at one
+        # instant form one group
+        self.groups: list[list[tuple[float, list[_Object]]]] = []
         key = 0
         for i, layer in enumerate(layers):
             parts = layer.saved_tensors or ((1.0, layer.saved_bytes),)
-            keys = []
+            saves = []
             for fraction, nbytes in parts:
-                if actions[i] is Action.OFFLOAD:
-                    self.objects[key] = _Object(key, i, nbytes, fraction)
-                keys.append(key)
+                obj = _Object(key, i, nbytes, fraction, actions[i] is Action.OFFLOAD)
+                if obj.managed:
+                    self.objects[key] = obj
+                saves.append(obj)
                 key += 1
-            self.keys_of.append(keys)
+            self.saves.append(saves)
+            self.keys_of.append([obj.key for obj in saves])
+            groups: list[tuple[float, list[_Object]]] = []
+            for obj in reversed(saves):
+                offset = (1.0 - obj.fraction) * self.bwd[i]
+                if groups and groups[-1][0] == offset:
+                    groups[-1][1].append(obj)
+                else:
+                    groups.append((offset, [obj]))
+            self.groups.append(groups)
+        self.grads = [0 if profile.grad_bytes else layer.grad_bytes for layer in layers]
         self.sched = self._make_scheduler(record_schedule)
 
     # -- the scheduler ----------------------------------------------------------------------
@@ -488,8 +506,8 @@ class _Step:
         pack_times: dict[int, float] = {}
         clock = 0.0
         for i in range(self.n):
-            for key, (fraction, _) in zip(self.keys_of[i], profile.layers[i].saved_tensors or ((1.0, 0),), strict=True):
-                pack_times[key] = clock + fraction * self.fwd[i]
+            for obj in self.saves[i]:
+                pack_times[obj.key] = clock + obj.fraction * self.fwd[i]
             clock += self.fwd[i]
         forward_s = clock
         first_use: dict[int, float] = {}
@@ -498,8 +516,9 @@ class _Step:
             if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][1] == i:
                 first, last = self.segment_of[i]
                 clock += math.fsum(self.rec[first : last + 1])
-            for key in self.keys_of[i]:
-                first_use[key] = clock
+            for offset, group in self.groups[i]:
+                for obj in group:
+                    first_use[obj.key] = clock + offset
             clock += self.bwd[i]
         predictor = Scheduler(margin=prefetch.margin_s)
         predictor.observe(StepObservation(pack_times, forward_s, first_use, clock))
@@ -670,20 +689,29 @@ class _Step:
 
     def start_task(self, index: int) -> None:
         sched = self.sched
-        if index == self.n:  # forward ended: plan backward's reloads (Note [Prefetch from the end of forward])
+        if index == self.n:
+            # the output head and the loss run between the layers' forward and their backward:
+            # their bytes (StepProfile.head_bytes) live around the turn; the plan starts at the
+            # end of forward (Note [Prefetch from the end of forward] in offcore_torch)
+            head = self.profile.head_bytes
+            self.change(head)
             self.execute(sched.forward_ended(self.now))
             sched.backward_began(self.now)
+            self.change(-head)
         if index == len(self.tasks):
             self.compute_end = self.now
             for action in sched.backward_ended(self.now):  # frees what was held
                 self.free(self.objects[action.key])
+            self.change(-sum(self.grads))  # the optimizer step takes the gradients over
             return
         kind, i = self.tasks[index]
         if kind == "forward":
             self.forward(index, i)
         elif kind == "recompute":
             start, end = self.now, self.now + self.rec[i]
-            self.change(self.saved[i] + self.work[i])
+            for obj in self.saves[i]:
+                self.allocate(obj)
+            self.change(self.work[i])
             self.recompute_total += self.rec[i]
             self.event("compute", f"recompute:{self.names[i]}", start, end, "recompute", i)
 
@@ -693,32 +721,29 @@ class _Step:
 
             self.at(end, _END, finish)
         else:
-            self.backward_begins(index, i)
+            self.use_group(index, i, 0)
 
     def forward(self, index: int, i: int) -> None:
         start, end = self.now, self.now + self.fwd[i]
         action = self.actions[i]
-        if action is Action.OFFLOAD:
-            objects = [self.objects[key] for key in self.keys_of[i]]
-            self.change(self.work[i])
-            self.allocate(objects[0])
-            for j, obj in enumerate(objects):
-                after = objects[j + 1] if j + 1 < len(objects) else None
-
-                def saved(obj: _Object = obj, after: _Object | None = after) -> None:
-                    self.pack(obj)
-                    if after is not None:  # the next saved tensor is computed from here on
-                        self.allocate(after)
-
-                self.at(start + obj.fraction * self.fwd[i], _START, saved)
+        saves = self.saves[i]
+        self.change(self.work[i])
+        if action is Action.RECOMPUTE:  # only the segment's input stays (the checkpoint)
+            self.change(self.inputs[i] if self.segment_of[i][0] == i else 0)
         else:
-            if action is Action.RECOMPUTE:
-                held = self.inputs[i] if self.segment_of[i][0] == i else 0
-            else:
-                held = self.saved[i]
-            self.change(held + self.work[i])
-            for key in self.keys_of[i]:
-                self.sched.produced(key, start)
+            self.allocate(saves[0])
+        for j, obj in enumerate(saves):
+            after = saves[j + 1] if j + 1 < len(saves) and action is not Action.RECOMPUTE else None
+
+            def saved(obj: _Object = obj, after: _Object | None = after) -> None:
+                if obj.managed:
+                    self.pack(obj)
+                else:
+                    self.sched.produced(obj.key, self.now)
+                if after is not None:  # the next saved tensor is computed from here on
+                    self.allocate(after)
+
+            self.at(start + obj.fraction * self.fwd[i], _START, saved)
         self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
         def finish() -> None:
@@ -727,23 +752,23 @@ class _Step:
 
         self.at(end, _END, finish)
 
-    def backward_begins(self, index: int, i: int) -> None:
-        """Backward reaches layer ``i``: each of its saves is used (a trigger); wait for what is not back."""
+    def use_group(self, index: int, i: int, g: int) -> None:
+        """Backward reaches the saves of group ``g`` of layer ``i``: each is used (a trigger); wait for
+        what is not back."""
         sched = self.sched
         t0 = self.now
         ready = [t0]
         pending = [0]
-        objects: list[_Object] = []
+        _, group = self.groups[i][g]
 
         def go() -> None:
-            self.at(max(ready[0], self.now), _START, lambda: self.backward(index, i, t0, objects))
+            self.at(max(ready[0], self.now), _START, lambda: self.run_group(index, i, g, t0))
 
-        for key in self.keys_of[i]:
-            obj = self.objects.get(key)
-            if obj is None:
+        for obj in group:
+            key = obj.key
+            if not obj.managed:
                 self.execute(sched.used(key, t0))
                 continue
-            objects.append(obj)
             state = sched.objects[key].state
             if state is State.RESTORED or (state is State.PREFETCHING and obj.h2d_end > -math.inf):
                 self.execute(sched.used(key, t0, managed_key=key))
@@ -774,27 +799,34 @@ class _Step:
         if pending[0] == 0:
             go()
 
-    def backward(self, index: int, i: int, t0: float, objects: list[_Object]) -> None:
+    def run_group(self, index: int, i: int, g: int, t0: float) -> None:
+        """Layer ``i``'s backward from the use of group ``g`` to the next use (or its end)."""
         self.wait(i, t0, self.now)
-        for obj in objects:
-            self.sched.consumed(obj.key)
-        start, end = self.now, self.now + self.bwd[i]
-        self.change(self.work[i])
+        groups = self.groups[i]
+        offset, group = groups[g]
+        for obj in group:
+            if obj.managed:
+                self.sched.consumed(obj.key)
+        if g == 0:
+            self.change(self.work[i] + self.grads[i])  # its gradients appear with its backward
+        following = groups[g + 1][0] if g + 1 < len(groups) else self.bwd[i]
+        start, end = self.now, self.now + max(0.0, following - offset)
         self.event("compute", f"backward:{self.names[i]}", start, end, "backward", i)
 
         def finish() -> None:
-            freed = self.work[i]
-            action = self.actions[i]
-            if action is Action.KEEP:
-                freed += self.saved[i]
-            elif action is Action.RECOMPUTE:
-                freed += self.saved[i] + (self.inputs[i] if self.segment_of[i][0] == i else 0)
-            self.change(-freed)
-            for obj in objects:
+            for obj in group:  # autograd frees a node's saved tensors when the node ran
                 obj.backward_done = True
                 if not (obj.in_place and obj.d2h_end > self.now):  # a copy in flight keeps its source
                     self.free(obj)
-                self.sched.released(obj.key)
+                if obj.managed:
+                    self.sched.released(obj.key)
+            if g + 1 < len(groups):
+                self.use_group(index, i, g + 1)
+                return
+            freed = self.work[i]
+            if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][0] == i:
+                freed += self.inputs[i]
+            self.change(-freed)
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
@@ -812,9 +844,10 @@ class _Step:
         step_time = self.compute_end
         if self.last_copy_end > step_time:  # the step ends when its last copy landed (the device synchronises)
             last = max(self.objects.values(), key=lambda o: max(o.d2h_end, o.h2d_end))
+            self.now = self.last_copy_end
             self.wait(last.layer, step_time, self.last_copy_end)
             step_time = self.last_copy_end
-        static = profile.static_bytes
+        static = profile.resident_bytes
         times: list[float] = [0.0]
         levels: list[int] = [static]
         peak, peak_time = static, 0.0

@@ -32,7 +32,6 @@ import offcore
 from offcore.comparison import STRATEGIES, Comparison, Gates, StrategyResult
 from offcore.errors import CapacityExceededError, ConfigurationError
 from offcore.sim import Action, Plan, StepProfile, plan, simulate, transformer_layer_profile
-from offcore.sim.profile import LayerProfile
 from offcore.units import format_bandwidth, format_bytes
 from offcore_torch.executor import PlanExecutor
 from offcore_torch.layers import find_layers
@@ -383,21 +382,13 @@ def _timeline(outcome: Any, start: float, optimizer_start: float, end: float) ->
 # ----------------------------------------------------------------------------- plans
 def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -> StepProfile:
     """The profile at ``factor`` × the batch: layer times and bytes and the per-sample other bytes scale."""
-    layers = [
-        LayerProfile(
-            layer.name,
-            layer.forward_s * factor,
-            layer.backward_s * factor,
-            math.ceil(layer.saved_bytes * factor),
-            recompute_s=layer.recompute_time * factor,
-            working_bytes=math.ceil(layer.working_bytes * factor),
-            input_bytes=math.ceil(layer.input_bytes * factor),
-        )
-        for layer in profile.layers
-    ]
+    layers = [layer.scaled(factor) for layer in profile.layers]  # saved tensors one by one, too
     per_sample = measurement.per_sample_other_bytes
     fixed = max(0, profile.other_bytes - per_sample)
-    return replace(profile, layers=layers, other_bytes=fixed + math.ceil(per_sample * factor), batch_size=1)
+    head = min(math.ceil(per_sample * factor), math.ceil(profile.head_bytes * factor))
+    return replace(
+        profile, layers=layers, other_bytes=fixed + math.ceil(per_sample * factor), head_bytes=head, batch_size=1
+    )
 
 
 def _extrapolated_batch(batch: int, capacity: int, measurement: StepMeasurement, peak: int | None) -> int | None:

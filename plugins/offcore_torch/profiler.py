@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -155,11 +156,8 @@ class StepMeasurement:
         if microbatches == 1:
             return self.profile
         fixed = self.profile.other_bytes - self.per_sample_other_bytes
-        return replace(
-            self.profile,
-            other_bytes=max(0, fixed) + -(-self.per_sample_other_bytes // microbatches),
-            grad_bytes=self.param_bytes,
-        )
+        head = min(-(-self.per_sample_other_bytes // microbatches), self.profile.head_bytes)
+        return replace(self.profile, other_bytes=max(0, fixed) + head, head_bytes=head, grad_bytes=self.param_bytes)
 
     def predict(self, plan: Plan, **kwargs: Any) -> Any:
         """``simulate`` the plan on the matching profile; returns (SimResult, predicted step seconds)."""
@@ -249,6 +247,27 @@ class _LayerRecord:
     forward_transient: int = 0
     backward_transient: int = 0
     backward_level: int = 0
+    host_start: float = 0.0  # host clock at the forward's start and end, and at each save (sim.profile.saved_tensors)
+    host_end: float = 0.0
+    saves: list[tuple[float, int]] = field(default_factory=list)
+
+    def saved_tensors(self) -> tuple[tuple[float, int], ...]:
+        """``LayerProfile.saved_tensors``: each save's share of the forward elapsed, and its bytes."""
+        span = self.host_end - self.host_start
+        out, previous = [], 0.0
+        for moment, nbytes in self.saves:
+            share = min(1.0, max(previous, (moment - self.host_start) / span if span > 0 else 1.0))
+            out.append((share, nbytes))
+            previous = share
+        return tuple(out)
+
+
+def _grad_bytes(module: nn.Module) -> int:
+    """Bytes of the gradients of ``module``'s parameters (one per storage), allocated by its backward."""
+    storages = {
+        storage_key(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters() if p.requires_grad
+    }
+    return sum(storages.values())
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -326,6 +345,7 @@ def measure_step(
             stack.append(i)
             memory.restart()
             record.forward_start = marks.mark()
+            record.host_start = time.perf_counter()
             storages = {}
             for tensor in _tensors((args, kwargs)):
                 storage = tensor.untyped_storage()
@@ -339,6 +359,7 @@ def measure_step(
         def on_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             i = index_of[id(module)]
             record = records[i]
+            record.host_end = time.perf_counter()
             record.forward_end = marks.mark()
             peak = memory.peak_since_restart()
             record.forward_transient = max(0, peak - memory.allocated())
@@ -378,6 +399,7 @@ def measure_step(
             if stack:
                 records[stack[-1]].saved_bytes += storage.nbytes()
                 records[stack[-1]].saved_storages += 1
+                records[stack[-1]].saves.append((time.perf_counter(), storage.nbytes()))
             else:
                 other_saved += storage.nbytes()
             return tensor
@@ -461,6 +483,8 @@ def measure_step(
                 working_bytes=max(record.forward_transient, record.backward_transient),
                 input_bytes=record.input_bytes,
                 offload_overhead_s=per_storage * record.saved_storages,
+                saved_tensors=record.saved_tensors(),
+                grad_bytes=_grad_bytes(named[i][1]),
             )
         )
     forward_total *= scale
@@ -485,6 +509,7 @@ def measure_step(
         param_bytes=param_bytes,
         grad_bytes=0,
         other_bytes=base_other,
+        head_bytes=other_saved,  # saved by the head and the loss: alive around the turn only
         capacity_bytes=capacity,
         batch_size=batch_size,
         reuse_in_flight=True,  # offcore_torch uses device copies still in flight (simulator.py Note)
@@ -496,8 +521,8 @@ def measure_step(
     # overestimates, the prediction stays conservative.
     simulated_peak = simulate(profile, Plan.keep_all(n), record_events=False).peak_bytes
     calibration = max(0, peak - simulated_peak)
-    if calibration:
-        profile = replace(profile, other_bytes=base_other + calibration)
+    if calibration:  # at the turn, where the keep-all peak is: part of the head's bytes
+        profile = replace(profile, other_bytes=base_other + calibration, head_bytes=other_saved + calibration)
     return StepMeasurement(
         profile=profile,
         forward_s=forward_total,

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the property tests here need hypothesis (pip install offcore[test])")
 
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from offcore import CapacityExceededError, ConfigurationError  # noqa: E402
@@ -280,11 +280,11 @@ def test_the_result_serialises():
 )
 def test_every_plan_that_fits_takes_at_least_the_instance_bound(seed, n, fraction, codes, interval, prefetch, mode):
     profile = generated_instance(seed, n)
-    budget = budget_at(profile, fraction)
     largest = max(layer.saved_bytes for layer in profile.layers)
     policy = PrefetchPolicy(mode, budget_bytes=None if prefetch is None or mode == "on_demand" else prefetch * largest)
     candidate = Plan(codes[:n], checkpoint_interval=interval, prefetch=policy)
     result = simulate(profile, candidate)
-    assume(result.peak_bytes <= budget)
+    # the candidate fits this budget (its own peak when that is above the drawn share)
+    budget = max(budget_at(profile, fraction), result.peak_bytes)
     bound = instance_lower_bound(profile, budget, checkpoint_intervals=(1, 2, 4))
     assert bound <= result.step_time_s * (1 + 1e-6)
