@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,14 +67,48 @@ class MemoryArena:
         self._current: dict[Tier, int] = dict.fromkeys(Tier, 0)
         self._peak: dict[Tier, int] = dict.fromkeys(Tier, 0)
         self._counts: dict[Tier, int] = dict.fromkeys(Tier, 0)  # live allocations per tier (stats() is O(1))
+        # Note [Counting device memory with allocations] (tracking.py): with torch's allocator hooked, the
+        # device tier's bytes, peak and count live in the hook's ledger, shared with allocations the hook counts
+        self._ledger: Any = None
+        self._probe: Callable[[Any], bool] | None = None
+
+    def use_ledger(self, ledger: Any, probe: Callable[[Any], bool]) -> None:
+        """Keep the device tier's figures in ``ledger`` (the allocator hook's); ``probe(owner)`` tells
+        whether the hook counts ``owner`` on this device. Only before anything is counted on the device."""
+        with self._lock:
+            if self._current[Tier.DEVICE] or self._counts[Tier.DEVICE]:
+                raise ConfigurationError("the fake device's ledger can only be replaced before any device allocation")
+            self._ledger = ledger
+            self._probe = probe
 
     # -- registration -------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
         """Raise the fake device's out-of-memory error unless ``nbytes`` more fit on the device."""
         with self._lock:
-            allocated = self._current[Tier.DEVICE]
+            allocated = self._device_bytes()
             if allocated + nbytes > self.capacity:
                 raise out_of_memory(self.device_name, nbytes, allocated, self.capacity, error_class=self.error_class)
+
+    def _device_bytes(self) -> int:
+        return self._ledger.current() if self._ledger is not None else self._current[Tier.DEVICE]
+
+    def _charge(self, tier: Tier, nbytes: int, count: int) -> None:
+        """Count ``nbytes`` more (``count`` more owners) on ``tier``; the device's must fit."""
+        if tier is Tier.DEVICE and self._ledger is not None:
+            if nbytes > 0 and not self._ledger.try_add(nbytes, count):
+                self.check_fits(nbytes)  # raises the out-of-memory error
+                self._ledger.add(nbytes, count)  # freed meanwhile: it fits now
+            elif nbytes <= 0:
+                self._ledger.add(nbytes, count)
+            return
+        if tier is Tier.DEVICE and nbytes > 0:
+            self.check_fits(nbytes)
+        self._counts[tier] += count
+        self._add(tier, nbytes)
+
+    def _hooked(self, owner: Any) -> bool:
+        """True when the allocator hook counts ``owner`` as this device's memory."""
+        return self._probe is not None and self._probe(owner)
 
     def register(self, owner: Any, nbytes: int, tier: Tier) -> None:
         """Count ``owner``'s ``nbytes`` on ``tier`` until it dies (no-op when already counted there).
@@ -84,15 +118,12 @@ class MemoryArena:
         key = id(owner)
         with self._lock:
             known = self._allocations.get(key)
-            if known is not None:
-                if known.tier is not tier:
-                    self.register_many([(owner, nbytes)], tier)  # raises the mismatch error
+            if known is not None or self._hooked(owner):
+                if known is None or known.tier is not tier:
+                    self.register_many([(owner, nbytes)], tier)  # raises the mismatch error, if any
                 return
-            if tier is Tier.DEVICE:
-                self.check_fits(nbytes)
+            self._charge(tier, nbytes, 1)
             self._allocations[key] = _Allocation(tier, nbytes, weakref.ref(owner, functools.partial(self._forget, key)))
-            self._counts[tier] += 1
-            self._add(tier, nbytes)
 
     def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
         """Register several owners at once: all fit on the device, or none is counted.
@@ -104,23 +135,21 @@ class MemoryArena:
             new: dict[int, tuple[Any, int]] = {}
             for owner, nbytes in owners:
                 known = self._allocations.get(id(owner))
-                if known is not None:
-                    if known.tier is not tier:
+                known_tier = known.tier if known is not None else Tier.DEVICE if self._hooked(owner) else None
+                if known_tier is not None:
+                    if known_tier is not tier:
                         raise ConfigurationError(
-                            f"this buffer is already counted as {known.tier.value} memory of the fake device "
+                            f"this buffer is already counted as {known_tier.value} memory of the fake device "
                             f"{self.device_name}; it cannot also be {tier.value} memory. Copy it into a "
                             f"{tier.value} buffer instead."
                         )
                     continue
                 new[id(owner)] = (owner, nbytes)
             total = sum(nbytes for _, nbytes in new.values())
-            if tier is Tier.DEVICE:
-                self.check_fits(total)
+            self._charge(tier, total, len(new))
             for key, (owner, nbytes) in new.items():
                 ref = weakref.ref(owner, functools.partial(self._forget, key))
                 self._allocations[key] = _Allocation(tier, nbytes, ref)
-            self._counts[tier] += len(new)
-            self._add(tier, total)
             return total
 
     def resize(self, owner: Any, nbytes: int) -> None:
@@ -130,10 +159,8 @@ class MemoryArena:
             if allocation is None or allocation.nbytes == nbytes:
                 return
             growth = nbytes - allocation.nbytes
-            if allocation.tier is Tier.DEVICE and growth > 0:
-                self.check_fits(growth)
+            self._charge(allocation.tier, growth, 0)
             allocation.nbytes = nbytes
-            self._add(allocation.tier, growth)
 
     def _add(self, tier: Tier, nbytes: int) -> None:
         self._current[tier] += nbytes
@@ -147,6 +174,9 @@ class MemoryArena:
             # unless it was already removed; compare the weakref to be sure.
             if allocation is not None and allocation.ref is _ref:
                 del self._allocations[key]
+                if allocation.tier is Tier.DEVICE and self._ledger is not None:
+                    self._ledger.sub(allocation.nbytes, 1)
+                    return
                 self._current[allocation.tier] -= allocation.nbytes
                 self._counts[allocation.tier] -= 1
 
@@ -156,23 +186,24 @@ class MemoryArena:
         with self._lock:
             allocation = self._allocations.get(id(owner))
             if allocation is None or allocation.ref() is not owner:
-                return None
+                return Tier.DEVICE if self._hooked(owner) else None
             return allocation.tier
 
     def allocated(self, tier: Tier = Tier.DEVICE) -> int:
         with self._lock:
-            return self._current[tier]
+            return self._device_bytes() if tier is Tier.DEVICE else self._current[tier]
 
     def stats(self) -> dict[str, int]:
         """Current and peak bytes; the keys of :class:`offcore.MemoryStats`."""
         with self._lock:
-            device = self._current[Tier.DEVICE]
+            ledger = self._ledger
+            device = ledger.current() if ledger is not None else self._current[Tier.DEVICE]
             return {
                 "allocated_bytes": device,
-                "peak_allocated_bytes": self._peak[Tier.DEVICE],
+                "peak_allocated_bytes": ledger.peak() if ledger is not None else self._peak[Tier.DEVICE],
                 "capacity_bytes": self.capacity,
                 "free_bytes": max(self.capacity - device, 0),
-                "device_allocations": self._counts[Tier.DEVICE],
+                "device_allocations": ledger.allocations() if ledger is not None else self._counts[Tier.DEVICE],
                 "pinned_bytes": self._current[Tier.PINNED],
                 "peak_pinned_bytes": self._peak[Tier.PINNED],
                 "pageable_bytes": self._current[Tier.PAGEABLE],
@@ -183,3 +214,5 @@ class MemoryArena:
         """Peaks restart from the current figures (``torch.cuda.reset_peak_memory_stats``)."""
         with self._lock:
             self._peak = dict(self._current)
+            if self._ledger is not None:
+                self._ledger.reset_peak()

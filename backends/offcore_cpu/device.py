@@ -124,7 +124,9 @@ class FakeDevice:
 
             self._ops = TORCH_OPS
             self._arena = MemoryArena(self._label, self.options.capacity, error_class=TorchFakeDeviceOutOfMemoryError)
-            self._tracker = StorageTracker(self._arena, poison_uninitialised=self.options.sanitize)
+            self._tracker = StorageTracker(
+                self._arena, poison_uninitialised=self.options.sanitize, accounting=self.options.accounting
+            )
         else:
             self._arena = MemoryArena(self._label, self.options.capacity)
         capabilities = {Capability.NUMPY, Capability.EVENT_TIMING, Capability.PINNED_MEMORY}
@@ -156,6 +158,13 @@ class FakeDevice:
         import torch
 
         return torch.device("cpu")
+
+    @property
+    def accounting(self) -> str | None:
+        """How tensors are counted inside ``with dev:``: ``"allocator"`` (torch's CPU allocator hooked),
+        ``"dispatch"`` (a Python dispatch mode: the reference), None with numpy buffers (nothing to count).
+        See Note [Counting device memory with allocations] in ``offcore_cpu/tracking.py``."""
+        return None if self._tracker is None else self._tracker.accounting
 
     # -- activation ----------------------------------------------------------------------
     def __enter__(self) -> FakeDevice:

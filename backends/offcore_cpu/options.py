@@ -81,6 +81,7 @@ class FakeDeviceOptions:
     fail_copy: int | None = None
     fail_copy_mode: FaultMode = "submit"
     copy_log_limit: int = 4096
+    accounting: str = "auto"  # torch buffers: "auto", "allocator" or "dispatch" (tracking.py)
 
     @classmethod
     def parse(
@@ -98,13 +99,14 @@ class FakeDeviceOptions:
         fail_copy: int | None = None,
         fail_copy_mode: str = "submit",
         copy_log_limit: int = 4096,
+        accounting: str = "auto",
         **unknown: Any,
     ) -> FakeDeviceOptions:
         """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
         if unknown:
             known = (
                 "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers, "
-                "fail_copy, fail_copy_mode, copy_log_limit"
+                "fail_copy, fail_copy_mode, copy_log_limit, accounting"
             )
             raise ConfigurationError(f"unknown option(s) {sorted(unknown)} for the cpu fake device; known: {known}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -113,6 +115,11 @@ class FakeDeviceOptions:
             raise ConfigurationError(
                 f"copy_log_limit must be a non-negative integer (how many of the latest copies "
                 f"dev.copy_log() keeps; 0: none), got {copy_log_limit!r}"
+            )
+        if accounting not in ("auto", "allocator", "dispatch"):
+            raise ConfigurationError(
+                "accounting must be 'auto' (the allocator hook where it builds), 'allocator' (count in torch's "
+                f"CPU allocator) or 'dispatch' (count in a Python dispatch mode: the reference), got {accounting!r}"
             )
         if buffers is None:
             buffers = "torch" if torch_importable() else "numpy"
@@ -135,4 +142,5 @@ class FakeDeviceOptions:
             fail_copy=parse_fail_copy(fail_copy),
             fail_copy_mode=parse_fault_mode(fail_copy_mode),
             copy_log_limit=copy_log_limit,
+            accounting=accounting,
         )

@@ -1,7 +1,38 @@
 """Device memory accounting for torch: every tensor created while the fake device is active.
 
+Two implementations with the same figures (``offcore.device("cpu", accounting=...)``):
+``"allocator"`` (the default where it builds) counts below dispatch, in torch's CPU allocator;
+``"dispatch"`` (the reference, and the fallback) counts in a Python ``TorchDispatchMode``.
+
+# Note [Counting device memory with allocations]
+# A Python dispatch mode runs Python on every operator: a mode that only calls the operator
+# already costs ~5 us per operator, 1.5-1.8 x a small training step on the CPU
+# (benchmarks/fake_device_overhead.py), so the reference below cannot be cheap. The
+# ``"allocator"`` accounting counts where CUDA's own ``memory_allocated`` counts, in the
+# allocator: ``_alloc_hook.cpp`` (built once per machine with
+# ``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``) wraps torch's
+# CPU allocator (``c10::SetCPUAllocator``). While a thread has a fake device active (and
+# not suspended) the hook charges each allocation of that thread to the device's *ledger*
+# (bytes, peak, count, capacity; C++, no GIL), and the allocation's deleter credits it when
+# the memory is really freed -- when its storage dies, from any thread -- so views never
+# count twice and a storage shared by several tensors is freed with the last of them.
+# Nothing runs per operator; an allocation costs a hash-map insert. The arena keeps the
+# device tier's figures in the same ledger (``MemoryArena.use_ledger``), so adopted tensors
+# and ``allocate(..)`` buffers share capacity and peak with the hooked allocations, and
+# ``arena.tier_of(storage)`` asks the hook whether it counts the storage's data pointer.
+# Over capacity, the hook raises the device's out-of-memory error (built by a Python
+# callable under the GIL, raised through torch as a ``python_error``) and allocates nothing.
+# With the sanitizer on, every hooked allocation is poisoned (0xFF) before torch writes it:
+# the outputs of ``empty``-family operators hold poison, as the reference poisons them
+# (an operator that writes its whole output overwrites the poison, so nothing else changes).
+# Differences from the reference, each closer to CUDA: an operator's temporary buffers
+# (allocated and freed inside it) count towards the peak while they live; an
+# ``UntypedStorage.resize_`` called directly is seen; zero-byte tensors are not
+# allocations. Work on threads where no fake device is active (the device's copy workers,
+# torch's intra-op pool) is not counted, as in the reference.
+
 # Note [Counting device memory with storages]
-# On CUDA, ``torch.cuda.memory_allocated`` counts the live bytes of every tensor on the
+# (The ``"dispatch"`` reference accounting.) On CUDA, ``torch.cuda.memory_allocated`` counts the live bytes of every tensor on the
 # device, whoever created it. The fake device gets the same figure with the technique
 # of ``torch.distributed._tools.mem_tracker``: while the device is active (``with dev:``)
 # a TorchDispatchMode sees every operator's outputs; an output storage that is neither
@@ -40,17 +71,93 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from offcore.errors import ConfigurationError
 from offcore.kinds import Tier
 from offcore_cpu.arena import MemoryArena
+from offcore_cpu.errors import out_of_memory
 from offcore_cpu.torch_buffers import TORCH_OPS
 
-__all__ = ["StorageTracker"]
+__all__ = ["StorageTracker", "Accounting", "allocator_hook", "resolve_accounting"]
+
+Accounting = Literal["allocator", "dispatch"]
+ACCOUNTING_ENV = "OFFCORE_CPU_ACCOUNTING"  # "allocator" / "dispatch": what accounting="auto" picks
+
+_log = logging.getLogger(__name__)
+_HOOK_SOURCE = Path(__file__).with_name("_alloc_hook.cpp")
+_hook_lock = threading.Lock()
+_hook: Any = None
+_hook_error: str | None = None
+
+
+def allocator_hook() -> Any:
+    """The allocator hook's extension module, built on first use and installed; None where it cannot be built.
+
+    Note [Counting device memory with allocations]. The reason it could not be built is
+    :func:`allocator_hook_error`.
+
+        >>> hook = allocator_hook()
+        >>> hook is None or hook.installed()
+        True
+    """
+    global _hook, _hook_error
+    with _hook_lock:
+        if _hook is None and _hook_error is None:
+            try:
+                from torch.utils import cpp_extension
+
+                module = cpp_extension.load(
+                    name="offcore_cpu_alloc_hook",
+                    sources=[str(_HOOK_SOURCE)],
+                    extra_cflags=["-O2"],
+                    verbose=False,
+                )
+                module.install()
+                _hook = module
+            except Exception as exc:  # no compiler, no headers, a torch without the C++ API: use the reference
+                _hook_error = f"{type(exc).__name__}: {exc}".strip()
+                _log.info("offcore: the fake device's allocator hook is unavailable (%s)", _hook_error)
+        return _hook
+
+
+def allocator_hook_error() -> str | None:
+    """Why :func:`allocator_hook` returned None (None when it built or was never tried)."""
+    return _hook_error
+
+
+def resolve_accounting(requested: str) -> Accounting:
+    """The accounting a fake device uses for ``accounting=requested`` (``"auto"``, ``"allocator"``, ``"dispatch"``).
+
+    ``"auto"``: ``$OFFCORE_CPU_ACCOUNTING`` if set, else the allocator hook where it builds,
+    else the dispatch-mode reference. ``"allocator"`` where the hook cannot be built is a
+    :class:`~offcore.ConfigurationError` naming the reason.
+    """
+    if requested == "auto":
+        requested = os.environ.get(ACCOUNTING_ENV, "") or "auto"
+        if requested == "auto":
+            return "allocator" if allocator_hook() is not None else "dispatch"
+    if requested == "dispatch":
+        return "dispatch"
+    if requested == "allocator":
+        if allocator_hook() is None:
+            raise ConfigurationError(
+                "accounting='allocator' needs the fake device's allocator hook, which could not be built "
+                f"({allocator_hook_error()}); it needs a C++ compiler and torch's headers. Use accounting='dispatch'."
+            )
+        return "allocator"
+    raise ConfigurationError(
+        f"accounting must be 'auto', 'allocator' or 'dispatch' (${ACCOUNTING_ENV} too), got {requested!r}"
+    )
+
 
 _aten = torch.ops.aten
 # Operators whose outputs hold uninitialised memory; the sanitizer poisons them.
@@ -117,19 +224,28 @@ class StorageTracker:
     1024
     """
 
-    def __init__(self, arena: MemoryArena, *, poison_uninitialised: bool) -> None:
+    def __init__(self, arena: MemoryArena, *, poison_uninitialised: bool, accounting: str = "auto") -> None:
         self.arena = arena
         self.poison_uninitialised = poison_uninitialised
+        self.accounting: Accounting = resolve_accounting(accounting)
         self._local = threading.local()  # .depth, .mode, .suspended
+        self.ledger: Any = None  # the allocator hook's ledger ("allocator" accounting)
+        if self.accounting == "allocator":
+            hook = allocator_hook()
+            # No reference to the arena or the ledger in the callable: the ledger (C++) holds it.
+            oom = functools.partial(_hook_out_of_memory, arena.device_name, arena.capacity, arena.error_class)
+            self.ledger = hook.Ledger(arena.capacity, poison_uninitialised, oom)
+            arena.use_ledger(self.ledger, functools.partial(_hooked_storage, hook.owns, self.ledger))
 
     # -- activation (re-entrant, per thread) -----------------------------------------------
     def activate(self) -> None:
         """Start counting on the calling thread (nestable: the mode is entered once per thread)."""
-        if getattr(self._local, "depth", 0) == 0:
+        if getattr(self._local, "depth", 0) == 0 and self.ledger is None:
             self._local.mode = _DeviceMemoryMode(self)
             self._local.mode.__enter__()
         self._local.depth = getattr(self._local, "depth", 0) + 1
         _active_stack().append(self)
+        _sync_hook()
 
     def deactivate(self) -> None:
         """Undo the matching :meth:`activate` on the calling thread."""
@@ -141,7 +257,8 @@ class StorageTracker:
                 del stack[i]
                 break
         self._local.depth -= 1
-        if self._local.depth == 0:
+        _sync_hook()
+        if self._local.depth == 0 and self.ledger is None:
             mode, self._local.mode = self._local.mode, None
             mode.__exit__(None, None, None)
 
@@ -200,11 +317,12 @@ class StorageTracker:
 class _Suspension:
     """``with tracker.suspended():`` — counts the nesting per thread and disables Python dispatch."""
 
-    __slots__ = ("_local", "_guard")
+    __slots__ = ("_local", "_guard", "_ledger")
 
     def __init__(self, local: threading.local) -> None:
         self._local = local
         self._guard: Any = None
+        self._ledger: Any = None
 
     def __enter__(self) -> None:
         local = self._local
@@ -216,13 +334,47 @@ class _Suspension:
             local.suspended -= 1
             raise
         self._guard = guard
+        if _hook is not None:  # the allocator hook counts nothing inside either
+            self._ledger = _hook.get_current()
+            if self._ledger is not None:
+                _hook.set_current(None)
 
     def __exit__(self, *exc: object) -> None:
         guard, self._guard = self._guard, None
+        ledger, self._ledger = self._ledger, None
         try:
+            if ledger is not None:
+                _hook.set_current(ledger)
             guard.__exit__(*exc)
         finally:
             self._local.suspended -= 1
+
+
+def _sync_hook() -> None:
+    """Point the allocator hook of this thread at the innermost active tracker's ledger (or at none)."""
+    if _hook is None:
+        return
+    stack = _active_stack()
+    ledger = stack[-1].ledger if stack else None
+    _hook.set_current(ledger)
+    _hook.observe_ops(ledger is not None)
+
+
+def _hooked_storage(owns: Any, ledger: Any, owner: Any) -> bool:
+    """``MemoryArena`` probe: does the allocator hook count ``owner`` (a storage) on ``ledger``'s device?"""
+    if not isinstance(owner, torch.UntypedStorage):
+        return False
+    try:
+        return bool(owns(ledger, owner.data_ptr()))
+    except (RuntimeError, NotImplementedError):  # meta storages and the like
+        return False
+
+
+def _hook_out_of_memory(
+    device_name: str, capacity: int, error_class: Any, requested: int, allocated: int
+) -> BaseException:
+    """The exception the allocator hook raises when ``requested`` more bytes do not fit."""
+    return out_of_memory(device_name, requested, allocated, capacity, error_class=error_class)
 
 
 def _active_stack() -> list[StorageTracker]:
