@@ -509,6 +509,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if issue:
             self._issue_h2d(slots, cast=False)
 
+    def _h2d_after_compute(self) -> None:
+        """Order the H2D stream after the work queued so far on this thread's compute stream.
+
+        H2D copies issued from the main thread (``step()``, ``load_state_dict``) overwrite
+        parameters that compute already queued may still read; the worker's copies are ordered by
+        the gradient's D2H event instead (its parameter's last use in backward precedes it).
+        """
+        done = self._device.new_event()
+        self._device.current_stream().record_event(done)
+        self._runtime.h2d_stream.wait_event(done)
+
     def _issue_h2d(self, slots: list[_Slot], *, cast: bool = True) -> None:
         dev, rt = self._device, self._runtime
         for slot in sorted(slots, key=lambda s: s.order):
@@ -603,6 +614,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if size >= _CHUNK_BYTES:
                 chunks.append([])
                 size = 0
+        self._h2d_after_compute()
         # the worker steps chunk k+1 while this thread issues chunk k's H2D copies
         futures = [(self._worker.submit(self._step_slots, chunk, False), chunk) for chunk in chunks if chunk]
         error: BaseException | None = None
@@ -752,6 +764,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             master = masters.get(slot.index, masters.get(str(slot.index)))
             if master is not None and slot.stage is not None:
                 self.run_on_host(slot.master.copy_, master)
+                self._h2d_after_compute()
                 self._issue_h2d([slot])
                 self._wait_parameter(slot)
                 slot.h2d.synchronize()

@@ -233,3 +233,37 @@ def test_hugging_face_models(make_fake_device: Any, name: str) -> None:
     want = run(work, device=make_fake_device(), offload=False, **options)
     got = run(work, device=make_fake_device(link="slow"), **options)
     assert_equivalent(got, want)
+
+
+def test_add_param_group_and_per_group_options(make_fake_device: Any) -> None:
+    """Two groups (the second added later, its own lr) step exactly as torch's optimizer on host copies."""
+
+    def train(offload: bool) -> list[torch.Tensor]:
+        dev = make_fake_device(link="slow")
+        model = MLP.build(0)
+        first, rest = list(model.layers[0].parameters()), [p for m in model.layers[1:] for p in m.parameters()]
+        with dev:
+            place(model, dev)
+            if offload:
+                opt: Any = offcore_torch.OffloadOptimizer(first, torch.optim.SGD, device=dev, lr=0.1, momentum=0.9)
+                opt.add_param_group({"params": rest, "lr": 0.01})
+            else:
+                ref = HostReference(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, master_weights=False)
+                masters = ref.masters
+                ref.opt = torch.optim.SGD(masters[: len(first)], lr=0.1, momentum=0.9)
+                ref.opt.add_param_group({"params": masters[len(first) :], "lr": 0.01})
+            for step in range(3):
+                MLP.loss(model, MLP.make_batch(step, torch.device("cpu"))).backward()
+                if offload:
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    ref.accumulate()
+                    ref.step()
+                    ref.zero_grad()
+            if offload:
+                assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+                opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert_same(train(True), train(False))
