@@ -1,0 +1,987 @@
+"""Parameters streamed by next use: ``offload_parameters`` keeps a model's parameters on the host.
+
+Between uses every parameter (and, with ``buffers=True``, every buffer) lives in a pinned
+host buffer; its device storage is empty. Each module's parameters are copied in on the
+runtime's host-to-device stream before its forward and again before its backward, by the
+deadline the core scheduler (:class:`offcore.residency.ResidencyScheduler`) learnt from
+earlier steps, within a byte budget of copies made ahead of use; the device copy is freed
+after the last use of each pass. The ``nn.Parameter`` objects stay the same objects
+(optimizers, tied weights and ``state_dict`` keys keep working).
+
+    >>> import offcore, offcore_torch, torch
+    >>> dev = offcore.device("cpu", capacity="64MiB")
+    >>> with dev:
+    ...     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    ...     handle = offcore_torch.offload_parameters(model, dev)
+    ...     for _ in range(2):
+    ...         model(torch.randn(8, 64)).square().mean().backward()
+    >>> handle.stats().h2d_copies > 0
+    True
+    >>> handle.remove()                     # every parameter back on the device, bit-identical
+
+# Note [Parameter storage is swapped, the Parameter object is not]
+# A parameter's device memory is freed and re-allocated *under* its storage:
+# ``untyped_storage().resize_(0)`` frees it, ``resize_(nbytes)`` allocates it again and an
+# H2D copy fills it (FSDP does the same with its unsharded parameters). The tensor, its
+# ``UntypedStorage`` object, its version counter and every view of it stay the same
+# objects. That matters for autograd: ``Linear`` saves ``weight.t()``, a view that holds
+# the *storage*, not the Parameter; swapping ``param.data`` instead would leave that view
+# on the old memory (nothing freed until backward). Why it is safe:
+# - the version counter: the copies write through an alias made with ``set_`` (its own
+#   version counter), and ``resize_`` of a storage bumps no version, so streaming never
+#   changes ``param._version``; autograd's check of a saved parameter still catches a real
+#   in-place change between forward and backward (an optimizer step before backward);
+# - the values: a parameter saved for backward is read by backward only after its module's
+#   backward pre-hook (a multi-grad hook on the module's outputs, which fires before any of
+#   the module's backward nodes runs) has copied it in again and the compute stream waited
+#   for the copy; the host copy is exact, so backward reads the bytes forward read;
+# - a use nobody announced (a weight used outside its module's forward, ``load_state_dict``,
+#   an optimizer step) goes through ``__torch_function__`` of the parameter's class (a
+#   subclass of ``nn.Parameter`` set on the same object) and fetches it synchronously; it
+#   stays on the device until the end of backward or the optimizer step;
+# - a device copy whose version counter moved (BatchNorm's running statistics, an optimizer
+#   step) is written back to the host before it is freed, so the host copy is always the data.
+# A storage is resized only on the compute stream, after every copy touching it completed
+# (a copy in flight is waited for first), so no copy reads freed memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from offcore.errors import CapacityExceededError, ConfigurationError, OffcoreError
+from offcore.kinds import Direction, Kind, Tier
+from offcore.ledger import Ledger
+from offcore.objects import State
+from offcore.residency import ActionKind, ResidencyScheduler
+from offcore.scheduler import Scheduler
+from offcore.units import parse_size
+from offcore_torch.runtime import DeviceRuntime, runtime_for
+
+__all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_SEARCH = 64  # how far ahead of the cursor a use is looked up in the predicted sequence
+_UNIT_SECONDS = 1e-3  # the first step's predicted spacing of uses (seconds), before anything was measured
+
+# functions that read no tensor data: a parameter whose storage is empty may pass through them
+_METADATA = frozenset(
+    {
+        "untyped_storage",
+        "_typed_storage",
+        "data_ptr",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "get_device",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "__hash__",
+        "__len__",
+        "_is_view",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__setstate__",
+        "_version",
+    }
+)
+
+
+def _graph_task_id() -> int:
+    return int(_GRAPH_TASK_ID()) if _GRAPH_TASK_ID is not None else -1
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (CapacityExceededError, torch.OutOfMemoryError))
+
+
+class _Done:
+    """A completed event (parameters start on the host: their first offload is already done)."""
+
+    def query(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+# ------------------------------------------------------------------------- tensors
+def _offcore_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [args, kwargs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if getattr(item, "_offcore_slot", None) is not None:
+                out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return out
+
+
+def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """Fetch offloaded parameters that an operator reads outside their module's announced use."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    needs = True
+    if name in ("__get__", "__set__"):
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name == "__set__" and attr == "data":
+            raise ConfigurationError(
+                "offload_parameters: replacing .data of an offloaded parameter or buffer would detach it from its "
+                "host copy; call handle.remove() first (or copy_() into the parameter instead)"
+            )
+        needs = name == "__get__" and attr == "data"
+    elif name in _METADATA:
+        needs = False
+    if needs:
+        tensors = _offcore_tensors(args, kwargs)
+        if tensors:
+            handle = tensors[0]._offcore_slot.handle
+            handle._use_outside([t._offcore_slot for t in tensors], escaped=name == "__get__")
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class OffloadedParameter(torch.nn.Parameter):
+    """The class an offloaded ``nn.Parameter`` carries (the same object; see Note [Parameter storage is swapped])."""
+
+    __torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
+
+
+class OffloadedBuffer(torch.Tensor):
+    """The class an offloaded buffer carries while ``offload_parameters(..., buffers=True)`` is active."""
+
+    __torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
+
+
+# ------------------------------------------------------------------------- state
+class _Slot:
+    """One storage (a parameter or buffer; tied parameters share one) and its host copy."""
+
+    __slots__ = (
+        "index",
+        "handle",
+        "tensor",
+        "name",
+        "storage",
+        "alias",
+        "nbytes",
+        "host",
+        "host_view",
+        "is_buffer",
+        "resident",
+        "event",
+        "pins",
+        "holds",
+        "bwd_tasks",
+        "outside",
+        "version",
+        "dirty",
+        "klass",
+        "unit",
+    )
+
+    def __init__(self, index: int, handle: ParameterOffloadHandle, tensor: torch.Tensor, name: str, is_buffer: bool):
+        self.index = index
+        self.handle = handle
+        self.tensor = tensor
+        self.name = name
+        self.storage = tensor.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.alias = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(self.storage)
+        self.host: Any = None
+        self.host_view: torch.Tensor | None = None
+        self.is_buffer = is_buffer
+        self.resident = True
+        self.event: Any = None  # H2D into the storage, not yet waited for by the compute stream
+        self.pins = 0  # module calls using it now
+        self.holds = 0  # prefetches made ahead of a use, not yet used
+        self.bwd_tasks: set[int] = set()  # backward passes that still need it
+        self.outside = False  # fetched outside an announced use: kept until backward ends or the optimizer stepped
+        self.version = tensor._version
+        self.dirty = False
+        self.klass: type = type(tensor)
+        self.unit: _Unit | None = None  # the unit of a use outside a module
+
+
+@dataclass(eq=False)
+class _Unit:
+    """The storages one module call (or one use outside a module) needs."""
+
+    id: int
+    name: str
+    slots: list[_Slot]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _History:
+    """What earlier steps of one mode (grad enabled, train/eval) taught: the use order and its times."""
+
+    predictor: Scheduler
+    sequence: list[tuple[int, str]] | None = None
+
+
+@dataclass(eq=False)
+class _Step:
+    """One step: the uses from a top-level forward until the next one, scheduled by one ResidencyScheduler."""
+
+    rs: ResidencyScheduler
+    history: _History
+    sequence: list[tuple[int, str]]
+    actual: list[tuple[int, str]] = field(default_factory=list)
+    cursor: int = 0
+    held: dict[int, list[_Slot]] = field(default_factory=dict)
+    t_last: float = 0.0
+
+
+@dataclass(frozen=True)
+class ParameterOffloadStats:
+    """What :func:`offload_parameters` did since it started (or since ``stats(reset=True)``).
+
+    Bytes per kind on the host (``host_bytes``: ``{"parameter": ..., "buffer": ...}``);
+    parameter bytes on the device now and at peak (offcore's own count of the storages it
+    manages); copies and bytes per direction (``d2h`` are write-backs of changed copies);
+    ``prefetch_hits`` (uses whose copy was started ahead), ``stalls`` (uses that copied on
+    demand), ``unplanned`` (uses the plan did not predict), ``outside_fetches`` (uses outside
+    a module call), ``evicted``; ``exposed_wait_s`` and ``waits`` (seconds the compute stream
+    waited, per module).
+    """
+
+    host_bytes: dict[str, int]
+    device_bytes: int
+    peak_device_bytes: int
+    h2d_bytes: int
+    h2d_copies: int
+    d2h_bytes: int
+    d2h_copies: int
+    prefetch_hits: int
+    stalls: int
+    unplanned: int
+    outside_fetches: int
+    evicted: int
+    refused: int
+    steps: int
+    budget: int
+    exposed_wait_s: float
+    waits: dict[str, float]
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return out
+
+
+# ------------------------------------------------------------------------- the handle
+class ParameterOffloadHandle:
+    """What :func:`offload_parameters` returns: ``stats()``, ``release()``, ``remove()`` (see the module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: Any,
+        *,
+        budget: int | str | float | None,
+        buffers: bool,
+        pinned: bool,
+        margin: float | str,
+        prefetch: str,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(f"offload_parameters needs an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_offcore_parameter_handle", None) is not None:
+            raise ConfigurationError("this model's parameters are offloaded already (call handle.remove() first)")
+        self.model = model
+        self.device = device
+        self.runtime: DeviceRuntime = runtime_for(device)
+        self.ledger = Ledger()
+        self.buffers = buffers
+        self.prefetch = prefetch
+        self._margin = margin
+        self._slots: list[_Slot] = []
+        self._by_storage: dict[int, _Slot] = {}
+        self._units: list[_Unit] = []
+        self._module_unit: dict[int, _Unit] = {}
+        self._histories: dict[tuple[bool, bool], _History] = {}
+        self._step: _Step | None = None
+        self._frames: list[tuple[_Unit | None, list[_Slot], bool]] = []
+        self._tasks: set[int] = set()
+        self._hooks: list[Any] = []
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "stalls", "unplanned", "outside", "evicted", "refused", "steps"), 0
+        )
+        self._removed = False
+        self._pool: Any = None
+
+        self._collect(model)
+        largest = max((u.nbytes for u in self._units), default=0)
+        capacity = int(getattr(device, "capacity", 0) or 0)
+        if budget is None:
+            self.budget = 2 * largest
+        elif isinstance(budget, float) and not isinstance(budget, bool) and 0.0 < budget <= 1.0:
+            if capacity <= 0:
+                raise ConfigurationError("budget as a fraction needs a device with a known capacity")
+            self.budget = int(budget * capacity)
+        else:
+            self.budget = parse_size(budget, what="parameter budget", allow_zero=True)
+        self._capacity = capacity
+        try:
+            self._offload_all()
+            self._install()
+        except BaseException:
+            self._teardown()
+            raise
+        model._offcore_parameter_handle = self  # type: ignore[assignment]
+
+    # -- setup -----------------------------------------------------------------------
+    def _slot_for(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> _Slot | None:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            return None
+        storage = tensor.untyped_storage()
+        slot = self._by_storage.get(id(storage))
+        if slot is not None:
+            if slot.tensor is not tensor:
+                raise ConfigurationError(
+                    f"offload_parameters: {name} shares its storage with {slot.name} but is another tensor; "
+                    "tie parameters by assigning the same nn.Parameter (model.head.weight = model.emb.weight)"
+                )
+            return slot
+        if tensor.storage_offset() != 0 or storage.nbytes() != tensor.numel() * tensor.element_size():
+            raise ConfigurationError(
+                f"offload_parameters: {name} is a view into a larger storage; only tensors that own their whole "
+                "storage can be offloaded"
+            )
+        if not self.device.holds(tensor):
+            raise ConfigurationError(
+                f"offload_parameters: {name} is not in the device's memory; move the model to the device first "
+                "(on the fake device build it inside 'with dev:' or call dev.adopt(model))"
+            )
+        slot = _Slot(len(self._slots), self, tensor, name, is_buffer)
+        self.ledger.add(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)  # on the device until offloaded
+        self._slots.append(slot)
+        self._by_storage[id(storage)] = slot
+        return slot
+
+    def _collect(self, model: torch.nn.Module) -> None:
+        for mod_name, module in model.named_modules():
+            slots: list[_Slot] = []
+            for pname, param in module._parameters.items():
+                if param is None:
+                    continue
+                slot = self._slot_for(param, f"{mod_name}.{pname}".lstrip("."), False)
+                if slot is not None and slot not in slots:
+                    slots.append(slot)
+            if self.buffers:
+                for bname, buf in module._buffers.items():
+                    if buf is None:
+                        continue
+                    slot = self._slot_for(buf, f"{mod_name}.{bname}".lstrip("."), True)
+                    if slot is not None and slot not in slots:
+                        slots.append(slot)
+            if slots:
+                unit = _Unit(len(self._units), mod_name or type(module).__name__, slots, sum(s.nbytes for s in slots))
+                self._units.append(unit)
+                self._module_unit[id(module)] = unit
+
+    def _offload_all(self) -> None:
+        dev, rt = self.device, self.runtime
+        total = sum(s.nbytes for s in self._slots)
+        self._pool = dev.host_pool(total + 512 * (len(self._slots) + 1), pinned=True)
+        compute = dev.current_stream()
+        rt.d2h_stream.wait_stream(compute)
+        last = None
+        for slot in self._slots:
+            slot.host = self._pool.acquire(slot.nbytes)
+            slot.host_view = slot.host.view
+            last = dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream)
+            self.ledger.add(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
+        if last is not None:
+            last.synchronize()
+        for slot in self._slots:
+            self._set_class(slot)
+            self._resize(slot, 0)
+            slot.resident = False
+        self.ledger.reset_step()  # peaks and copies count from here
+
+    def _set_class(self, slot: _Slot) -> None:
+        tensor = slot.tensor
+        slot.klass = type(tensor)
+        if slot.is_buffer:
+            if type(tensor) is not torch.Tensor:
+                raise ConfigurationError(f"offload_parameters: buffer {slot.name} is a {type(tensor).__name__}")
+            tensor.__class__ = OffloadedBuffer
+        else:
+            if type(tensor) is not torch.nn.Parameter:
+                raise ConfigurationError(
+                    f"offload_parameters: parameter {slot.name} is a {type(tensor).__name__}; only plain "
+                    "nn.Parameter objects can be offloaded"
+                )
+            tensor.__class__ = OffloadedParameter
+        tensor._offcore_slot = slot  # type: ignore[attr-defined]
+
+    def _install(self) -> None:
+        seen: set[int] = set()
+        modules = [self.model] + [m for m in self.model.modules() if id(m) in self._module_unit]
+        for module in modules:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook))
+            self._hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
+        for slot in self._slots:
+            if not slot.is_buffer and slot.tensor.requires_grad:
+                self._hooks.append(slot.tensor.register_post_accumulate_grad_hook(self._accumulated))
+        self._hooks.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+
+    # -- device memory -----------------------------------------------------------------
+    def _resize(self, slot: _Slot, nbytes: int) -> None:
+        """Allocate (``nbytes``) or free (0) the device memory under ``slot``'s storage, on the compute stream."""
+        with self._device_active():
+            slot.storage.resize_(nbytes)
+            slot.alias.set_(slot.storage)  # a dispatched op on the storage: the device's accounting sees the size
+        if nbytes:
+            self.ledger.add(Tier.DEVICE, Kind.PARAMETER, nbytes)
+        elif slot.resident:
+            self.ledger.remove(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)
+
+    @contextlib.contextmanager
+    def _device_active(self) -> Iterator[None]:
+        dev = self.device
+        if getattr(dev, "active", True) or not hasattr(dev, "__enter__"):
+            yield
+            return
+        with dev:
+            yield
+
+    def _copy_in(self, slots: list[_Slot]) -> Any:
+        """Allocate and start the H2D copies of the slots not on the device; returns the last copy's event."""
+        need = [s for s in slots if not s.resident]
+        if not need:
+            return None
+        dev, rt = self.device, self.runtime
+        done: list[_Slot] = []
+        try:
+            for slot in need:
+                self._resize(slot, slot.nbytes)
+                slot.resident = True
+                done.append(slot)
+        except BaseException:
+            for slot in done:
+                self._resize(slot, 0)
+                slot.resident = False
+            raise
+        h2d = rt.h2d_stream
+        h2d.wait_stream(dev.current_stream())
+        event = None
+        for slot in need:
+            timed = rt.sample(Direction.H2D)
+            start, issued = rt.begin_timing(dev, h2d, record=False) if timed else (None, 0.0)
+            event = dev.copy_(slot.alias, slot.host_view, stream=h2d, start_event=start)
+            if timed:
+                rt.end_timing(
+                    dev,
+                    h2d,
+                    start,
+                    issued,
+                    nbytes=slot.nbytes,
+                    direction=Direction.H2D,
+                    label="param",
+                    ledger=self.ledger,
+                )
+            self.ledger.record_copy(Direction.H2D, slot.nbytes)
+            slot.event = event
+            slot.version = slot.tensor._version
+        return event
+
+    def _ready(self, slots: list[_Slot], label: str) -> None:
+        """Make the compute stream wait for the copies into ``slots`` still in flight."""
+        compute = None
+        for slot in slots:
+            event = slot.event
+            if event is None:
+                continue
+            slot.event = None
+            if event.query():
+                continue
+            if compute is None:
+                compute = self.device.current_stream()
+            t0 = time.perf_counter()
+            compute.wait_event(event)
+            self.ledger.record_wait(time.perf_counter() - t0, what=label)
+
+    def _maybe_free(self, slot: _Slot) -> None:
+        if not slot.resident or slot.pins or slot.holds or slot.bwd_tasks or slot.outside or self._removed:
+            return
+        if slot.event is not None:  # a prefetch nobody used: let it land first
+            slot.event.synchronize()
+            slot.event = None
+        if slot.dirty or slot.tensor._version != slot.version:
+            self._write_back(slot)
+        self._resize(slot, 0)
+        slot.resident = False
+
+    def _write_back(self, slot: _Slot) -> None:
+        """Copy a device copy that changed (its version moved, or ``.data`` escaped) back to the host."""
+        dev, rt = self.device, self.runtime
+        rt.d2h_stream.wait_stream(dev.current_stream())
+        dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
+        self.ledger.record_copy(Direction.D2H, slot.nbytes)
+        slot.version = slot.tensor._version
+        slot.dirty = False
+
+    # -- steps -------------------------------------------------------------------------
+    def _mode(self) -> tuple[bool, bool]:
+        return (torch.is_grad_enabled(), self.model.training)
+
+    def _default_sequence(self, grad: bool) -> list[tuple[int, str]]:
+        forward = [(u.id, "f") for u in self._units if not u.name.startswith("<outside")]
+        backward = [(uid, "b") for uid, _ in reversed(forward)] if grad else []
+        return forward + backward
+
+    def _begin_step(self, t: float) -> _Step:
+        self._end_step()
+        mode = self._mode()
+        history = self._histories.get(mode)
+        if history is None:
+            history = self._histories[mode] = _History(Scheduler(margin=self._margin))
+        sequence = history.sequence if history.sequence is not None else self._default_sequence(mode[0])
+        rt = self.runtime
+        rt.poll()
+        rs = ResidencyScheduler(
+            history.predictor,
+            duration=rt.h2d_duration,
+            prefetch=self.prefetch,
+            budget=self.budget,
+            device_capacity=self._capacity,
+            device_in_use=self._device_in_use if self._capacity else None,
+        )
+        ratio = history.predictor.backward_ratio
+        rs.forward_began(t)
+        for key, (uid, _) in enumerate(sequence):
+            # a synthetic save time whose reverse-order default puts use ``key`` at key x 1 ms
+            rs.produced(key, t - key * _UNIT_SECONDS / ratio)
+            rs.register(key, Kind.PARAMETER, self._units[uid].nbytes, name=self._units[uid].name)
+            rs.offload_started(key, _DONE)
+            rs.landed(key, needed=False)
+        actions = rs.forward_ended(t)
+        rs.backward_began(t)  # one round on one clock from the step's start: forward and backward uses alike
+        step = self._step = _Step(rs, history, list(sequence), t_last=t)
+        self._counters["steps"] += 1
+        self._execute(step, actions)
+        return step
+
+    def _device_in_use(self) -> int:
+        stats = self.device.memory_stats()
+        return int(getattr(stats, "allocated_bytes", None) or stats.get("allocated_bytes", 0))
+
+    def _end_step(self) -> None:
+        """Close the running step: teach its history, drop prefetches nobody used, free what is left."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        rs = step.rs
+        rs.backward_ended(step.t_last)  # teaches the predictor; nothing is held on landing here
+        for key, slots in list(step.held.items()):
+            self._drop_hold(step, key, slots)
+        step.history.sequence = step.actual
+        self.runtime.resolve_timings()
+
+    def _drop_hold(self, step: _Step, key: int, slots: list[_Slot]) -> None:
+        del step.held[key]
+        obj = step.rs.objects[key]
+        if obj.state is State.PREFETCHING:
+            obj.finish_prefetch(stream_waited=True)
+        if obj.state is State.RESTORED:
+            obj.drop_restored_copy()
+        for slot in slots:
+            slot.holds -= 1
+            self._maybe_free(slot)
+
+    def _execute(self, step: _Step, actions: Iterator[Any]) -> None:
+        rs = step.rs
+        for action in actions:
+            key = action.key
+            if action.kind is ActionKind.PREFETCH:
+                unit = self._units[step.sequence[key][0]]
+                try:
+                    event = self._copy_in(unit.slots)
+                except BaseException as exc:
+                    if not _is_oom(exc):
+                        raise
+                    self._counters["refused"] += 1
+                    rs.refused(key, "oom")
+                    continue
+                for slot in unit.slots:
+                    slot.holds += 1
+                step.held[key] = unit.slots
+                rs.started(key, event)
+            elif action.kind is ActionKind.EVICT:
+                slots = step.held.get(key)
+                self._counters["evicted"] += 1
+                if slots is not None:
+                    self._drop_hold(step, key, slots)
+
+    def _match(self, step: _Step, uid: int, tag: str) -> int | None:
+        sequence = step.sequence
+        end = min(len(sequence), step.cursor + _SEARCH)
+        for key in range(step.cursor, end):
+            if sequence[key] == (uid, tag):
+                step.cursor = key + 1
+                return key
+        return None
+
+    def _use(self, unit: _Unit, tag: str) -> None:
+        """A use of ``unit`` now: its storages on the device and the compute stream ordered after their copies.
+
+        The storages are pinned while the scheduler's actions run (an eviction must not free a
+        storage this use shares with the evicted one); the caller pins them for the use itself.
+        """
+        t = time.perf_counter()
+        step = self._step
+        if step is None:
+            step = self._begin_step(t)
+        self.runtime.poll()
+        step.actual.append((unit.id, tag))
+        step.t_last = t
+        key = self._match(step, unit.id, tag)
+        rs = step.rs
+        for slot in unit.slots:
+            slot.pins += 1
+        try:
+            if key is None:
+                missing = any(not s.resident for s in unit.slots)
+                self._copy_in(unit.slots)
+                self._counters["unplanned" if missing else "hits"] += 1
+                self._ready(unit.slots, unit.name)
+                return
+            if key in step.held:
+                actions = rs.used(key, t, managed_key=key)
+                self._ready(unit.slots, unit.name)
+                rs.awaited(key)
+                rs.consumed(key)
+                self._counters["hits"] += 1
+                for slot in step.held.pop(key):
+                    slot.holds -= 1
+            else:
+                missing = any(not s.resident for s in unit.slots)
+                event = self._copy_in(unit.slots)
+                rs.reloaded(key, event)
+                self._counters["stalls" if missing else "hits"] += 1
+                actions = rs.used(key, t, managed_key=key)
+                rs.consumed(key)
+                self._ready(unit.slots, unit.name)
+            self._execute(step, actions)
+        finally:
+            for slot in unit.slots:
+                slot.pins -= 1
+
+    # -- hooks -------------------------------------------------------------------------
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        unit = self._module_unit.get(id(module))
+        in_backward = _graph_task_id() >= 0
+        frame: tuple[_Unit | None, list[_Slot], bool] = (unit, [], in_backward)
+        if not self._frames and not in_backward:
+            self._frames.append(frame)
+            self._begin_step(time.perf_counter())
+        else:
+            self._frames.append(frame)
+        if unit is None:
+            return
+        self._use(unit, "f")
+        for slot in unit.slots:
+            slot.pins += 1
+            frame[1].append(slot)
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._frames:
+            return
+        unit, pinned, in_backward = self._frames.pop()
+        failed = sys.exc_info()[0] is not None
+        task = _graph_task_id()
+        for slot in pinned:
+            slot.pins -= 1
+            if task >= 0 and not failed:
+                self._pin_backward(slot, task)
+        if failed and not self._frames:
+            self._abort()
+            return
+        if unit is not None and not failed and task < 0 and torch.is_grad_enabled():
+            tensors = _output_tensors(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_hook(unit), mode="any")
+        for slot in pinned:
+            self._maybe_free(slot)
+
+    def _backward_hook(self, unit: _Unit) -> Callable[[Any], None]:
+        def hook(_grad: Any) -> None:
+            task = _graph_task_id()
+            self._use(unit, "b")
+            for slot in unit.slots:
+                self._pin_backward(slot, task)
+
+        return hook
+
+    def _pin_backward(self, slot: _Slot, task: int) -> None:
+        if task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
+        slot.bwd_tasks.add(task)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        slot = getattr(param, "_offcore_slot", None)
+        if slot is None:
+            return
+        slot.bwd_tasks.discard(_graph_task_id())
+        self._maybe_free(slot)
+
+    def _backward_done(self, task: int) -> None:
+        self._tasks.discard(task)
+        last = not self._tasks
+        for slot in self._slots:
+            if task in slot.bwd_tasks:
+                slot.bwd_tasks.discard(task)
+            if last:
+                slot.outside = False
+            self._maybe_free(slot)
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if any(s.outside for s in self._slots):
+            self.release()
+
+    def _use_outside(self, slots: list[_Slot], *, escaped: bool) -> None:
+        """An operator reads ``slots``: those no module call pins now are fetched and kept until released."""
+        if self._removed:
+            return
+        fresh = [s for s in slots if not (s.outside or s.pins)]
+        if fresh:
+            task = _graph_task_id()
+            fresh = [s for s in fresh if task < 0 or task not in s.bwd_tasks]
+        if fresh:
+            step = self._step
+            for slot in fresh:
+                if step is not None and not slot.resident:
+                    if slot.unit is None:
+                        slot.unit = _Unit(len(self._units), f"<outside {slot.name}>", [slot], slot.nbytes)
+                        self._units.append(slot.unit)
+                    self._use(slot.unit, "o")
+                slot.outside = True
+            self._counters["outside"] += len(fresh)
+            self._copy_in(fresh)
+        self._ready(slots, "outside")
+        if escaped:
+            for slot in slots:
+                slot.dirty = True
+
+    def _abort(self) -> None:
+        """Forward raised at the top level: drop every pin, hold and prefetch of the step."""
+        self._frames.clear()
+        for slot in self._slots:
+            slot.pins = 0
+        self._end_step()
+        for slot in self._slots:
+            self._maybe_free(slot)
+
+    # -- public ------------------------------------------------------------------------
+    def release(self) -> None:
+        """Write back what changed and free every device copy not in use (after an optimizer step, an
+        exception, or to read device memory between steps). Called automatically after ``optimizer.step()``."""
+        if self._frames:
+            return
+        self._end_step()
+        for slot in self._slots:
+            slot.outside = False
+            self._maybe_free(slot)
+
+    def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The host copy of an offloaded parameter or buffer (a typed view of its pinned buffer).
+
+        Writing it changes the parameter: call :meth:`host_updated` afterwards.
+        """
+        slot = getattr(tensor, "_offcore_slot", None)
+        if slot is None or slot.handle is not self:
+            raise ConfigurationError("host_tensor: this tensor is not offloaded by this handle")
+        assert slot.host_view is not None
+        return slot.host_view.view(tensor.dtype).view(tensor.shape)
+
+    def host_updated(self) -> None:
+        """The host copies were changed (a host optimizer step): device copies still held are dropped, so
+        the next use streams the new values in; no copy goes to the device now."""
+        self.release()
+        for slot in self._slots:
+            if slot.resident and not (slot.pins or slot.bwd_tasks):
+                if slot.event is not None:
+                    slot.event.synchronize()
+                    slot.event = None
+                self._resize(slot, 0)
+                slot.resident = False
+
+    def stats(self, *, reset: bool = False) -> ParameterOffloadStats:
+        """Bytes, copies and waits so far (see :class:`ParameterOffloadStats`)."""
+        self.runtime.resolve_timings()
+        ledger = self.ledger
+        h2d, d2h = ledger.copies[Direction.H2D], ledger.copies[Direction.D2H]
+        host = {"parameter": 0, "buffer": 0}
+        for slot in self._slots:
+            host["buffer" if slot.is_buffer else "parameter"] += slot.nbytes
+        out = ParameterOffloadStats(
+            host_bytes=host,
+            device_bytes=ledger.bytes(Tier.DEVICE, Kind.PARAMETER),
+            peak_device_bytes=ledger.peak(Tier.DEVICE, Kind.PARAMETER),
+            h2d_bytes=h2d.bytes,
+            h2d_copies=h2d.copies,
+            d2h_bytes=d2h.bytes,
+            d2h_copies=d2h.copies,
+            prefetch_hits=self._counters["hits"],
+            stalls=self._counters["stalls"],
+            unplanned=self._counters["unplanned"],
+            outside_fetches=self._counters["outside"],
+            evicted=self._counters["evicted"],
+            refused=self._counters["refused"],
+            steps=self._counters["steps"],
+            budget=self.budget,
+            exposed_wait_s=ledger.wait_seconds,
+            waits=dict(ledger.waits),
+        )
+        if reset:
+            ledger.reset_step()
+            for name in self._counters:
+                self._counters[name] = 0
+        return out
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter (and buffer, with ``buffers=True``) this handle manages."""
+        return sum(s.nbytes for s in self._slots)
+
+    @property
+    def largest_module_bytes(self) -> int:
+        """Bytes of the largest module's own parameters (what one use brings in at once)."""
+        return max((u.nbytes for u in self._units), default=0)
+
+    def remove(self) -> None:
+        """Bring every parameter and buffer back to the device (bit-identical) and remove every hook."""
+        if self._removed:
+            return
+        if self._frames:
+            raise OffcoreError("handle.remove() inside the model's forward")
+        self._end_step()
+        for slot in self._slots:
+            slot.outside = False
+            slot.holds = 0
+            slot.bwd_tasks.clear()
+            self._maybe_free(slot)  # writes back what changed
+        self._copy_in(self._slots)
+        self._ready(self._slots, "remove")
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._removed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        with contextlib.suppress(Exception):
+            self.runtime.h2d_stream.synchronize()
+            self.runtime.d2h_stream.synchronize()
+        for slot in self._slots:
+            if slot.tensor.__dict__.get("_offcore_slot") is slot:
+                del slot.tensor._offcore_slot  # type: ignore[attr-defined]
+                slot.tensor.__class__ = slot.klass
+            if not slot.resident:  # setup failed half-way: restore from the host copy
+                self._resize(slot, slot.nbytes)
+                slot.resident = True
+                assert slot.host_view is not None
+                slot.alias.copy_(slot.host_view)
+            if slot.host is not None:
+                self._pool.release(slot.host)
+                self.ledger.remove(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
+                slot.host = None
+                slot.host_view = None
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                self._pool.trim()
+        if getattr(self.model, "_offcore_parameter_handle", None) is self:
+            del self.model._offcore_parameter_handle
+
+    def __enter__(self) -> ParameterOffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterOffloadHandle({len(self._slots)} storages, {self.parameter_bytes} bytes, budget {self.budget}"
+            f"{', removed' if self._removed else ''})"
+        )
+
+
+def offload_parameters(
+    model: torch.nn.Module,
+    device: Any,
+    *,
+    budget: int | str | float | None = None,
+    buffers: bool = False,
+    pinned: bool = True,
+    margin: float | str = "0.5ms",
+    prefetch: str = "deadline",
+) -> ParameterOffloadHandle:
+    """Keep ``model``'s parameters on the host between uses, streamed in by next use (see the module doc).
+
+    - ``budget``: device bytes copied in ahead of their use at once (bytes, ``"64MiB"``, or a
+      fraction of the device's capacity such as ``0.1``); default twice the largest module's
+      own parameters. The module being computed is not counted: the device holds at most
+      ``budget`` + the parameters in use.
+    - ``buffers``: offload buffers too (BatchNorm running statistics are written back when forward
+      changed them).
+    - ``margin``: slack before each predicted use; ``prefetch``: ``"deadline"`` or ``"on_demand"``.
+
+    Returns a :class:`ParameterOffloadHandle` (``stats()``, ``release()``, ``remove()``; also a
+    context manager that removes itself).
+
+        >>> handle = offload_parameters(model, dev, budget="32MiB")   # doctest: +SKIP
+    """
+    if prefetch not in ("deadline", "on_demand"):
+        raise ConfigurationError(f"prefetch must be 'deadline' or 'on_demand', got {prefetch!r}")
+    if not pinned:
+        raise ConfigurationError(
+            "offload_parameters keeps host copies in pinned memory (pinned=False is not supported)"
+        )
+    if not isinstance(margin, (int, float)):
+        from offcore.units import parse_duration
+
+        margin = parse_duration(margin, what="margin")
+    if not math.isfinite(float(margin)) or margin < 0:
+        raise ConfigurationError(f"margin must be a non-negative duration, got {margin!r}")
+    return ParameterOffloadHandle(
+        model, device, budget=budget, buffers=buffers, pinned=pinned, margin=margin, prefetch=prefetch
+    )
