@@ -14,7 +14,8 @@
 #      its layer's first save, ``release(j)`` — the end of its forward without
 #      ``LayerProfile.saved_tensors`` —, an H2D not before its D2H ends) and a "tail" (after a
 #      D2H ends, that layer's H2D and all backward from that layer on must still run; after
-#      an H2D, all backward from that layer on). For any set S of jobs on one machine
+#      an H2D, all backward from that layer on — from the layer before when the layer's saves
+#      are used through its backward). For any set S of jobs on one machine
 #          T ≥ min_S head + Σ_S duration + min_S tail,
 #      evaluated for the offloaded layers from each one to the end of the stack. One shared
 #      link is one machine for both directions; a duplex link is one per direction (a
@@ -73,8 +74,19 @@ def _tails(profile: StepProfile, plan: Plan) -> list[float]:
     total = 0.0
     for i in range(n):
         total += profile.layers[i].backward_s + extra[i]
-        tails.append(total)
+        tails.append(total - _own_backward(profile, i))
     return tails
+
+
+def _own_backward(profile: StepProfile, i: int) -> float:
+    """The part of layer i's backward that may run before one of its saves is used.
+
+    A layer saving tensors one by one (``saved_tensors``) uses them through its backward,
+    so a reload of one of them may still overlap that backward: its own backward is then
+    left out of the tail after the copy.
+    """
+    layer = profile.layers[i]
+    return layer.backward_s if len({f for f, _ in layer.saved_tensors}) > 1 else 0.0
 
 
 def _single_step_bound(profile: StepProfile, plan: Plan) -> float:
@@ -154,7 +166,8 @@ def batch_lower_bounds(profile: StepProfile, codes: np.ndarray, *, max_interval:
     recomputed = (codes == 2) * r
     compute = f.sum() + b.sum() + recomputed.sum(axis=1)
     release = np.array(_releases(profile))
-    tail = np.cumsum(b) + _shifted_cumsum(recomputed, max_interval - 1)
+    own_backward = np.array([_own_backward(profile, i) for i in range(len(layers))])
+    tail = np.cumsum(b) - own_backward + _shifted_cumsum(recomputed, max_interval - 1)
     if profile.reuse_in_flight:  # a reload may be skipped: bound the D2H queue alone
         h = np.zeros_like(h)
         tail = np.zeros_like(tail)
@@ -337,7 +350,7 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
         add({overlap + i: 1.0, off + i: -1.0}, -math.inf, 0.0)
     add(row, float(f.sum() + b.sum()) / time_scale, math.inf)
     # (2) copies: one queue on a shared link, one per direction on a duplex one; prefix constraints
-    backward_prefix = np.cumsum(b)
+    backward_prefix = np.cumsum(b) - np.array([_own_backward(profile, i) for i in range(n)])
     queues = [d, h] if profile.duplex else [d + h]
     for i in range(n):
         for seconds in queues:

@@ -88,6 +88,16 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # the reloads it issues). A compute step's own end is scheduled when it starts, so a
 # layer that takes no time still holds its bytes at that instant.
 
+# Note [A layer's saves are freed when its backward ends]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Backward uses a layer's saves one by one, the last saved first (``LayerProfile.saved_tensors``:
+# a save made a share f of the forward before the last one is used that share of the backward
+# later); each use is a trigger of the scheduler, and an offloaded save not back by then is
+# waited for there. Autograd frees saves as it goes, but ``working_bytes`` is measured (by the
+# profiler, in a step that keeps everything) as the backward's peak above its start, net of
+# those frees: so the simulator frees a layer's saves when its backward ends, and its level
+# during the backward is its start level plus the working set, as measured.
+
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A device copy may be freed only after its D2H completed (offcore/objects.py, Note [When
@@ -466,9 +476,9 @@ class _Step:
         self.keys_of: list[list[int]] = []
         self.saves: list[list[_Object]] = []
         self.objects: dict[int, _Object] = {}
-        # backward uses each layer's saves in reverse save order, a save made after a share f of the
-        # forward at a share 1 - f of the backward (Note [Simulated lifetimes]); saves used at one
-        # instant form one group
+        # backward uses each layer's saves in reverse save order: the last at its start, a save made
+        # a share f of the forward before the last one that share of the backward later (Note
+        # [Simulated lifetimes]); saves used at one instant form one group
         self.groups: list[list[tuple[float, list[_Object]]]] = []
         key = 0
         for i, layer in enumerate(layers):
@@ -483,8 +493,9 @@ class _Step:
             self.saves.append(saves)
             self.keys_of.append([obj.key for obj in saves])
             groups: list[tuple[float, list[_Object]]] = []
+            last = saves[-1].fraction  # the last save is used first, when the layer's backward starts
             for obj in reversed(saves):
-                offset = (1.0 - obj.fraction) * self.bwd[i]
+                offset = (last - obj.fraction) * self.bwd[i]
                 if groups and groups[-1][0] == offset:
                     groups[-1][1].append(obj)
                 else:
@@ -814,15 +825,17 @@ class _Step:
         self.event("compute", f"backward:{self.names[i]}", start, end, "backward", i)
 
         def finish() -> None:
-            for obj in group:  # autograd frees a node's saved tensors when the node ran
+            if g + 1 < len(groups):
+                self.use_group(index, i, g + 1)
+                return
+            # Note [A layer's saves are freed when its backward ends]: working_bytes is measured as the
+            # peak of the backward above its start, net of the saves autograd frees as it goes
+            for obj in self.saves[i]:
                 obj.backward_done = True
                 if not (obj.in_place and obj.d2h_end > self.now):  # a copy in flight keeps its source
                     self.free(obj)
                 if obj.managed:
                     self.sched.released(obj.key)
-            if g + 1 < len(groups):
-                self.use_group(index, i, g + 1)
-                return
             freed = self.work[i]
             if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][0] == i:
                 freed += self.inputs[i]
