@@ -363,6 +363,44 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad = param.grad
         if grad is None or self._closed:
             return
+        self._send_gradient(slot, grad, clear=True)
+
+    def accept_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> Any:
+        """Take ``grad`` as ``param``'s gradient of this micro-step: start its D2H now (main thread).
+
+        For gradients that are ready somewhere else than ``param.grad`` at accumulation time: a DDP
+        communication hook hands over the *reduced* bucket (:func:`offcore_torch.distributed.attach_ddp`),
+        FSDP2 the reduce-scattered shard. ``grad`` is not cleared or written; it is kept alive until its
+        copy landed. Returns the copy's completion event (the caller orders later writes of ``grad``
+        after it). Call :meth:`remove_gradient_hooks` first when ``param`` has the optimizer's hook.
+
+            >>> opt.accept_gradient(param, reduced_grad)          # doctest: +SKIP
+        """
+        if self._closed:
+            raise OffcoreError("OffloadOptimizer is closed")
+        return self._send_gradient(self._slot(param), grad, clear=False)
+
+    def remove_gradient_hooks(self) -> None:
+        """Stop taking gradients from post-accumulate-grad hooks (they come through :meth:`accept_gradient`)."""
+        for slot in self._slots:
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
+
+    def wait_for_parameters(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Make the compute stream wait for the H2D copies of ``params`` (default: all); never blocks a GPU host.
+
+        For parameters the forward pre-hook cannot see (FSDP2's sharded parameters are read by its
+        all-gather, not by a module call).
+        """
+        if not self._pending_h2d:
+            return
+        for slot in self._slots if params is None else [self._slot(p) for p in params]:
+            self._wait_parameter(slot)
+
+    def _send_gradient(self, slot: _Slot, grad: torch.Tensor, *, clear: bool) -> Any:
+        """Start the D2H of ``grad`` as ``slot``'s gradient (``clear``: set ``param.grad`` to None); its event."""
+        param = slot.param
         if slot.stepped:
             raise OffcoreError(
                 f"OffloadOptimizer: parameter {slot.index} ({tuple(param.shape)}) got a gradient after its host step "
@@ -388,7 +426,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if staging is not None:
                 self._release_staging(staging)
             raise
-        param.grad = None  # freed once the copy landed (the holder keeps it until then)
+        if clear:
+            param.grad = None  # freed once the copy landed (the holder keeps it until then)
         holder = [grad]
         self.ledger.add(Tier.DEVICE, Kind.GRADIENT, nbytes)
         with self._lock:
@@ -403,6 +442,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._check_fresh(slot)
         self._submit(self._land, slot, done, holder, staging, target, accumulate, run_step)
         self._release_landed()
+        return done
 
     def _acquire_staging(self, nbytes: int) -> HostBuffer:
         while True:
