@@ -60,6 +60,22 @@ and the device's room are judged on what really happened.
 # check: a speculative copy must fit the device capacity next to everything allocated now
 # (``device_in_use`` reads the backend's own accounting), and after one allocator refusal
 # the round starts no more prefetches (Note [No speculative allocation after a refusal]).
+
+# Note [Objects produced on the host]
+# An optimizer's host step produces a parameter's new value on the host; the device copy
+# is stale until it is uploaded, and it is needed on the device at its next use (the
+# next forward). Such an object is registered, marked ``awaiting_host`` (plans skip it
+# without retiring it), and turned into an offloaded object by ``host_updated`` (no copy:
+# its "device-to-host copy" is the host step itself), which is a trigger: the uploads
+# due then are offered as prefetches, in the plan's need order, within the byte budget
+# and the device's room, exactly as reloads are. The binding feeds its uses as
+# ``backward_began`` (the phase of uses starts: for an optimizer, the next forward) and
+# ``used`` (each is a trigger, and the first round's uses teach the predictor), and
+# closes the round with ``backward_ended``. ``prefetch="asap"`` makes every
+# offloaded object due at once, need order first: right for uploads that write into
+# device memory that exists anyway (an optimizer's parameters), where only the budget,
+# never a deadline, should hold a copy back. ``upload_order`` tells a binding the need
+# order before the objects are produced (it steps the first-needed parameters first).
 """
 
 from __future__ import annotations
@@ -79,6 +95,7 @@ from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
 __all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES"]
 
 PREFETCH_MODES = ("deadline", "on_demand")
+_MODES = (*PREFETCH_MODES, "asap")  # "asap": Note [Objects produced on the host]
 
 
 class ActionKind(str, enum.Enum):
@@ -92,6 +109,19 @@ class ActionKind(str, enum.Enum):
     """Copy the host copy back into a new device buffer on the host-to-device stream."""
     EVICT = "evict"
     """Drop a held or prefetched device copy that is not needed as soon as another (the host copy stays)."""
+
+
+class _Completed:
+    """The event of a copy that needs none: the host already holds the data (host_updated)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_COMPLETED = _Completed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +175,8 @@ class ResidencyScheduler:
 
     ``predictor`` learns next-use times across steps (one per device, long-lived);
     ``duration(nbytes)`` predicts a host-to-device copy (the device's measured link);
-    ``prefetch`` is ``"deadline"`` or ``"on_demand"``; ``budget`` bounds prefetched
+    ``prefetch`` is ``"deadline"`` or ``"on_demand"`` (or ``"asap"`` for uploads, Note
+    [Objects produced on the host]); ``budget`` bounds prefetched
     bytes ahead of use; ``margin`` (seconds) is the slack before each need;
     ``device_capacity`` and ``device_in_use()`` give the device budget (0: unbounded).
     ``record=True`` keeps every event with its arguments in :attr:`log` and every action
@@ -164,8 +195,8 @@ class ResidencyScheduler:
         device_in_use: Callable[[], int] | None = None,
         record: bool = False,
     ) -> None:
-        if prefetch not in PREFETCH_MODES:
-            raise ConfigurationError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+        if prefetch not in _MODES:
+            raise ConfigurationError(f"prefetch must be one of {_MODES}, got {prefetch!r}")
         if budget < 0:
             raise ConfigurationError(f"prefetch budget must be non-negative, got {budget!r}")
         self.predictor = predictor
@@ -192,6 +223,7 @@ class ResidencyScheduler:
         self._t_forward = 0.0
         self._t_backward = 0.0
         self._refused = False
+        self._awaiting_host: set[int] = set()  # Note [Objects produced on the host]
         self.record = record
         self.log: list[tuple[Any, ...]] = []
         self.actions: list[Action] = []
@@ -360,11 +392,18 @@ class ResidencyScheduler:
         self._make_plan(readers)
 
     def _make_plan(self, readers: dict[int, list[int]] | None) -> None:
-        if self.prefetch_mode != "deadline":
+        if self.prefetch_mode == "on_demand":
             return
         live = {k: o.nbytes for k, o in self.objects.items() if k not in self._released}
+        observation = self.observation
+        if self._awaiting_host:  # not produced yet: predicted as if produced last (Note [Objects produced on the host])
+            packed = observation.pack_times
+            last = max(packed.values(), default=0.0)
+            missing = {k: last for k in self._awaiting_host if k not in packed}
+            if missing:
+                observation = StepObservation({**packed, **missing}, observation.forward_seconds)
         self.plan = self.predictor.plan(
-            self.observation,
+            observation,
             live,
             self.duration,
             margin=self.margin,
@@ -373,6 +412,42 @@ class ResidencyScheduler:
         if self.record:  # what the plan rested on: the predictor's state and the link's, then
             self._log("plan_inputs", dict(self.plan.use_times), dict(self.plan.durations))
         self.vtime = -math.inf
+
+    # -- objects produced on the host (an optimizer's updated parameters) --------------------
+    def awaiting_host(self, key: int) -> None:
+        """The registered object ``key`` will be produced on the host (:meth:`host_updated`) and is
+        needed on the device at its next use: plans keep it until then (Note [Objects produced on the host])."""
+        if self.record:
+            self._log("awaiting_host", key)
+        self._awaiting_host.add(key)
+
+    def host_updated(self, key: int) -> Iterator[Action]:
+        """The host copy of ``key`` became the data (a host step updated it; the device copy is
+        stale): it is offloaded now. Returns the uploads due now (``prefetch`` actions, lazily;
+        the binding answers each with ``started``/``refused``, as for every prefetch)."""
+        if self.record:
+            self._log("host_updated", key)
+        self._awaiting_host.discard(key)
+        obj = self.objects[key]
+        if obj.state is State.RESIDENT:
+            obj.start_offload(_COMPLETED, obj.host_tier or Tier.PINNED)
+            obj.release_device_copy()
+        if self.plan is None:
+            return iter(())
+        return self._offered(self._offer(self.vtime))
+
+    def upload_order(self, keys: list[int]) -> list[int]:
+        """``keys`` in the order their uploads are planned: predicted next use first (ties: key order).
+
+        Without a plan, by the predictor's prediction over what this round observed.
+        """
+        if self.plan is not None:
+            need = self.plan.need
+        else:
+            packed = self.observation.pack_times
+            last = max(packed.values(), default=0.0)
+            need = self.predictor.predict(StepObservation({**{k: last for k in keys if k not in packed}, **packed}))
+        return sorted(keys, key=lambda k: (need.get(k, 0.0), k))
 
     # -- backward ------------------------------------------------------------------------
     def backward_began(self, t: float) -> None:
@@ -448,7 +523,7 @@ class ResidencyScheduler:
         if plan is None or not len(plan):
             return iter(())
         self.vtime = vtime
-        due = plan.due(vtime)
+        due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         if not due:
             return iter(())
         return self._prefetches(plan, due)
@@ -464,6 +539,8 @@ class ResidencyScheduler:
                 # a copy in flight: its D2H (the device copy is still there, see landed), or an
                 # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
                 continue
+            if key in self._awaiting_host:
+                continue  # its host copy is not the data yet (Note [Objects produced on the host])
             if obj is None or obj.state is not State.OFFLOADED or key in self._alive_elsewhere or key in self._released:
                 plan.issued(key)
                 continue

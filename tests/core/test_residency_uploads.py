@@ -1,0 +1,89 @@
+"""ResidencyScheduler: objects produced on the host and needed on the device (an optimizer's
+updated parameters), Note [Objects produced on the host] in offcore/residency.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from offcore.errors import ConfigurationError
+from offcore.kinds import Kind
+from offcore.objects import State
+from offcore.residency import ActionKind, ResidencyScheduler
+from offcore.scheduler import Scheduler
+
+
+def _round(predictor: Scheduler, sizes: dict[int, int], *, budget: int, mode: str = "asap") -> ResidencyScheduler:
+    rs = ResidencyScheduler(predictor, duration=lambda n: 1e-6 * n, prefetch=mode, budget=budget)
+    rs.forward_began(0.0)
+    for key, nbytes in sizes.items():
+        rs.register(key, Kind.PARAMETER, nbytes)
+        rs.awaiting_host(key)
+    return rs
+
+
+def _run(rs: ResidencyScheduler, actions: object) -> list[int]:
+    started = []
+    for action in actions:  # type: ignore[attr-defined]
+        assert action.kind is ActionKind.PREFETCH
+        rs.started(action.key, event=None)
+        started.append(action.key)
+    return started
+
+
+def test_uploads_follow_the_learned_need_order_within_the_budget() -> None:
+    predictor = Scheduler(margin=0.0)
+    sizes = {0: 100, 1: 100, 2: 100}
+    # round 0: gradients arrived 2, 1, 0 (backward): the default need order is the reverse, 0, 1, 2
+    rs = _round(predictor, sizes, budget=1000)
+    for t, key in enumerate((2, 1, 0)):
+        rs.produced(key, float(t))
+    assert rs.upload_order([2, 0, 1]) == [0, 1, 2]
+    rs.make_plan()
+    assert _run(rs, rs.host_updated(1)) == [1]  # eager: uploaded as soon as its host copy is the data
+    assert _run(rs, rs.host_updated(0)) == [0]
+    assert rs.objects[2].state is State.RESIDENT  # not produced yet: kept, not retired
+    assert _run(rs, rs.host_updated(2)) == [2]
+    # the next forward uses 2 first, then 0, then 1: the predictor learns it
+    rs.backward_began(10.0)
+    for t, key in ((10.0, 2), (10.1, 0), (10.2, 1)):
+        rs.awaited(key)
+        rs.consumed(key)
+        assert list(rs.used(key, t, managed_key=key)) == []
+    rs.backward_ended(10.3)
+    rs = _round(predictor, sizes, budget=100)
+    assert rs.upload_order([0, 1, 2]) == [2, 0, 1]
+    rs.make_plan()
+    assert _run(rs, rs.host_updated(2)) == [2]  # the budget holds one upload ahead of use
+    assert _run(rs, rs.host_updated(0)) == []
+    assert _run(rs, rs.host_updated(1)) == []
+    rs.backward_began(20.0)
+    rs.awaited(2)
+    rs.consumed(2)
+    assert _run(rs, rs.used(2, 20.0, managed_key=2)) == [0]  # a trigger: the next in need order
+    rs.awaited(0)
+    rs.consumed(0)
+    assert _run(rs, rs.used(0, 20.1, managed_key=0)) == [1]
+
+
+def test_an_upload_needed_sooner_evicts_one_needed_later() -> None:
+    predictor = Scheduler(margin=0.0)
+    predictor.observe(_learned({0: 0.2, 1: 0.0}))
+    rs = _round(predictor, {0: 100, 1: 100}, budget=100)
+    rs.make_plan()
+    assert _run(rs, rs.host_updated(0)) == [0]
+    actions = list(rs.host_updated(1))  # Belady: 0 is needed after 1
+    assert [(a.kind, a.key) for a in actions] == [(ActionKind.EVICT, 0), (ActionKind.PREFETCH, 1)]
+
+
+def _learned(first_use: dict[int, float]) -> object:
+    from offcore.scheduler import StepObservation
+
+    return StepObservation({k: 0.0 for k in first_use}, 1.0, first_use, 1.0)
+
+
+def test_deadline_mode_and_existing_modes_unchanged() -> None:
+    rs = _round(Scheduler(margin=0.0), {0: 10}, budget=100, mode="deadline")
+    rs.make_plan()
+    assert rs.host_updated(0) is not None
+    with pytest.raises(ConfigurationError, match="prefetch must be one of"):
+        ResidencyScheduler(Scheduler(), duration=lambda n: 0.0, prefetch="sometimes")
