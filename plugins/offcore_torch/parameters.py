@@ -39,8 +39,10 @@ after the last use of each pass. The ``nn.Parameter`` objects stay the same obje
 #   an optimizer step) goes through ``__torch_function__`` of the parameter's class (a
 #   subclass of ``nn.Parameter`` set on the same object) and fetches it synchronously; it
 #   stays on the device until the end of backward or the optimizer step;
-# - a device copy whose version counter moved (BatchNorm's running statistics, an optimizer
-#   step) is written back to the host before it is freed, so the host copy is always the data.
+# - a device copy whose version counter moved (an optimizer step, ``load_state_dict``) is
+#   written back to the host before it is freed, and so is every buffer of a module that ran
+#   forward in training mode (BatchNorm's kernel updates its running statistics in place
+#   without a version bump), so the host copy is always the data.
 # A storage is resized only on the compute stream, after every copy touching it completed
 # (a copy in flight is waited for first), so no copy reads freed memory.
 """
@@ -467,8 +469,13 @@ class ParameterOffloadHandle:
     def _resize(self, slot: _Slot, nbytes: int) -> None:
         """Allocate (``nbytes``) or free (0) the device memory under ``slot``'s storage, on the compute stream."""
         with self._device_active():
-            slot.storage.resize_(nbytes)
-            slot.alias.set_(slot.storage)  # a dispatched op on the storage: the device's accounting sees the size
+            if nbytes:
+                # an operator (not UntypedStorage.resize_ from Python): both of the fake device's
+                # accountings see it, and torch allocates with the storage's own allocator
+                slot.alias.resize_(nbytes)
+            else:
+                slot.storage.resize_(0)
+                slot.alias.set_(slot.storage)  # a dispatched op on the storage: the accounting sees the size
         if nbytes:
             self.ledger.add(Tier.DEVICE, Kind.PARAMETER, nbytes)
         elif slot.resident:
@@ -718,9 +725,13 @@ class ParameterOffloadHandle:
         if unit is None:
             return
         self._use(unit, "f")
+        training = module.training
         for slot in unit.slots:
             slot.pins += 1
             frame[1].append(slot)
+            if training and slot.is_buffer:
+                # kernels update buffers without a version bump (BatchNorm's running statistics)
+                slot.dirty = True
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._frames:
