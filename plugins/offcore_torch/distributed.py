@@ -1,0 +1,448 @@
+"""offcore under ``torch.distributed``: OffloadOptimizer with DDP and with FSDP2 (``fully_shard``).
+
+offcore does not shard, reduce or replicate anything: the distributed engine does. What it
+adds is where the *reduced* gradients go and where the optimizer runs.
+
+- **DDP**: :func:`attach_ddp` registers a communication hook. Each bucket is all-reduced as
+  DDP's own default does (divide by the world size, then sum); once the reduction is done the
+  bucket's gradients go to the host through :meth:`OffloadOptimizer.accept_gradient` — never
+  the raw local gradient (a post-accumulate-grad hook fires *before* DDP reduces).
+- **FSDP2**: :class:`FSDPOffloadOptimizer` runs the host optimizer over each rank's local
+  shard (``DTensor.to_local()``). FSDP2 calls the sharded parameters' post-accumulate-grad
+  hooks after its reduce-scatter, with the reduced shard as ``grad``: that shard goes to the
+  host. ``state_dict()`` is keyed by parameter name with DTensor values, so
+  ``torch.distributed.checkpoint`` saves and loads it sharded.
+- :func:`clip_grad_norm_`: the global norm over sharded host gradients (local norm, then an
+  all-reduce of ``norm ** p``, as DTensor does), or over DDP's replicated ones.
+
+    >>> import torch, offcore, offcore_torch                                   # doctest: +SKIP
+    >>> from offcore_torch.distributed import FSDPOffloadOptimizer              # doctest: +SKIP
+    >>> model = fully_shard(model, mesh=init_device_mesh("cuda", (world,)))    # doctest: +SKIP
+    >>> opt = FSDPOffloadOptimizer(model, torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
+    >>> loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()    # doctest: +SKIP
+
+# Note [Reduced gradients go to the host]
+# Under DDP a parameter's post-accumulate-grad hook sees the local, unreduced gradient; DDP
+# reduces buckets later and writes the result back. So attach_ddp removes the optimizer's
+# hooks and hands over each bucket from DDP's communication hook, once its all-reduce is done:
+# at the next bucket's hook (the host asks the future, ``done()``; ``wait()`` then orders the
+# current stream after the collective on hardware) and, for the rest, in an autograd callback
+# at the end of backward (queued before DDP's own finalize, so the bucket is read before DDP
+# copies it into ``param.grad``). The bucket is rewritten by the next backward: the compute
+# stream waits for the last D2H before the DDP module's next forward. Under FSDP2 the sharded
+# parameter's hooks run after the reduce-scatter (and only when gradients are synchronized:
+# ``set_requires_gradient_sync(False)`` accumulates unsharded on the device, then one reduced
+# shard arrives), on whatever stream FSDP2 made current: OffloadOptimizer records its events
+# on ``device.current_stream()`` read at that moment, never a stream captured earlier.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from offcore.errors import ConfigurationError, OffcoreError
+from offcore_torch.clip import clip_grad_norm_ as _clip_replicated
+from offcore_torch.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer
+
+__all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+class DDPHandoff:
+    """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`.
+
+    ``buckets_handed`` counts reduced buckets given to the optimizer (tests read it).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: OffloadOptimizer, process_group: Any) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self.process_group = process_group
+        self._members: set[int] = set()
+        for param in model.parameters():
+            try:
+                optimizer.master(param)
+            except ConfigurationError:
+                continue
+            self._members.add(id(param))
+        if not self._members:
+            raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
+        # (future, [(param, offset, numel, shape)]) of buckets reduced but not handed over yet
+        self._pending: list[tuple[torch.futures.Future[Any], list[tuple[torch.Tensor, int, int, torch.Size]]]] = []
+        self._callback_queued = False
+        self._last_copy: Any = None
+        self.buckets_handed = 0
+        self._forward_handle = model.register_forward_pre_hook(self._before_forward)
+
+    # the communication hook (main thread, inside backward)
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        layout = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            if id(param) in self._members:
+                layout.append((param, grad.storage_offset() - buffer.storage_offset(), grad.numel(), grad.shape))
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        buffer.div_(group.size())  # DDP's default: divide first, then sum (torch's allreduce_hook)
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        self._hand_over(block=False)
+        self._pending.append((future, layout))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return future
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._hand_over(block=True)
+
+    def _hand_over(self, *, block: bool) -> None:
+        optimizer = self._optimizer()
+        while self._pending:
+            future, layout = self._pending[0]
+            if not block and not future.done():
+                return
+            self._pending.pop(0)
+            reduced = future.wait()  # done: on hardware this orders the current stream after the collective
+            if optimizer is None:
+                continue
+            flat = reduced.view(-1)
+            for param, offset, numel, shape in layout:
+                self._last_copy = optimizer.accept_gradient(param, flat.narrow(0, offset, numel).view(shape))
+            self.buckets_handed += 1
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        last, self._last_copy = self._last_copy, None
+        optimizer = self._optimizer()
+        if last is not None and optimizer is not None:
+            optimizer._device.current_stream().wait_event(last)  # the next backward rewrites the buckets
+
+    def close(self) -> None:
+        """Remove the forward pre-hook (DDP cannot unregister a communication hook: keep the module or rebuild it)."""
+        self._forward_handle.remove()
+
+
+def attach_ddp(
+    model: torch.nn.parallel.DistributedDataParallel, optimizer: OffloadOptimizer, *, process_group: Any = None
+) -> DDPHandoff:
+    """Send DDP's *reduced* gradients to ``optimizer`` (Note [Reduced gradients go to the host]).
+
+    Build ``optimizer`` over ``model.parameters()`` after wrapping with DDP, then attach once, before the
+    first backward. The all-reduce is DDP's default (mean over ``process_group``, the world by default);
+    ``model.no_sync()`` accumulates on the device as usual and the reduced sum arrives at the synchronizing
+    backward. DDP keeps its gradient buckets on the device (``gradient_as_bucket_view=True`` avoids a second
+    copy in ``param.grad``); what leaves the device is the optimizer state and step.
+
+        >>> ddp = DistributedDataParallel(dev.adopt(model), gradient_as_bucket_view=True)   # doctest: +SKIP
+        >>> opt = OffloadOptimizer(ddp.parameters(), torch.optim.AdamW, device=dev, lr=1e-3) # doctest: +SKIP
+        >>> attach_ddp(ddp, opt)                                                            # doctest: +SKIP
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigurationError(f"attach_ddp takes a DistributedDataParallel module, got {type(model).__name__}")
+    if not isinstance(optimizer, OffloadOptimizer):
+        raise ConfigurationError(f"attach_ddp takes an OffloadOptimizer, got {type(optimizer).__name__}")
+    optimizer.remove_gradient_hooks()
+    handoff = DDPHandoff(model, optimizer, process_group)
+    model.register_comm_hook(None, lambda _state, bucket: handoff.hook(bucket))
+    return handoff
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+class FSDPOffloadOptimizer:
+    """:class:`OffloadOptimizer` over the local shards of a ``fully_shard`` model (one per rank).
+
+    Each rank's host optimizer steps its own shard; gradients arrive already reduce-scattered
+    (Note [Reduced gradients go to the host]); updated shards go back on the H2D stream and the
+    root module's next forward waits for them before FSDP2 all-gathers. ``state_dict()`` is keyed
+    by parameter name with DTensor values (torch.distributed.checkpoint saves it sharded and loads it
+    back in place); ``load_state_dict`` takes it back. Other keyword arguments go to
+    :class:`OffloadOptimizer` (``accumulation_steps``, ``master_weights``, ...) and the optimizer.
+
+        >>> opt = FSDPOffloadOptimizer(model, torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
+        >>> dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)                # doctest: +SKIP
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], *, device: Any, **kwargs: Any
+    ) -> None:
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        plain = [name for name, p in named if not _is_dtensor(p)]
+        if plain:
+            raise ConfigurationError(
+                f"FSDPOffloadOptimizer: parameters {plain[:5]} are not sharded (not DTensors); apply fully_shard to "
+                "the model (and its blocks) before building the optimizer"
+            )
+        if not named:
+            raise ConfigurationError("FSDPOffloadOptimizer: the model has no parameters that require grad")
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        # the local shards, as plain tensors sharing storage and version counter with FSDP2's shard
+        self.shards = [p.to_local().detach() for p in self.params]
+        self._storage = [_storage_ptr(s) for s in self.shards]
+        self.optimizer = OffloadOptimizer(self.shards, optimizer_class, device=device, **kwargs)
+        self._device = device
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_shard_hook(ref, i)) for i, p in enumerate(self.params)]
+        self._forward_handle = model.register_forward_pre_hook(_root_pre_forward(ref), prepend=True)
+        self._closed = False
+
+    # -- gradients and waits ------------------------------------------------------------
+    def _on_gradient(self, index: int) -> None:
+        param = self.params[index]
+        grad = param.grad
+        if grad is None:
+            return
+        self.optimizer.accept_gradient(self.shards[index], grad.to_local())
+        param.grad = None  # the host has it; the shard is freed once its copy landed
+
+    def _before_forward(self) -> None:
+        for index, param in enumerate(self.params):
+            if _storage_ptr(param.to_local()) != self._storage[index]:
+                raise OffcoreError(
+                    f"FSDPOffloadOptimizer: the local shard of {self.names[index]} moved to new storage (the model was "
+                    "re-sharded or loaded with assign=True after the optimizer was built); build the optimizer after "
+                    "loading, or load in place"
+                )
+        # FSDP2's all-gather reads the shards: the compute stream waits for their H2D copies first
+        self.optimizer.wait_for_parameters()
+
+    # -- the optimizer's surface ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> Any:
+        """The host step of every local shard (:meth:`OffloadOptimizer.step`)."""
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+        for param in self.params:
+            param.grad = None
+
+    def last_micro_step(self) -> Any:
+        return self.optimizer.last_micro_step()
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The host master of sharded parameter ``param`` (this rank's shard)."""
+        for index, each in enumerate(self.params):
+            if each is param:
+                return self.optimizer.master(self.shards[index])
+        raise ConfigurationError("this tensor is not a parameter of the FSDPOffloadOptimizer")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, group: Any = None) -> torch.Tensor:
+        """Clip the sharded host gradients to a global norm (:func:`clip_grad_norm_`)."""
+        return _clip_sharded(self.optimizer, max_norm, norm_type, group=group, device=self._device)
+
+    # -- state dicts (torch.distributed.checkpoint) ---------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {name: {key: DTensor | tensor}}, "param_groups": [...]}``, keyed by parameter name.
+
+        Per-parameter tensors shaped like the shard become DTensors with the parameter's mesh and
+        placements (saved sharded); scalars (``step``) stay plain (the same on every rank). Before the
+        first step the state is built by a zero-learning-rate step on copies and then dropped, as
+        ``torch.distributed.checkpoint.state_dict`` does, so a fresh optimizer has a template to load into.
+        """
+        from torch.distributed.tensor import DTensor
+
+        local = self.optimizer.state_dict()
+        if len(local["state"]) < len(self.shards):
+            local = self._template()
+        out_state: dict[str, Any] = {}
+        for index, values in local["state"].items():
+            param, shard = self.params[int(index)], self.shards[int(index)]
+            out_state[self.names[int(index)]] = {
+                key: _as_dtensor(value, param, shard, DTensor) for key, value in values.items()
+            }
+        groups = [{**g, "params": [self.names[int(i)] for i in g["params"]]} for g in local["param_groups"]]
+        out: dict[str, Any] = {"state": out_state, "param_groups": groups}
+        masters = local.get(MASTER_WEIGHTS_KEY)
+        if masters:
+            out[MASTER_WEIGHTS_KEY] = {
+                self.names[int(i)]: _as_dtensor(m, self.params[int(i)], self.shards[int(i)], DTensor)
+                for i, m in masters.items()
+            }
+        return out
+
+    def _template(self) -> dict[str, Any]:
+        host = self.optimizer.host_optimizer
+        masters = [m for g in host.param_groups for m in g["params"]]
+
+        def build() -> dict[str, Any]:
+            saved = [m.detach().clone() for m in masters]
+            grads = [m.grad for m in masters]
+            lrs = [g["lr"] for g in host.param_groups]
+            try:
+                for m in masters:
+                    if m.grad is None:
+                        m.grad = torch.zeros_like(m)
+                for g in host.param_groups:
+                    g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+                host.step()
+                return {"state": {i: dict(host.state[m]) for i, m in enumerate(masters)}}
+            finally:
+                for g, lr in zip(host.param_groups, lrs, strict=True):
+                    g["lr"] = lr
+                with torch.no_grad():
+                    for m, s, grad in zip(masters, saved, grads, strict=True):
+                        m.copy_(s)
+                        m.grad = grad
+                host.state.clear()
+
+        template = self.optimizer.run_on_host(build)
+        template["state"] = {i: {k: v.clone() for k, v in s.items()} for i, s in template["state"].items()}
+        template["param_groups"] = self.optimizer.state_dict()["param_groups"]
+        masters_sd = self.optimizer.state_dict().get(MASTER_WEIGHTS_KEY)
+        if masters_sd:
+            template[MASTER_WEIGHTS_KEY] = masters_sd
+        return template
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (after ``torch.distributed.checkpoint.load`` filled it in place)."""
+        index_of = {name: i for i, name in enumerate(self.names)}
+        unknown = [n for n in state_dict.get("state", {}) if n not in index_of]
+        if unknown:
+            raise ConfigurationError(f"FSDPOffloadOptimizer.load_state_dict: unknown parameter names {unknown[:5]}")
+        local: dict[str, Any] = {
+            "state": {
+                index_of[name]: {k: _local(v) for k, v in values.items()}
+                for name, values in state_dict.get("state", {}).items()
+            },
+            "param_groups": [
+                {**g, "params": [index_of[n] for n in g["params"]]} for g in state_dict.get("param_groups", [])
+            ],
+        }
+        masters = state_dict.get(MASTER_WEIGHTS_KEY)
+        if masters:
+            local[MASTER_WEIGHTS_KEY] = {index_of[n]: _local(m) for n, m in masters.items()}
+        self.optimizer.load_state_dict(local)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks and close the :class:`OffloadOptimizer` (host memory goes back)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._forward_handle.remove()
+        self.optimizer.close()
+
+    def __enter__(self) -> FSDPOffloadOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+
+
+def _as_dtensor(value: Any, param: Any, shard: torch.Tensor, dtensor: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
+        return dtensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return value
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if _is_dtensor(value) else value
+
+
+def _shard_hook(ref: weakref.ref[FSDPOffloadOptimizer], index: int) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None and not owner._closed:
+            owner._on_gradient(index)
+
+    return hook
+
+
+def _root_pre_forward(ref: weakref.ref[FSDPOffloadOptimizer]) -> Any:
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        owner = ref()
+        if owner is not None and not owner._closed:
+            owner._before_forward()
+
+    return hook
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+def _clip_sharded(
+    optimizer: OffloadOptimizer, max_norm: float, norm_type: float, *, group: Any, device: Any
+) -> torch.Tensor:
+    if optimizer.stepped_any:
+        raise ConfigurationError(
+            "clip_grad_norm_ needs every gradient before any host step, but host steps of this round already ran "
+            "under backward (accumulation_steps= / last_micro_step()); build the optimizer with accumulation_steps=None"
+        )
+    norm_type = float(norm_type)
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def local_norm() -> torch.Tensor:
+        found = grads()
+        if not found:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.nn.utils.get_total_norm(found, norm_type)
+
+    local = optimizer.run_on_host(local_norm)
+    # the collective runs on a device tensor: nccl/hccl groups cannot reduce host tensors
+    value = local.to(device.torch_device)
+    if norm_type == float("inf"):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        total = value
+    else:
+        value = value**norm_type  # DTensor's partial norm: x^p, sum over ranks, then ^(1/p)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        total = value ** (1.0 / norm_type)
+    total = total.cpu()
+
+    def scale() -> None:
+        found = grads()
+        if found:
+            torch.nn.utils.clip_grads_with_norm_(found, max_norm, total)
+
+    optimizer.run_on_host(scale)
+    return total
+
+
+def clip_grad_norm_(
+    optimizer: OffloadOptimizer | FSDPOffloadOptimizer, max_norm: float, norm_type: float = 2.0, *, group: Any = None
+) -> torch.Tensor:
+    """Clip the host gradients to a global norm of ``max_norm``; returns the norm (a host tensor).
+
+    With an :class:`FSDPOffloadOptimizer` the gradients are shards: the norm is the local norm combined
+    over ``group`` (the world by default) with one all-reduce, the same arithmetic as
+    ``torch.nn.utils.clip_grad_norm_`` on FSDP2's DTensor gradients. With an :class:`OffloadOptimizer`
+    under DDP the gradients are already reduced (the same on every rank): no collective.
+
+        >>> norm = clip_grad_norm_(opt, 1.0)     # doctest: +SKIP
+    """
+    if isinstance(optimizer, FSDPOffloadOptimizer):
+        return optimizer.clip_grad_norm_(max_norm, norm_type, group=group)
+    return _clip_replicated(optimizer, max_norm, norm_type)
