@@ -561,6 +561,7 @@ class ParameterOffloadHandle:
         """Copy a device copy that changed (its version moved, or ``.data`` escaped) back to the host."""
         dev, rt = self.device, self.runtime
         rt.d2h_stream.wait_stream(dev.current_stream())
+        rt.d2h_stream.wait_stream(rt.h2d_stream)  # after any upload into it (an optimizer's, too)
         dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
         self.ledger.record_copy(Direction.D2H, slot.nbytes)
         slot.version = slot.tensor._version
@@ -786,8 +787,16 @@ class ParameterOffloadHandle:
             self._maybe_free(slot)
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if any(s.outside for s in self._slots):
-            self.release()
+        """After any optimizer's step: what it fetched changed (write it back), then free it."""
+        fetched = [s for s in self._slots if s.outside]
+        if not fetched:
+            return
+        # an optimizer may upload into the parameters on a copy stream (OffloadOptimizer) and
+        # its copies need not bump the version counter: wait for them, write back every copy
+        self.runtime.h2d_stream.synchronize()
+        for slot in fetched:
+            slot.dirty = True
+        self.release()
 
     def _use_outside(self, slots: list[_Slot], *, escaped: bool) -> None:
         """An operator reads ``slots``: those no module call pins now are fetched and kept until released."""
