@@ -3,26 +3,29 @@
 //
 // See Note [Counting device memory with allocations] in tracking.py. In short: torch's CPU
 // allocator is wrapped once per process (c10::SetCPUAllocator with a priority above the
-// default's). An allocation made while the calling thread has a Ledger installed
+// default's). An allocation an operator makes while the calling thread has a Ledger installed
 // (set_current) is charged to that ledger, capacity-checked (over capacity: the ledger's
 // Python out-of-memory factory builds the exception, raised through torch as a
-// python_error), optionally poisoned with 0xFF bytes (the sanitizer), and handed out with
-// a deleter that credits the ledger when the memory is really freed (its StorageImpl died,
-// or a resize_ replaced it), from whatever thread. Any other allocation is the previous
+// python_error), optionally poisoned with 0xFF bytes (the sanitizer), and handed out with a
+// deleter that credits the ledger when the memory is really freed (its StorageImpl died, or
+// a resize_ replaced it), from whatever thread. Any other allocation is the previous
 // allocator's, untouched.
 
 #include <torch/extension.h>
 
-#include <ATen/record_function.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/Exceptions.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 
 namespace {
+
+// A Python number as a tensor has one element: at most a complex128.
+constexpr size_t kScalarBytes = 16;
 
 struct Ledger {
   Ledger(int64_t capacity, bool poison, pybind11::object oom)
@@ -42,44 +45,62 @@ struct Ledger {
   Ledger(const Ledger&) = delete;
   Ledger& operator=(const Ledger&) = delete;
 
-  // All fit, or nothing is charged. ``settle``: the peak takes the new figure now (false inside
-  // an operator: see settle()).
-  bool try_add(int64_t nbytes, int64_t count, bool settle = true) {
+  // All fit, or nothing is charged. ``pending``: a small allocation made while a Python
+  // number is in use on the thread (see commit()); it does not raise the peak yet.
+  bool try_add(int64_t nbytes, int64_t count, bool pending = false) {
     std::lock_guard<std::mutex> guard(mu);
     if (current + nbytes > capacity) {
       return false;
     }
     current += nbytes;
     allocations += count;
-    if (settle && current > peak) {
-      peak = current;
+    if (pending) {
+      pending_bytes += nbytes;
+    } else if (current - pending_bytes > peak) {
+      peak = current - pending_bytes;
     }
     return true;
-  }
-
-  // An operator returned: what it allocated and still holds (its outputs) is in the peak; its
-  // temporaries (a Python number wrapped as a CPU scalar tensor, a dtype cast of it, a
-  // workspace) were freed inside it and never are.
-  void settle() {
-    std::lock_guard<std::mutex> guard(mu);
-    if (current > peak) {
-      peak = current;
-    }
   }
 
   void add(int64_t nbytes, int64_t count) {
     std::lock_guard<std::mutex> guard(mu);
     current += nbytes;
     allocations += count;
+    if (current - pending_bytes > peak) {
+      peak = current - pending_bytes;
+    }
+  }
+
+  // ``generation``: that of a pending allocation (-1: not pending).
+  void sub(int64_t nbytes, int64_t count, int64_t of_generation = -1) {
+    std::lock_guard<std::mutex> guard(mu);
+    current -= nbytes;
+    allocations -= count;
+    if (of_generation == generation) {
+      pending_bytes -= nbytes;
+    }
+  }
+
+  // The Python numbers in use died (the operators using them returned): the pending
+  // allocations still alive were outputs, not the operator's dtype casts of the number
+  // (``x.mul_(2)`` on a float tensor casts 2 to a one-element float tensor inside the
+  // operator: host memory on CUDA, where the number stays on the host), so they count.
+  void commit() {
+    std::lock_guard<std::mutex> guard(mu);
+    pending_bytes = 0;
+    generation += 1;
     if (current > peak) {
       peak = current;
     }
   }
 
-  void sub(int64_t nbytes, int64_t count) {
+  // What has been live is the peak (the pending bytes too: they are live now).
+  int64_t read_peak() {
     std::lock_guard<std::mutex> guard(mu);
-    current -= nbytes;
-    allocations -= count;
+    if (current > peak) {
+      peak = current;
+    }
+    return peak;
   }
 
   std::mutex mu;
@@ -87,36 +108,30 @@ struct Ledger {
   int64_t current = 0;
   int64_t peak = 0;
   int64_t allocations = 0;
-  int64_t hooked = 0;  // live allocations made through the hook (under g_mu)
+  int64_t pending_bytes = 0;  // live bytes of pending allocations of this generation
+  int64_t generation = 0;
   bool poison;
   pybind11::object oom;  // oom(requested_bytes, allocated_bytes) -> exception instance
 };
 
+enum class Kind : uint8_t { Counted, Pending, Scalar };
+
 struct Entry {
   std::shared_ptr<Ledger> ledger;
   size_t nbytes;
+  Kind kind;
+  int64_t generation;  // Pending: the ledger's generation at allocation
+  std::shared_ptr<std::atomic<int64_t>> scalars;  // Scalar: its thread's count of live Python numbers
   c10::DeleterFnPtr deleter;
 };
 
-std::mutex g_mu;  // guards g_live and Ledger::hooked
+std::mutex g_mu;  // guards g_live
 std::unordered_map<void*, Entry> g_live;
-thread_local std::shared_ptr<Ledger> tl_ledger;
-// Operators running on this thread (nesting depth, from RecordFunction callbacks of this thread
-// while it has a fake device active): allocations inside one settle the peak when it returns.
-thread_local int tl_depth = 0;
-thread_local at::CallbackHandle tl_callback = at::INVALID_CALLBACK_HANDLE;
-
-std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& /*fn*/) {
-  ++tl_depth;
-  return nullptr;
-}
-
-void on_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
-  if (tl_depth > 0 && --tl_depth == 0 && tl_ledger) {
-    tl_ledger->settle();
-  }
-}
 c10::Allocator* g_previous = nullptr;
+
+thread_local std::shared_ptr<Ledger> tl_ledger;
+// Python numbers wrapped as tensors on this thread while a ledger was installed, still alive.
+thread_local std::shared_ptr<std::atomic<int64_t>> tl_scalars = std::make_shared<std::atomic<int64_t>>(0);
 
 [[noreturn]] void raise_out_of_memory(const std::shared_ptr<Ledger>& ledger, size_t nbytes) {
   pybind11::gil_scoped_acquire gil;
@@ -145,61 +160,100 @@ void tracked_delete(void* ptr) {
     if (it != g_live.end()) {
       entry = std::move(it->second);
       g_live.erase(it);
-      entry.ledger->hooked -= 1;
       found = true;
     }
   }
-  if (found) {
-    entry.ledger->sub(static_cast<int64_t>(entry.nbytes), 1);
-    entry.deleter(ptr);
+  if (!found) {  // not ours (raw_deallocate of an allocation made while no ledger was installed)
+    c10::DeleterFnPtr previous = g_previous->raw_deleter();
+    TORCH_INTERNAL_ASSERT(previous != nullptr);
+    previous(ptr);
     return;
   }
-  // Not ours (raw_deallocate of an allocation made while no ledger was installed).
-  c10::DeleterFnPtr previous = g_previous->raw_deleter();
-  TORCH_INTERNAL_ASSERT(previous != nullptr);
-  previous(ptr);
+  if (entry.kind == Kind::Scalar) {
+    if (entry.scalars->fetch_sub(1) == 1) {
+      entry.ledger->commit();
+    }
+  } else {
+    entry.ledger->sub(static_cast<int64_t>(entry.nbytes), 1, entry.kind == Kind::Pending ? entry.generation : -1);
+  }
+  entry.deleter(ptr);
 }
 
 // A Python number the frontend wraps as a one-element CPU tensor to pass it to an operator
-// (``x * 2``, ``x.mul_(2)``, ``x[0] = 3``): made under at::tracer::impl::NoTracerDispatchMode
-// (Tracer excluded) but, unlike ``torch.tensor(data)``, with Python dispatch still enabled.
-// On CUDA such scalars stay on the host: they are not device memory.
-bool cpu_scalar(size_t nbytes) {
-  return nbytes <= 16 && c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Tracer) &&
-         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python);
+// (``x * 2``, ``x.mul_(2)``, ``x[0] = 3``; also inside operators): made under
+// at::tracer::impl::NoTracerDispatchMode (Tracer excluded) but, unlike ``torch.tensor(data)``,
+// with Python dispatch still enabled. On CUDA such scalars stay on the host.
+bool python_number(size_t nbytes, c10::DispatchKeySet excluded) {
+  return nbytes <= kScalarBytes && excluded.has(c10::DispatchKey::Tracer) && !excluded.has(c10::DispatchKey::Python);
+}
+
+// Python-level code holding the GIL outside any operator (torch.get_rng_state(), an
+// UntypedStorage constructed directly) makes host tensors. Inside an operator called from
+// Python the GIL is released, or (``torch.tensor(data)``, kernels below autograd) the
+// ADInplaceOrView key is excluded.
+bool outside_operators(c10::DispatchKeySet excluded) {
+  return PyGILState_Check() && !excluded.has(c10::DispatchKey::ADInplaceOrView);
 }
 
 struct HookAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     const std::shared_ptr<Ledger>& ledger = tl_ledger;
-    if (!ledger || nbytes == 0 || cpu_scalar(nbytes)) {
+    if (!ledger || nbytes == 0) {
       return g_previous->allocate(nbytes);
     }
-    if (!ledger->try_add(static_cast<int64_t>(nbytes), 1, /*settle=*/tl_depth == 0)) {
+    c10::DispatchKeySet excluded = c10::impl::tls_local_dispatch_key_set().excluded_;
+    if (python_number(nbytes, excluded)) {
+      return track(g_previous->allocate(nbytes), nbytes, Kind::Scalar, ledger);
+    }
+    if (outside_operators(excluded)) {
+      return g_previous->allocate(nbytes);
+    }
+    bool pending = nbytes <= kScalarBytes && tl_scalars->load() > 0;
+    int64_t n = static_cast<int64_t>(nbytes);
+    if (!ledger->try_add(n, 1, pending)) {
       raise_out_of_memory(ledger, nbytes);
     }
     c10::DataPtr inner;
     try {
       inner = g_previous->allocate(nbytes);
     } catch (...) {
-      ledger->sub(static_cast<int64_t>(nbytes), 1);
+      ledger->sub(n, 1, -1);
+      ledger->commit();  // conservative: a failed pending allocation may not stay pending
       throw;
     }
+    if (ledger->poison && inner.get() != nullptr) {
+      std::memset(inner.get(), 0xFF, nbytes);  // Note [What the sanitizer poisons, and when], point 2
+    }
+    return track(std::move(inner), nbytes, pending ? Kind::Pending : Kind::Counted, ledger);
+  }
+
+  // Hands out ``inner`` with a deleter that credits ``ledger`` (Counted, Pending) or counts the
+  // Python number down (Scalar) when the memory is freed.
+  static c10::DataPtr track(c10::DataPtr inner, size_t nbytes, Kind kind, const std::shared_ptr<Ledger>& ledger) {
     void* data = inner.get();
-    if (data == nullptr || data != inner.get_context()) {  // not a plain pointer: not counted
-      ledger->sub(static_cast<int64_t>(nbytes), 1);
+    if (data == nullptr || data != inner.get_context()) {  // not a plain pointer: never happens on the CPU
+      if (kind != Kind::Scalar) {
+        ledger->sub(static_cast<int64_t>(nbytes), 1, -1);
+        ledger->commit();
+      }
       return inner;
+    }
+    int64_t generation = -1;
+    if (kind == Kind::Pending) {
+      std::lock_guard<std::mutex> guard(ledger->mu);
+      generation = ledger->generation;
+    }
+    std::shared_ptr<std::atomic<int64_t>> scalars;
+    if (kind == Kind::Scalar) {
+      scalars = tl_scalars;
+      scalars->fetch_add(1);
     }
     c10::DeleterFnPtr deleter = inner.get_deleter();
     c10::Device device = inner.device();
     inner.release_context();
-    if (ledger->poison) {
-      std::memset(data, 0xFF, nbytes);  // Note [What the sanitizer poisons, and when], point 2
-    }
     {
       std::lock_guard<std::mutex> guard(g_mu);
-      g_live[data] = Entry{ledger, nbytes, deleter};
-      ledger->hooked += 1;
+      g_live[data] = Entry{ledger, nbytes, kind, generation, std::move(scalars), deleter};
     }
     return c10::DataPtr(data, data, &tracked_delete, device);
   }
@@ -231,23 +285,6 @@ void set_current(std::shared_ptr<Ledger> ledger) {
   tl_ledger = std::move(ledger);
 }
 
-// Follow operator boundaries on this thread (a thread-local RecordFunction callback, so threads
-// without a fake device, and plain torch, pay nothing).
-void observe_ops(bool on) {
-  if (on && tl_callback == at::INVALID_CALLBACK_HANDLE) {
-    tl_depth = 0;
-    tl_callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_op_start, &on_op_end)
-                                                 .needsInputs(false)
-                                                 .needsOutputs(false)
-                                                 .needsIds(false)
-                                                 .scopes({at::RecordScope::FUNCTION}));
-  } else if (!on && tl_callback != at::INVALID_CALLBACK_HANDLE) {
-    at::removeCallback(tl_callback);
-    tl_callback = at::INVALID_CALLBACK_HANDLE;
-    tl_depth = 0;
-  }
-}
-
 std::shared_ptr<Ledger> get_current() {
   return tl_ledger;
 }
@@ -258,32 +295,34 @@ bool owns(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
   return it != g_live.end() && it->second.ledger == ledger;
 }
 
-int64_t hooked(const std::shared_ptr<Ledger>& ledger) {
-  std::lock_guard<std::mutex> guard(g_mu);
-  return ledger->hooked;
+int64_t locked(Ledger& ledger, int64_t Ledger::*field) {
+  std::lock_guard<std::mutex> guard(ledger.mu);
+  return ledger.*field;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<Ledger, std::shared_ptr<Ledger>>(m, "Ledger")
-      .def(pybind11::init<int64_t, bool, pybind11::object>(), pybind11::arg("capacity"), pybind11::arg("poison"),
-           pybind11::arg("oom"))
-      .def("try_add", &Ledger::try_add, pybind11::arg("nbytes"), pybind11::arg("count") = 1,
-           pybind11::arg("settle") = true)
-      .def("add", &Ledger::add, pybind11::arg("nbytes"), pybind11::arg("count") = 1)
-      .def("sub", &Ledger::sub, pybind11::arg("nbytes"), pybind11::arg("count") = 1)
-      .def("current", [](Ledger& l) { std::lock_guard<std::mutex> g(l.mu); return l.current; })
-      .def("peak", [](Ledger& l) { std::lock_guard<std::mutex> g(l.mu); return l.peak; })
-      .def("allocations", [](Ledger& l) { std::lock_guard<std::mutex> g(l.mu); return l.allocations; })
-      .def("reset_peak", [](Ledger& l) { std::lock_guard<std::mutex> g(l.mu); l.peak = l.current; })
-      .def_readwrite("poison", &Ledger::poison)
-      .def_readonly("capacity", &Ledger::capacity);
+  namespace py = pybind11;
+  py::class_<Ledger, std::shared_ptr<Ledger>>(m, "Ledger")
+      .def(py::init<int64_t, bool, py::object>(), py::arg("capacity"), py::arg("poison"), py::arg("oom"))
+      .def("try_add", &Ledger::try_add, py::arg("nbytes"), py::arg("count") = 1, py::arg("pending") = false)
+      .def("add", &Ledger::add, py::arg("nbytes"), py::arg("count") = 1)
+      .def("sub", &Ledger::sub, py::arg("nbytes"), py::arg("count") = 1, py::arg("of_generation") = -1)
+      .def("current", [](Ledger& l) { return locked(l, &Ledger::current); })
+      .def("peak", &Ledger::read_peak)
+      .def("allocations", [](Ledger& l) { return locked(l, &Ledger::allocations); })
+      .def("reset_peak", [](Ledger& l) {
+        std::lock_guard<std::mutex> guard(l.mu);
+        l.peak = l.current;
+        l.pending_bytes = 0;
+        l.generation += 1;
+      })
+      .def_readonly("capacity", &Ledger::capacity)
+      .def_readonly("poison", &Ledger::poison);
   m.def("install", &install);
   m.def("installed", &installed);
-  m.def("set_current", &set_current, pybind11::arg("ledger").none(true));
+  m.def("set_current", &set_current, py::arg("ledger").none(true));
   m.def("get_current", &get_current);
-  m.def("observe_ops", &observe_ops, pybind11::arg("on"));
-  m.def("owns", &owns, pybind11::arg("ledger"), pybind11::arg("address"));
-  m.def("hooked", &hooked, pybind11::arg("ledger"));
+  m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
 }

@@ -6,30 +6,44 @@ Two implementations with the same figures (``offcore.device("cpu", accounting=..
 
 # Note [Counting device memory with allocations]
 # A Python dispatch mode runs Python on every operator: a mode that only calls the operator
-# already costs ~5 us per operator, 1.5-1.8 x a small training step on the CPU
+# already costs ~5 us per operator, 1.5-1.9 x a small training step on the CPU
 # (benchmarks/fake_device_overhead.py), so the reference below cannot be cheap. The
 # ``"allocator"`` accounting counts where CUDA's own ``memory_allocated`` counts, in the
-# allocator: ``_alloc_hook.cpp`` (built once per machine with
-# ``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``) wraps torch's
-# CPU allocator (``c10::SetCPUAllocator``). While a thread has a fake device active (and
-# not suspended) the hook charges each allocation of that thread to the device's *ledger*
-# (bytes, peak, count, capacity; C++, no GIL), and the allocation's deleter credits it when
-# the memory is really freed -- when its storage dies, from any thread -- so views never
-# count twice and a storage shared by several tensors is freed with the last of them.
-# Nothing runs per operator; an allocation costs a hash-map insert. The arena keeps the
+# allocator: ``_alloc_hook.cpp`` (built once per machine with ``torch.utils.cpp_extension``,
+# cached under ``~/.cache/torch_extensions``) wraps torch's CPU allocator
+# (``c10::SetCPUAllocator``). While a thread has a fake device active (and not suspended) the
+# hook charges the allocations operators make on that thread to the device's *ledger*
+# (bytes, peak, count, capacity; C++), and the allocation's deleter credits it when the
+# memory is really freed -- when its storage dies, from any thread -- so views never count
+# twice and a storage shared by several tensors is freed with the last of them. Nothing runs
+# per operator; a counted allocation costs a hash-map insert and erase. The arena keeps the
 # device tier's figures in the same ledger (``MemoryArena.use_ledger``), so adopted tensors
 # and ``allocate(..)`` buffers share capacity and peak with the hooked allocations, and
 # ``arena.tier_of(storage)`` asks the hook whether it counts the storage's data pointer.
-# Over capacity, the hook raises the device's out-of-memory error (built by a Python
-# callable under the GIL, raised through torch as a ``python_error``) and allocates nothing.
-# With the sanitizer on, every hooked allocation is poisoned (0xFF) before torch writes it:
-# the outputs of ``empty``-family operators hold poison, as the reference poisons them
-# (an operator that writes its whole output overwrites the poison, so nothing else changes).
-# Differences from the reference, each closer to CUDA: an operator's temporary buffers
-# (allocated and freed inside it) count towards the peak while they live; an
-# ``UntypedStorage.resize_`` called directly is seen; zero-byte tensors are not
-# allocations. Work on threads where no fake device is active (the device's copy workers,
-# torch's intra-op pool) is not counted, as in the reference.
+# Over capacity the hook raises the device's out-of-memory error (built by a Python callable
+# under the GIL, raised through torch as a ``python_error``) and allocates nothing. With the
+# sanitizer on, every counted allocation is poisoned (0xFF) before torch writes it: the
+# outputs of ``empty``-family operators hold poison, as the reference poisons them (an
+# operator that writes its whole output overwrites the poison, so nothing else changes).
+# What is not device memory, as on CUDA (all told apart by thread-local state, no Python):
+# - a Python number wrapped as a one-element tensor to pass it to an operator (``x * 2``):
+#   made under torch's NoTracerDispatchMode with Python dispatch enabled (``torch.tensor``
+#   disables it); on CUDA it stays on the host;
+# - tensors Python-level code makes outside operators while holding the GIL
+#   (``torch.get_rng_state()``, ``UntypedStorage(n)``): inside an operator called from
+#   Python the GIL is released, or (``torch.tensor(data)``, kernels below autograd) the
+#   ADInplaceOrView dispatch key is excluded;
+# - an operator's dtype cast of such a number (``x.mul_(2)`` on a float tensor casts ``2``
+#   to a 4-byte tensor): an allocation of at most 16 bytes made while a wrapped number of the
+#   thread is alive is *pending*: counted in ``allocated_bytes`` but left out of the peak
+#   until the wrapped numbers die (the operators using them returned) or the figures are
+#   read, when what is still alive (an output, not a cast) enters the peak.
+# Differences from the reference, each closer to CUDA's allocator: an operator's internal
+# temporaries (a workspace, a contiguous copy) count towards the peak while they live;
+# an ``UntypedStorage.resize_`` inside an operator is seen; zero-byte tensors are not
+# allocations (the reference counts them in ``device_allocations``). Work on threads where
+# no fake device is active (the device's copy workers, torch's intra-op pool) is not counted,
+# as in the reference. tests/backends/test_cpu_accounting.py compares the two.
 
 # Note [Counting device memory with storages]
 # (The ``"dispatch"`` reference accounting.) On CUDA, ``torch.cuda.memory_allocated`` counts the live bytes of every tensor on the
@@ -357,7 +371,6 @@ def _sync_hook() -> None:
     stack = _active_stack()
     ledger = stack[-1].ledger if stack else None
     _hook.set_current(ledger)
-    _hook.observe_ops(ledger is not None)
 
 
 def _hooked_storage(owns: Any, ledger: Any, owner: Any) -> bool:
