@@ -45,6 +45,29 @@ next forward waiting per parameter on its own event.
 # bug). Each slot remembers the device parameter's version counter from when it last
 # matched the master (construction, and the H2D of each step once the host observed it
 # land); before a host step, a changed version reloads the master from the device.
+#
+# Note [The optimizer's moves go through the core]
+# Every *when* and *where* of the optimizer's copies is decided by the core's
+# offcore.residency.ResidencyScheduler (one per round, over the optimizer's own long-lived
+# offcore.scheduler.Scheduler: its keys are parameter indices, a namespace apart from the
+# activations' save order), and this class only translates events and executes actions:
+# - gradients are Kind.GRADIENT objects: registered as each D2H starts (``offload_started``;
+#   ``released`` at once: no device use follows), and their device copy is dropped when the
+#   core answers the landing with ``free`` (the core refuses before the D2H event completed);
+# - parameters are Kind.PARAMETER objects "produced on the host" (Note [Objects produced on
+#   the host] in offcore/residency.py): ``produced`` at their gradient's arrival (the default
+#   prediction is LIFO, as for activations: the last gradient of backward belongs to the first
+#   layer of the next forward), ``host_updated`` when their host step finished (a trigger:
+#   the core returns the uploads due, ``prefetch="asap"``, in need order, within
+#   ``upload_budget``); the order of the host steps at ``step()`` is the core's
+#   ``upload_order``; the next forward's first use of each parameter is ``used`` (a trigger:
+#   the uploads the budget held back), and those times teach the predictor for the next
+#   rounds (``backward_began``/``backward_ended`` bracket the uses).
+# What stays here is what only torch knows: hooks, version counters, streams and events,
+# the host optimizer's arithmetic, and the rule that a use of a parameter whose upload was
+# not issued yet issues it on demand (``reloaded``). An EVICT of an upload frees nothing
+# (it writes the parameter's own storage): the copy stays and is not repeated. The device
+# capacity check is off (``device_capacity=0``): an upload allocates no device memory.
 """
 
 from __future__ import annotations
@@ -52,6 +75,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 import weakref
@@ -63,7 +87,10 @@ import torch
 from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
+from offcore.objects import State
 from offcore.pool import HostBuffer
+from offcore.residency import ActionKind, ResidencyScheduler
+from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
 from offcore_torch.runtime import runtime_for
@@ -76,6 +103,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CHUNK_BYTES = 8 * 1024**2  # host steps at step(): batches of about this many master bytes
+_COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
 
 class _Slot:
@@ -94,7 +122,6 @@ class _Slot:
         "stepped",
         "h2d",
         "synced_version",
-        "order",
         "hook",
     )
 
@@ -111,7 +138,6 @@ class _Slot:
         self.stepped = False  # its host step of this round ran (or is queued)
         self.h2d: Any = None  # event of the last H2D of the master into the device parameter
         self.synced_version = param._version
-        self.order = index
         self.hook: Any = None
 
 
@@ -135,6 +161,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
       ``"host"``: accumulation and steps) and the forward's waits for parameters (``"wait"``).
     - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
       staging room): the host pool holding masters, gradients and staging buffers.
+    - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
+      in the next forward; the rest is uploaded at the forward's triggers, in the core's need
+      order (Note [The optimizer's moves go through the core]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
     keyed by the host masters); ``state_dict()`` is in torch's format.
@@ -153,6 +182,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory: bool = True,
         accumulation_steps: int | None = None,
         host_budget: int | str | None = None,
+        upload_budget: int | str | None = None,
         trace: TraceRecorder | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -193,7 +223,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
         self._futures: list[concurrent.futures.Future[Any]] = []
         self._last_micro = False
-        self._seen: set[int] = set()  # parameters seen in forward this round (their order is first use)
+        # the core scheduler (Note [The optimizer's moves go through the core])
+        self._predictor = Scheduler(margin=0.0)
+        self._upload_budget = 1 << 62 if upload_budget is None else parse_size(upload_budget, what="upload_budget")
+        self._rs: ResidencyScheduler | None = None
+        self._phase = _COLLECT
+        self._used: set[int] = set()  # parameters the forward of this round's uses phase used
+        self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
+        self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
         self._state_bytes = 0
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
@@ -352,6 +389,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._host is None:  # Optimizer.__init__ path, unused: groups are built in __init__
             raise OffcoreError("OffloadOptimizer is not initialised")
         self._drain()
+        with self._sched_lock:
+            self._close_round()  # the next round registers the new parameters too
         host_group = self._make_slots(param_group)
         self._host.add_param_group(host_group)
         self._regroup()
@@ -393,10 +432,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         For parameters the forward pre-hook cannot see (FSDP2's sharded parameters are read by its
         all-gather, not by a module call).
         """
-        if not self._pending_h2d:
-            return
-        for slot in self._slots if params is None else [self._slot(p) for p in params]:
-            self._wait_parameter(slot)
+        slots = self._slots if params is None else [self._slot(p) for p in params]
+        with self._sched_lock:
+            for slot in slots:
+                self._make_current(slot)
 
     def _send_gradient(self, slot: _Slot, grad: torch.Tensor, *, clear: bool) -> Any:
         """Start the D2H of ``grad`` as ``slot``'s gradient (``clear``: set ``param.grad`` to None); its event."""
@@ -430,8 +469,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             param.grad = None  # freed once the copy landed (the holder keeps it until then)
         holder = [grad]
         self.ledger.add(Tier.DEVICE, Kind.GRADIENT, nbytes)
+        with self._sched_lock:
+            rs = self._round()
+            rs.produced(slot.index, time.perf_counter())
+            gkey = next(self._grad_keys)
+            rs.register(gkey, Kind.GRADIENT, nbytes)
+            rs.offload_started(gkey, done, self._host_tier)
+            rs.released(gkey)  # no device use follows: the copy goes as soon as it landed
+        entry = (done, holder, nbytes, gkey, rs)
         with self._lock:
-            self._in_flight.append((done, holder, nbytes))
+            self._in_flight.append(entry)
         accumulate = slot.accumulated
         slot.accumulated = True
         slot.arrivals += 1
@@ -440,7 +487,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if run_step:
             slot.stepped = True
             self._check_fresh(slot)
-        self._submit(self._land, slot, done, holder, staging, target, accumulate, run_step)
+        self._submit(self._land, slot, done, entry, staging, target, accumulate, run_step)
         self._release_landed()
         return done
 
@@ -465,28 +512,45 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with self._lock:
                 if not self._in_flight:
                     return
-                done, holder, nbytes = self._in_flight[0]
+                entry = self._in_flight[0]
+            done = entry[0]
+            failed = False
             if not wait:
                 try:
                     if not done.query():
                         return
                 except Exception:
-                    pass  # a failed copy is complete; its task reports the failure
+                    failed = True  # a failed copy is complete; its task reports the failure
             else:
-                with contextlib.suppress(Exception):
+                try:
                     done.synchronize()
+                except Exception:
+                    failed = True
             with self._lock:
-                if self._in_flight and self._in_flight[0][1] is holder:
-                    self._in_flight.popleft()
-                    if holder:
-                        holder.clear()
-                        self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+                if not (self._in_flight and self._in_flight[0] is entry):
+                    continue
+                self._in_flight.popleft()
+            self._free_gradient(entry, failed=failed)
+
+    def _free_gradient(self, entry: tuple[Any, ...], *, failed: bool) -> None:
+        """A gradient's D2H completed (or failed): the core frees its device copy, once."""
+        _, holder, nbytes, gkey, rs = entry
+        with self._sched_lock:
+            if not holder:
+                return
+            if failed:
+                rs.offload_failed(gkey)  # the device copy stays the data; the micro-step's gradient is lost
+            else:
+                action = rs.landed(gkey, needed=False)
+                assert action.kind is ActionKind.FREE, action
+            holder.clear()
+        self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
 
     def _land(
         self,
         slot: _Slot,
         done: Any,
-        holder: list[torch.Tensor],
+        entry: tuple[Any, ...] | None,
         staging: HostBuffer | None,
         target: torch.Tensor,
         accumulate: bool,
@@ -497,15 +561,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             try:
                 done.synchronize()
             except Exception as exc:
+                if entry is not None:
+                    self._free_gradient(entry, failed=True)
                 raise CopyFailedError(
                     f"OffloadOptimizer: the D2H copy of parameter {slot.index}'s gradient failed ({exc}); "
                     "its gradient of this micro-step is lost, run the micro-step again"
                 ) from exc
-            with self._lock:
-                if holder:
-                    holder.clear()
-                    nbytes = target.numel() * target.element_size()
-                    self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+            if entry is not None:
+                self._free_gradient(entry, failed=False)
             if staging is not None:
                 began = time.perf_counter()
                 if accumulate:
@@ -519,12 +582,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._release_staging(staging)
         slot.master.grad = slot.grad
         if run_step:
-            self._step_slots([slot])
+            self._step_slots([slot], entry[4] if entry is not None else self._rs)
 
     # -- host steps -----------------------------------------------------------------------
-    def _step_slots(self, slots: list[_Slot], issue: bool = True) -> None:
+    def _step_slots(self, slots: list[_Slot], rs: ResidencyScheduler | None = None) -> None:
         """Worker: one host optimizer step over ``slots`` only, the casts for their H2D copies, and
-        (``issue``) the copies themselves."""
+        (``rs``) the core's uploads due once they are updated."""
         assert self._host is not None
         for slot in slots:
             if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
@@ -546,8 +609,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in slots:
             if slot.stage is not None:
                 slot.stage.copy_(slot.master)
-        if issue:
-            self._issue_h2d(slots, cast=False)
+        if rs is not None:
+            self._host_updated(rs, slots)
 
     def _h2d_after_compute(self) -> None:
         """Order the H2D stream after the work queued so far on this thread's compute stream.
@@ -560,18 +623,114 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device.current_stream().record_event(done)
         self._runtime.h2d_stream.wait_event(done)
 
-    def _issue_h2d(self, slots: list[_Slot], *, cast: bool = True) -> None:
-        dev, rt = self._device, self._runtime
-        for slot in sorted(slots, key=lambda s: s.order):
-            src = slot.master
-            if slot.stage is not None:
-                if cast:
-                    slot.stage.copy_(slot.master)
-                src = slot.stage
-            event = dev.copy_(slot.param.detach(), src, stream=rt.h2d_stream)
-            with self._lock:
-                slot.h2d = event
-                self._pending_h2d[id(slot.param)] = slot
+    def _copy_up(self, slot: _Slot) -> Any:
+        """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event."""
+        src = slot.stage if slot.stage is not None else slot.master
+        event = self._device.copy_(slot.param.detach(), src, stream=self._runtime.h2d_stream)
+        with self._lock:
+            slot.h2d = event
+            self._pending_h2d[id(slot.param)] = slot
+        return event
+
+    # -- the core scheduler (Note [The optimizer's moves go through the core]) ---------------
+    def _round(self) -> ResidencyScheduler:
+        """The current round's scheduler; gradients after ``step()`` begin a new round (sched lock held)."""
+        rs = self._rs
+        if rs is None or self._phase != _COLLECT:
+            rs = self._begin_round()
+        return rs
+
+    def _begin_round(self) -> ResidencyScheduler:
+        self._close_round()
+        rs = ResidencyScheduler(
+            self._predictor,
+            duration=self._runtime.h2d_duration,
+            prefetch="asap",
+            budget=self._upload_budget,
+            margin=0.0,
+        )
+        rs.forward_began(time.perf_counter())
+        for slot in self._slots:
+            rs.register(slot.index, Kind.PARAMETER, slot.param.numel() * slot.param.element_size())
+            rs.awaiting_host(slot.index)
+        rs.make_plan()
+        self._rs, self._phase = rs, _COLLECT
+        self._used.clear()
+        return rs
+
+    def _close_round(self) -> None:
+        """Upload what the budget still held back; the uses seen teach the predictor (sched lock held)."""
+        rs = self._rs
+        if rs is None:
+            return
+        self._upload_rest(rs)
+        if self._phase == _USES:
+            rs.backward_ended(time.perf_counter())
+        self._rs = None
+
+    def _upload_rest(self, rs: ResidencyScheduler) -> None:
+        rest = [k for k, o in rs.objects.items() if k >= 0 and o.state is State.OFFLOADED]
+        if rest:
+            self._h2d_after_compute()
+            for key in rs.upload_order(rest):
+                rs.reloaded(key, self._copy_up(self._slots[key]))
+
+    def _execute(self, rs: ResidencyScheduler, actions: Iterable[Any]) -> None:
+        """Carry out the core's actions (sched lock held)."""
+        for action in actions:
+            if action.kind is ActionKind.PREFETCH:
+                try:
+                    event = self._copy_up(self._slots[action.key])
+                except BaseException:
+                    rs.refused(action.key, "failed")
+                    raise
+                rs.started(action.key, event)
+            # EVICT: the upload writes the parameter's own storage; nothing to free, the copy stays
+
+    def _host_updated(self, rs: ResidencyScheduler, slots: list[_Slot]) -> None:
+        """The host steps of ``slots`` finished: the core returns the uploads due now."""
+        with self._sched_lock:
+            for slot in slots:
+                self._execute(rs, rs.host_updated(slot.index))
+
+    def _make_current(self, slot: _Slot) -> None:
+        """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
+        the budget held it back) and the compute stream waits for it (sched lock held)."""
+        rs = self._rs
+        if rs is not None:
+            obj = rs.objects.get(slot.index)
+            if obj is not None:
+                if obj.state is State.OFFLOADED:
+                    rs.reloaded(slot.index, self._copy_up(slot))
+                elif obj.state is State.PREFETCHING:
+                    rs.awaited(slot.index)
+        if self._pending_h2d:
+            self._wait_parameter(slot)
+
+    def _on_use(self, slot: _Slot) -> None:
+        """A module is about to read ``slot``'s parameter (forward pre-hook, main thread)."""
+        if self._rs is None:
+            if self._pending_h2d:
+                self._wait_parameter(slot)
+            return
+        with self._sched_lock:
+            rs = self._rs
+            if rs is None or self._phase == _COLLECT:  # a micro-step's forward: no uses phase
+                self._make_current(slot)
+                return
+            key = slot.index
+            if key in self._used:
+                if self._pending_h2d:
+                    self._wait_parameter(slot)
+                return
+            now = time.perf_counter()
+            if self._phase == _STEPPED:
+                rs.backward_began(now)  # the uses phase of the round: the next forward
+                self._phase = _USES
+            self._used.add(key)
+            self._make_current(slot)
+            rs.consumed(key)
+            self._execute(rs, rs.used(key, now, managed_key=key))
 
     def _wait_parameter(self, slot: _Slot) -> None:
         """Make the compute stream wait for ``slot``'s H2D (a forward pre-hook); the host observes it."""
@@ -611,6 +770,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every copy and host step in flight; the device parameters are up to date after it."""
         self._drain()
+        with self._sched_lock:
+            if self._rs is not None:
+                self._upload_rest(self._rs)
         with self._lock:
             pending = list(self._pending_h2d.values())
         for slot in pending:
@@ -643,7 +805,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._drain()
         if not self._offload_gradients:
             self._gradients_from_device()
-        remaining = [s for s in sorted(self._slots, key=lambda s: s.order) if not s.stepped and s.accumulated]
+        with self._sched_lock:
+            rs = self._round()
+            rs.make_plan()  # with this round's gradient arrivals
+            keys = [s.index for s in self._slots if not s.stepped and s.accumulated]
+            remaining = [self._slots[k] for k in rs.upload_order(keys)]  # first needed, first stepped
         for slot in remaining:
             self._check_fresh(slot)
         chunks: list[list[_Slot]] = [[]]
@@ -655,8 +821,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 chunks.append([])
                 size = 0
         self._h2d_after_compute()
-        # the worker steps chunk k+1 while this thread issues chunk k's H2D copies
-        futures = [(self._worker.submit(self._step_slots, chunk, False), chunk) for chunk in chunks if chunk]
+        # the worker steps chunk k+1 while this thread carries out the uploads chunk k made due
+        futures = [(self._worker.submit(self._step_slots, chunk), chunk) for chunk in chunks if chunk]
         error: BaseException | None = None
         try:
             for future, chunk in futures:
@@ -666,7 +832,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     error = error or exc
                     continue
                 if error is None:
-                    self._issue_h2d(chunk, cast=False)
+                    self._host_updated(rs, chunk)
         finally:
             self._end_round()
         if error is not None:
@@ -677,7 +843,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in self._slots:
             slot.stepped = False
             slot.arrivals = 0
-        self._seen.clear()
+        with self._sched_lock:
+            if self._rs is not None and self._phase == _COLLECT:
+                self._phase = _STEPPED  # the next forward's first uses are this round's uses
         self._count_state()
 
     def _gradients_from_device(self) -> None:
@@ -686,10 +854,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         produced = dev.new_event()
         dev.current_stream().record_event(produced)
         rt.d2h_stream.wait_event(produced)
-        for slot in self._slots:
+        with self._sched_lock:
+            rs = self._round()
+        for slot in reversed(self._slots):  # produced last, needed first: the default is registration order
             grad = slot.param.grad
             if grad is None:
                 continue
+            with self._sched_lock:
+                rs.produced(slot.index, time.perf_counter())
             staging = None
             if grad.dtype == slot.grad.dtype:
                 target = slot.grad
@@ -699,7 +871,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 target = _typed(staging, grad.dtype, grad.shape)
             done = dev.copy_(target, grad, stream=rt.d2h_stream)
             slot.accumulated = True
-            self._submit(self._land, slot, done, [], staging, target, False, False)  # p.grad keeps the source
+            self._submit(self._land, slot, done, None, staging, target, False, False)  # p.grad keeps the source
 
     def _count_state(self) -> None:
         total = 0
@@ -800,12 +972,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.run_on_host(host.load_state_dict, state_dict)
         self._regroup()
         self.synchronize()
+        with self._sched_lock:
+            self._close_round()
         for slot in self._slots:
             master = masters.get(slot.index, masters.get(str(slot.index)))
             if master is not None and slot.stage is not None:
                 self.run_on_host(slot.master.copy_, master)
                 self._h2d_after_compute()
-                self._issue_h2d([slot])
+                self.run_on_host(slot.stage.copy_, slot.master)
+                self._copy_up(slot)
                 self._wait_parameter(slot)
                 slot.h2d.synchronize()
                 slot.synced_version = slot.param._version
@@ -855,6 +1030,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.stage = None
         self._host = None
         self._pending_h2d.clear()
+        self._rs = None
 
     def __enter__(self) -> OffloadOptimizer:
         return self
@@ -893,14 +1069,8 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
             if param is None:
                 continue
             slot = by_param.get(id(param))
-            if slot is None:
-                continue
-            if optimizer._pending_h2d:
-                optimizer._wait_parameter(slot)
-            seen = optimizer._seen
-            if id(param) not in seen:
-                seen.add(id(param))
-                slot.order = len(seen)
+            if slot is not None:
+                optimizer._on_use(slot)
 
     return hook
 

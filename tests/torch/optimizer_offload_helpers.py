@@ -93,8 +93,11 @@ def run(
     offload_gradients: bool = True,
     seed: int = 0,
     build: Callable[[int], torch.nn.Module] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Trace:
-    """``steps`` optimizer steps of ``accumulation`` micro-steps each; offloaded or the host reference."""
+    """``steps`` optimizer steps of ``accumulation`` micro-steps each; offloaded or the host reference.
+
+    ``options``: more OffloadOptimizer keywords (``upload_budget``, ``tier``...)."""
     cls, kwargs = OPTIMIZERS[optimizer]
     trace = Trace()
     model = (build or work.build)(seed).to(dtype)
@@ -108,6 +111,7 @@ def run(
                 master_weights=master_weights,
                 offload_gradients=offload_gradients,
                 accumulation_steps=accumulation if overlap else None,
+                **(options or {}),
                 **kwargs,
             )
         else:
