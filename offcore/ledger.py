@@ -38,8 +38,14 @@ class CopyTotals:
 
     @property
     def bandwidth(self) -> float:
-        """Achieved bytes per second of the timed copies (0 when nothing was timed)."""
-        return self.timed_bytes / self.seconds if self.seconds > 0 else 0.0
+        """Achieved bytes per second of the timed copies (0 when nothing was timed).
+
+        Totals filled in by hand (``bytes`` and ``seconds`` of every copy, no ``timed_bytes``)
+        count every copy as timed.
+        """
+        if self.seconds <= 0:
+            return 0.0
+        return (self.timed_bytes or self.bytes) / self.seconds
 
 
 @dataclass
@@ -103,12 +109,16 @@ class Ledger:
                 return self._tier_peak.get(tier, 0)
             return self._peak.get((tier, kind), 0)
 
-    def record_copy(self, direction: Direction, nbytes: int, *, seconds: float | None = None) -> None:
-        """Count one copy of ``nbytes`` in ``direction``; ``seconds``: its measured time, if it was timed."""
+    def record_copy(self, direction: Direction, nbytes: int, *, seconds: float | None = None, copies: int = 1) -> None:
+        """Count a copy of ``nbytes`` in ``direction``; ``seconds``: its measured time, if it was timed.
+
+        ``copies``: how many copies ``nbytes`` totals (a binding may count its copies in
+        plain integers on its hot path and add them here in a batch).
+        """
         with self._lock:
             totals = self.copies[direction]
             totals.bytes += nbytes
-            totals.copies += 1
+            totals.copies += copies
             if seconds is not None:
                 totals.timed_bytes += nbytes
                 totals.seconds += seconds

@@ -269,6 +269,11 @@ class ResidencyScheduler:
             self._counted.remove(key)
             self.outstanding -= self.objects[key].nbytes
 
+    def is_outstanding(self, key: int) -> bool:
+        """Whether ``key``'s device copy counts against the budget now: prefetched (or held)
+        ahead of use and not yet taken over by backward (Note [Budget semantics])."""
+        return key in self._counted
+
     def within_budget(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more may be prefetched now (Note [Budget semantics])."""
         budget = self.budget

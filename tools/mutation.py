@@ -75,7 +75,7 @@ MUTATIONS: list[Mutation] = [
         [
             (
                 "plugins/offcore_torch/offload.py",
-                '        if _current_autograd_node() is not None:\n            return self._keep(tensor, key, "during_backward")\n',
+                "        reason = rules.before_storage(tensor)\n",
                 '        return self._keep(tensor, key, "mutation: offload is a no-op")\n',
             )
         ],
@@ -181,7 +181,13 @@ MUTATIONS: list[Mutation] = [
                 "plugins/offcore_torch/offload.py",
                 "            stream.wait_event(device.current_stream().record_event())\n",
                 "            pass\n",
-            )
+            ),
+            (
+                "plugins/offcore_torch/offload.py",
+                "        stream.wait_event(device.current_stream().record_event())\n"
+                "        return device.copy_(dst, src, stream=stream)\n",
+                "        return device.copy_(dst, src, stream=stream)\n",
+            ),
         ],
         known_gap=(
             "the fake device's compute stream is the calling thread: an operator has finished before copy_ is "

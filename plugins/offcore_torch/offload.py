@@ -49,21 +49,32 @@ How a saved tensor travels (every step uses the Backend protocol only):
 # keep their device memory if the plan would reload them right away ("held", counted
 # against the prefetch budget like a reload). Everything else is released on landing
 # and reloaded by deadline. Without this, backward's first unpack would always stall.
+
+# Note [Batched bookkeeping]
+# pack and unpack run once per saved tensor on the thread that launches kernels, so they do
+# per tensor only what cannot wait: decide (offcore_torch.policy.PackRules), submit the
+# copy, and tell the scheduler. Figures are batched: copies are counted in plain integers
+# and added to the region's Ledger at the region's exit, at the end of backward and in
+# stats(); copy timings are a sample read in batches (runtime.py Note [Timings are read in
+# batches]); host bytes go to the ledger per buffer (O(1)). Nothing grows with history:
+# an entry lives as long as autograd's records of its storage, a landing or a deferred
+# release as long as its copy is in flight. What autograd holds per saved tensor is one
+# small record (offcore_torch.records), one entry per offloaded storage, and the
+# scheduler's ManagedObject; the entry's lifecycle is an EntryState, not flags.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from offcore.errors import (
     CapacityExceededError,
@@ -76,45 +87,23 @@ from offcore.kinds import Direction, Kind, Tier
 from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
 from offcore.protocols import Capability
-from offcore.residency import Action, ActionKind, ResidencyScheduler, Watermark
+from offcore.residency import Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
-from offcore_torch.policy import OffloadPolicy
+from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
+from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, storage_ref
 from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
     internal_ops,
-    is_offloadable_kind,
-    is_parameter_like,
     raw_bytes,
     release_storage,
-    storage_key,
-    version_keeper,
 )
 
 __all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark", "synchronize", "poll"]
-
-_local = threading.local()
-
-
-# ----------------------------------------------------------------------------- user marks
-@contextlib.contextmanager
-def no_offload() -> Iterator[None]:
-    """Inside this block (on this thread) nothing is offloaded, e.g. around an output head.
-
-    >>> with offcore_torch.offload_activations(dev) as handle:      # doctest: +SKIP
-    ...     h = model.body(x)
-    ...     with offcore_torch.no_offload():
-    ...         loss = model.head(h)
-    """
-    _local.suspended = getattr(_local, "suspended", 0) + 1
-    try:
-        yield
-    finally:
-        _local.suspended -= 1
 
 
 def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
@@ -194,166 +183,6 @@ class _CopyRefused(Exception):
     """A copy could not be submitted; the tensor stays on the device (internal to pack)."""
 
 
-# ------------------------------------------------------------------------- saved records
-class _Kept:
-    """What autograd holds for a tensor offcore did not offload: the tensor (detached) and its version."""
-
-    __slots__ = ("tensor", "version", "key")
-
-    def __init__(self, tensor: torch.Tensor, key: int) -> None:
-        # detach(): a saved *output* holding its own grad_fn would form a reference cycle
-        # autograd cannot collect. The alias shares the version counter.
-        if tensor.grad_fn is None:
-            self.tensor = tensor  # a leaf: holding it forms no cycle
-        elif is_offloadable_kind(tensor):
-            with internal_ops():
-                self.tensor = tensor.detach()
-        else:
-            self.tensor = tensor.detach()
-        self.version = tensor._version
-        self.key = key
-
-
-class _Offloaded:
-    """What autograd holds for an offloaded tensor: its storage entry, metadata and version keeper."""
-
-    __slots__ = ("entry", "keeper", "version", "meta", "key", "fmt", "unpacked_round", "__weakref__")
-
-    def __init__(self, entry: _Entry, tensor: torch.Tensor, key: int, fmt: Any, meta: TensorMeta | None = None) -> None:
-        self.entry = entry
-        self.keeper = version_keeper(tensor)
-        self.version = tensor._version
-        self.meta = meta if meta is not None else TensorMeta.of(tensor)
-        self.key = key
-        self.fmt = fmt
-        self.unpacked_round = -1
-
-    def __del__(self) -> None:
-        entry = self.entry
-        if entry is not None:
-            try:
-                entry.region._item_died(entry)
-            except Exception:  # pragma: no cover - never raise from a finalizer
-                pass
-
-
-class _Entry:
-    """One offloaded storage: its copies, its host buffer and the records that use it."""
-
-    __slots__ = (
-        "region",
-        "key",
-        "where",
-        "meta",
-        "_name",
-        "nbytes",
-        "obj",
-        "skey",
-        "storage_ref",
-        "src",
-        "host",
-        "host_view",
-        "version_at_copy",
-        "items",
-        "live",
-        "restored",
-        "restored_ref",
-        "modified_in_flight",
-        "landed",
-        "held",
-        "freed",
-        "disposed",
-        "used",
-        "used_round",
-        "keys",
-        "failed",
-        "keepers_pointed",
-        "__weakref__",
-    )
-
-    def __init__(
-        self,
-        region: OffloadHandle,
-        key: int,
-        where: str,
-        meta: TensorMeta,
-        storage: torch.UntypedStorage,
-        nbytes: int,
-        skey: int,
-    ) -> None:
-        self.region = region
-        self.key = key
-        self.where = where
-        self.meta = meta
-        self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
-        self.nbytes = nbytes
-        # registered with the region's scheduler once its device-to-host copy was submitted
-        self.obj: ManagedObject = None  # type: ignore[assignment]
-        self.skey = skey
-        self.storage_ref: weakref.ref[torch.UntypedStorage] = _StorageRef(storage, self)
-        self.src: torch.Tensor | None = None
-        self.host: Any = None
-        self.host_view: torch.Tensor | None = None
-        self.version_at_copy = 0
-        self.items: list[weakref.ref[_Offloaded]] = []
-        self.live = 0
-        self.restored: torch.UntypedStorage | None = None
-        self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
-        self.used = False  # unpacked at least once
-        self.used_round = -1  # the last backward round that unpacked it
-        self.keys: list[int] = []  # pack keys of every record that reads this storage
-        self.modified_in_flight = False
-        self.landed = False
-        self.held = False  # counted in held_elsewhere_bytes
-        self.freed = False  # counted in freed_device_bytes
-        self.disposed = False
-        self.failed = False  # its device-to-host copy failed: the device copy stays the data
-        # the records' version keepers point at ``restored`` (Note [Restore through the version keeper])
-        self.keepers_pointed = False
-
-    @property
-    def name(self) -> str:
-        """``#<save index> <module> <shape> <dtype>``: how stats, waits and traces name this storage."""
-        name = self._name
-        if name is None:
-            name = self._name = f"#{self.key} {self.where} {self.meta.describe()}"
-        return name
-
-    def live_items(self) -> list[_Offloaded]:
-        return [item for ref in self.items if (item := ref()) is not None]
-
-    def all_unpacked(self, round_: int) -> bool:
-        """Every record autograd still holds was unpacked in backward round ``round_``."""
-        return all(item.unpacked_round == round_ for item in self.live_items())
-
-
-class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to an offloaded storage that tells its entry when the storage dies.
-
-    The entry is reached weakly (no entry -> weakref -> entry cycle); one shared callback,
-    no closure per storage.
-    """
-
-    __slots__ = ("entry_ref",)
-
-    def __new__(cls, storage: torch.UntypedStorage, entry: _Entry) -> _StorageRef:
-        return super().__new__(cls, storage, _storage_died)
-
-    def __init__(self, storage: torch.UntypedStorage, entry: _Entry) -> None:
-        super().__init__(storage, _storage_died)
-        self.entry_ref = weakref.ref(entry)
-
-
-def _storage_died(ref: _StorageRef) -> None:
-    # Note [When may a device copy be freed?], point (2): bytes count as freed only here.
-    found = ref.entry_ref()
-    if found is not None:
-        try:
-            found.region._storage_died(found)
-        except Exception:  # pragma: no cover - weakref callbacks must not raise
-            pass
-
-
 def _allocated_bytes_of(device: Any) -> Any:
     """A probe of the device bytes allocated now, by the backend's own accounting (the scheduler's device budget)."""
 
@@ -372,8 +201,9 @@ def poll(runtime: DeviceRuntime) -> None:
     :func:`synchronize`, settles every region's copies, active or finished.
     """
     runtime.poll()
-    for entry, failure in runtime.take_landed():
-        entry.region._on_landed(entry, failure)
+    if runtime._landed:  # the runtime's queue of landings (take_landed empties it): skip the call when empty
+        for entry, failure in runtime.take_landed():
+            entry.region._on_landed(entry, failure)
 
 
 def synchronize(device: Any) -> None:
@@ -416,17 +246,9 @@ class OffloadHandle:
         self._thread = 0  # the thread that entered: saved-tensor hooks are per thread
         self._lock = threading.RLock()
         self._hooks: Any = None
-        self._module_handles: list[Any] = []
-        self._param_keys: set[int] = set()
-        self._seen_modules: dict[int, str] = {}
-        self._module_stack: list[str] = []
-        self._scope_depth = 0
-        self._exclude_depth = 0
-        self._watermark_rule = (
-            Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
-        )
-        self._by_storage: dict[int, _Entry] = {}
-        self._by_key: dict[int, _Entry] = {}
+        self._rules = PackRules(policy, device)  # the pack decisions (policy.py)
+        self._by_storage: dict[int, Entry] = {}
+        self._by_key: dict[int, Entry] = {}
         self._next_key = 0
         self._t_enter = 0.0
         self._t_exit = 0.0
@@ -456,11 +278,9 @@ class OffloadHandle:
         self._sanitize = Capability.SANITIZER in capabilities
         self._host_pool: Any = None  # the runtime's pool for this policy, looked up once
         self._tracing = policy.trace
-        self._timed_per_direction: collections.Counter[Direction] = collections.Counter()
-        # the policy's per-tensor decisions that never change, taken once
-        self._min_bytes = policy.min_bytes
-        self._scoped = policy.modules is not None
-        self._watermark = policy.watermark is not None
+        # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
+        self._d2h_copies = self._d2h_bytes = self._h2d_copies = self._h2d_bytes = 0
+        self._flushed = (0, 0, 0, 0)
 
     @property
     def _round(self) -> int:
@@ -501,15 +321,14 @@ class OffloadHandle:
             )
         self._entered = True
         poll(self.runtime)
-        if self.runtime.timings_between_steps:
-            self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
+        self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
         if _inside_checkpoint():
             # torch.utils.checkpoint discards and recomputes what is saved in here; offloading
             # in forward but not in its recomputation would desynchronise it, so step aside.
             self.bypassed = True
             return self
         stats = self.device.memory_stats()
-        self._capacity = int(stats.get("capacity_bytes", 0) or 0)
+        self._capacity = self._rules.capacity = int(stats.get("capacity_bytes", 0) or 0)
         self._sched.device_capacity = self._capacity
         self._peak_baseline = int(stats.get("peak_allocated_bytes", 0) or 0)
         self._sample_peak(stats)
@@ -522,9 +341,8 @@ class OffloadHandle:
                 f"(torch says: {str(exc).strip()}). Enter it outside torch.autograd.graph.disable_saved_tensors_hooks."
             ) from exc
         try:
-            self._register_module_hooks()
+            self._rules.install()
         except BaseException:
-            self._remove_module_hooks()
             hooks.__exit__(None, None, None)
             raise
         self._hooks = hooks
@@ -533,11 +351,6 @@ class OffloadHandle:
         self._sched.forward_began(self._t_enter)
         self.active = True
         return self
-
-    def _remove_module_hooks(self) -> None:
-        for handle in self._module_handles:
-            handle.remove()
-        self._module_handles.clear()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.bypassed or not self.active:
@@ -552,124 +365,52 @@ class OffloadHandle:
             self._hooks.__exit__(exc_type, exc, tb)
         finally:
             self._hooks = None
-            self._remove_module_hooks()
+            self._rules.remove()
             self._t_exit = time.perf_counter()
             if self._trace is not None:
                 self._trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
             self._sample_peak()
             poll(self.runtime)
+            if not self.runtime.timings_between_steps:  # the link estimate the plan uses next
+                self.runtime.resolve_timings()  # Note [Timings are read in batches] (runtime.py)
+            self._flush_copies()
         if exc_type is None:
             # Note [Prefetch from the end of forward]: what backward needs first was saved
             # last; starting the plan now keeps (or starts reloading) it before backward's
             # first use instead of stalling on it.
             self._execute(self._sched.forward_ended(self._t_exit, readers=self._readers()))
 
-    # -- module scope, parameters and names ----------------------------------------------
-    def _register_module_hooks(self) -> None:
-        policy = self.policy
-        for module in (policy.modules or ()) + (policy.exclude or ()):
-            self._note_module(module)
-        self._module_handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_enter))
-        self._module_handles.append(
-            nn.modules.module.register_module_forward_hook(self._on_module_exit, always_call=True)
-        )
-        for module in policy.modules or ():
-            self._module_handles.append(module.register_forward_pre_hook(self._enter_scope))
-            self._module_handles.append(module.register_forward_hook(self._exit_scope, always_call=True))
-        for module in policy.exclude or ():
-            self._module_handles.append(module.register_forward_pre_hook(self._enter_exclude))
-            self._module_handles.append(module.register_forward_hook(self._exit_exclude, always_call=True))
-
-    def _enter_scope(self, *_: Any) -> None:
-        self._scope_depth += 1
-
-    def _exit_scope(self, *_: Any) -> None:
-        self._scope_depth -= 1
-
-    def _enter_exclude(self, *_: Any) -> None:
-        self._exclude_depth += 1
-
-    def _exit_exclude(self, *_: Any) -> None:
-        self._exclude_depth -= 1
-
-    def _note_module(self, module: nn.Module) -> None:
-        """Learn the storages of a module tree's parameters and buffers, and its submodules' names."""
-        if id(module) in self._seen_modules:
-            return
-        root = type(module).__name__
-        for name, sub in module.named_modules():
-            self._seen_modules.setdefault(id(sub), f"{root}.{name}" if name else root)
-        for tensor in (*module.parameters(), *module.buffers()):
-            self._param_keys.add(storage_key(tensor.untyped_storage()))
-
-    def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
-        name = self._seen_modules.get(id(module))
-        if name is None:
-            self._note_module(module)
-            name = self._seen_modules[id(module)]
-        self._module_stack.append(name)
-
-    def _on_module_exit(self, module: nn.Module, _args: Any, _out: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
-
     # -- pack ----------------------------------------------------------------------------
-    def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> _Kept:
+    def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> Kept:
         self._kept[reason] += 1
-        return _Kept(tensor, key)
+        return Kept(tensor, key)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        # Once per saved tensor: attribute look-ups are hoisted and the policy's constant
-        # decisions were taken in __init__ (_min_bytes, _scoped, _watermark).
+        # Once per saved tensor: the decisions are PackRules' (policy.py), asked in their order.
         key = self._next_key
         self._next_key = key + 1
         self._sched.produced(key, time.perf_counter())
         self._stats.saved_tensors += 1
         poll(self.runtime)
-
-        if _current_autograd_node() is not None:
-            return self._keep(tensor, key, "during_backward")
-        if getattr(_local, "suspended", 0):
-            return self._keep(tensor, key, "no_offload")
-        if not is_offloadable_kind(tensor):
-            return self._keep(tensor, key, "unsupported")
+        rules = self._rules
+        reason = rules.before_storage(tensor)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes == 0:
-            return self._keep(tensor, key, "empty")
         skey = storage._cdata  # storage_key(storage), inlined
-        if skey in self._param_keys:
-            return self._keep(tensor, key, "parameter")
-        if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
-            return self._keep(tensor, key, "leaf")
         marked = getattr(storage, MARK_ATTRIBUTE, None)
-        if (
-            marked is None
-            and nbytes < self._min_bytes
-            and not self._exclude_depth
-            and not (self._scoped and not self._scope_depth)
-        ):
-            # small and unmarked: kept whatever else holds (no entry can exist for it: only a
-            # storage at least min_bytes or marked True is offloaded), without asking the device
-            return self._keep(tensor, key, "small")
-        if not self.device.holds(tensor):
-            return self._keep(tensor, key, "not_on_device")
-        if marked is False:
-            return self._keep(tensor, key, "marked")
+        reason = rules.for_storage(tensor, nbytes, skey, marked)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
 
         entry = self._by_storage.get(skey)
-        if entry is not None and entry.storage_ref() is storage and not entry.disposed:
+        if entry is not None and entry.storage_ref() is storage and entry.state is not EntryState.DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
-        if marked is None:
-            if self._exclude_depth:
-                return self._keep(tensor, key, "excluded")
-            if self._scoped and not self._scope_depth:
-                return self._keep(tensor, key, "outside_modules")
-            if nbytes < self._min_bytes:
-                return self._keep(tensor, key, "small")
-            if self._watermark and not self._under_pressure():
-                return self._keep(tensor, key, "watermark")
+        reason = rules.for_new_storage(nbytes, marked)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
         meta = TensorMeta.of(tensor)
         try:
             entry = self._offload(storage, nbytes, skey, tensor, key, meta)
@@ -679,34 +420,30 @@ class OffloadHandle:
             return self._keep(tensor, key, "host_budget")
         return self._record(entry, tensor, key, meta)
 
-    def _record(self, entry: _Entry, tensor: torch.Tensor, key: int, meta: TensorMeta | None = None) -> _Offloaded:
+    def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
         fmt = self.device.format_of(tensor) if self._formats else None
-        item = _Offloaded(entry, tensor, key, fmt, meta)
+        item = Offloaded(entry, tensor, key, fmt, meta)
         entry.items.append(weakref.ref(item))
-        entry.keys.append(key)
         self._stats.offloaded_tensors += 1
         entry.live += 1
-        if entry.landed:
+        if entry.state is EntryState.LANDED:
             release_storage(item.keeper)
         return item
 
-    def _pack_shared(self, entry: _Entry, tensor: torch.Tensor, key: int) -> Any:
+    def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
         """A further tensor on an already offloaded storage: share its copy (dedupe)."""
-        if entry.obj.state not in (State.OFFLOADING, State.OFFLOADED) or self._in_backward:
+        if entry.obj.state not in (State.OFFLOADING, State.OFFLOADED) or self._sched.in_backward:
             return self._keep(tensor, key, "shared_storage_busy")
         if tensor._version != entry.version_at_copy:
             # modified in place since the copy was taken: the copy is stale for this tensor.
             # (The earlier saves of this storage will fail their own version check.)
             return self._keep(tensor, key, "modified_after_save")
-        return self._record(entry, tensor, key)
+        entry.keys.append(key)
+        return self._record(entry, tensor, key, TensorMeta.of(tensor))
 
     def _under_pressure(self) -> bool:
-        """The watermark rule (offcore.residency.Watermark) on the device's own accounting."""
-        stats = self.device.memory_stats()
-        capacity = int(stats.get("capacity_bytes", 0) or self._capacity)
-        free = int(stats.get("free_bytes", capacity - int(stats.get("allocated_bytes", 0))))
-        assert self._watermark_rule is not None
-        return self._watermark_rule.under_pressure(free=free, capacity=capacity)
+        """The watermark rule on the device's own accounting (PackRules.under_pressure)."""
+        return self._rules.under_pressure()
 
     def _pool(self) -> Any:
         pool = self._host_pool
@@ -716,7 +453,7 @@ class OffloadHandle:
 
     def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
         """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
-        pool = self._pool()
+        pool = self._host_pool or self._pool()
         tier = Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
         try:
             with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
@@ -739,48 +476,75 @@ class OffloadHandle:
             return None
         return None, view, Tier.PAGEABLE
 
-    def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: _Entry) -> Any:
+    def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: Entry) -> Any:
         """Enqueue one copy on its direction's stream, ordered after the compute stream as it is now.
 
         For D2H the current compute stream produced ``src``; for H2D the new device buffer may
         reuse memory the compute stream used until now. Either way the copy stream waits for an
         event recorded on the stream that is current *at this call* (never a cached one).
-        Returns the copy's completion event; samples its timing for the bandwidth estimate.
+        Returns the copy's completion event. Each region times its first two copies per
+        direction (its bandwidth figure), every copy when tracing, and otherwise the runtime's
+        sample (:meth:`DeviceRuntime.sample`), for the link estimate.
         """
         device, runtime = self.device, self.runtime
-        stream = runtime.d2h_stream if direction is Direction.D2H else runtime.h2d_stream
-        timed = runtime.timing and self._timed_copy(direction)
+        if direction is Direction.D2H:
+            stream, count = runtime.d2h_stream, self._d2h_copies
+            self._d2h_copies = count + 1
+            self._d2h_bytes += nbytes
+        else:
+            stream, count = runtime.h2d_stream, self._h2d_copies
+            self._h2d_copies = count + 1
+            self._h2d_bytes += nbytes
+        timed = runtime.timing and runtime.sample(direction, always=self._tracing or count < 2)
+        if timed or torch.autograd.profiler._is_profiler_enabled:
+            return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
+        stream.wait_event(device.current_stream().record_event())
+        return device.copy_(dst, src, stream=stream)
+
+    def _copy_timed(
+        self, stream: Any, direction: Direction, dst: Any, src: Any, *, nbytes: int, entry: Entry, timed: bool
+    ) -> Any:
+        """:meth:`_copy` for a copy that is timed, or seen by a running profiler (its own range)."""
+        device, runtime = self.device, self.runtime
         with _range(_RANGE_NAMES[direction]):
             stream.wait_event(device.current_stream().record_event())
-            if timed:  # Note [Copy timings start at the copy]
-                start, issued = runtime.begin_timing(device, stream, record=False)
-                done = device.copy_(dst, src, stream=stream, start_event=start)
-            else:
-                done = device.copy_(dst, src, stream=stream)
-            self._ledger.record_copy(direction, nbytes)
-            if timed:
-                runtime.end_timing(
-                    device,
-                    stream,
-                    start,
-                    issued,
-                    nbytes=nbytes,
-                    direction=direction,
-                    label=entry.name,
-                    ledger=self._ledger,
-                    trace=self._trace,
-                )
+            if not timed:
+                return device.copy_(dst, src, stream=stream)
+            # Note [Copy timings start at the copy]
+            start, issued = runtime.begin_timing(device, stream, record=False)
+            done = device.copy_(dst, src, stream=stream, start_event=start)
+            runtime.end_timing(
+                device,
+                stream,
+                start,
+                issued,
+                nbytes=nbytes,
+                direction=direction,
+                label=entry.name,
+                ledger=self._ledger,
+                trace=self._trace,
+            )
         return done
+
+    def _flush_copies(self) -> None:
+        """Add the copies issued since the last flush to the ledger (Note [Batched bookkeeping])."""
+        now = (self._d2h_copies, self._d2h_bytes, self._h2d_copies, self._h2d_bytes)
+        last, self._flushed = self._flushed, now
+        if now[0] != last[0]:
+            self._ledger.record_copy(Direction.D2H, now[1] - last[1], copies=now[0] - last[0])
+        if now[2] != last[2]:
+            self._ledger.record_copy(Direction.H2D, now[3] - last[3], copies=now[2] - last[2])
 
     def _offload(
         self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
-    ) -> _Entry | None:
+    ) -> Entry | None:
         host = self._acquire_host(nbytes)
         if host is None:
             return None
         buffer, host_view, tier = host
-        where = self._module_stack[-1] if self._module_stack else "forward"
-        entry = _Entry(self, key, where, meta, storage, nbytes, skey)
+        where = self._rules.where()
+        entry = Entry(self, key, where, meta, nbytes, skey)
+        entry.storage_ref = storage_ref(storage, entry)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         entry.src = raw_bytes(storage, tensor.device)
@@ -794,28 +558,30 @@ class OffloadHandle:
                 self._copy_failed(entry, exc, "device-to-host copy could not be submitted")
                 raise _CopyRefused from exc
             raise
-        entry.obj = self._sched.register(key, Kind.ACTIVATION, nbytes, name=f"#{key} {where}")
-        self._sched.offload_started(key, done, tier)
+        sched = self._sched
+        entry.obj = sched.register(key, Kind.ACTIVATION, nbytes, name=f"#{key} {where}")
+        sched.offload_started(key, done, tier)
         with self._lock:
-            self._by_storage[entry.skey] = entry
+            self._by_storage[skey] = entry
             self._by_key[key] = entry
         self.runtime.track_d2h(done, entry)
         self._ledger.add(tier, Kind.ACTIVATION, nbytes)
-        self._stats.offloaded_bytes += nbytes
-        self._stats.offloaded_storages += 1
+        stats = self._stats
+        stats.offloaded_bytes += nbytes
+        stats.offloaded_storages += 1
         return entry
 
     # -- landing -------------------------------------------------------------------------
-    def _on_landed(self, entry: _Entry, failure: Exception | None) -> None:
+    def _on_landed(self, entry: Entry, failure: Exception | None) -> None:
         """The device-to-host copy of ``entry`` landed (or failed): see :func:`poll`."""
-        if entry.disposed:
+        if entry.state is not EntryState.COPYING:  # disposed meanwhile
             return
         if failure is None:
             self._landed(entry)
         else:
             self._d2h_failed(entry, failure)
 
-    def _copy_failed(self, entry: _Entry, exc: Exception, what: str) -> None:
+    def _copy_failed(self, entry: Entry, exc: Exception, what: str) -> None:
         self._stats.copy_failures += 1
         warnings.warn(
             f"offcore: the {what} for saved tensor {entry.name} ({type(exc).__name__}: {exc}); "
@@ -824,10 +590,10 @@ class OffloadHandle:
             stacklevel=3,
         )
 
-    def _d2h_failed(self, entry: _Entry, exc: Exception) -> None:
+    def _d2h_failed(self, entry: Entry, exc: Exception) -> None:
         """The D2H copy failed on its stream: the device copy stays the data, the host buffer goes back."""
         self.runtime.recover(self.runtime.d2h_stream)
-        entry.failed = entry.landed = True
+        entry.state = EntryState.FAILED
         tier = entry.obj.host_tier or Tier.PINNED
         self._sched.offload_failed(entry.key)
         host, host_view = entry.host, entry.host_view
@@ -841,27 +607,21 @@ class OffloadHandle:
         self._kept["copy_failed"] += entry.live
         self._copy_failed(entry, exc, "device-to-host copy failed")
 
-    def _landed(self, entry: _Entry) -> None:
-        entry.landed = True
+    def _landed(self, entry: Entry) -> None:
+        entry.state = EntryState.LANDED
         items = entry.live_items()
-        if any(item.keeper._version != item.version for item in items):
-            entry.modified_in_flight = True
-        needed = not entry.all_unpacked(self._sched.upcoming_round)
+        upcoming = self._sched.upcoming_round
+        needed = False  # does backward still read it this round (some record not unpacked yet)?
+        for item in items:
+            if item.keeper._version != item.version:
+                entry.modified_in_flight = True
+            if item.unpacked_round != upcoming:
+                needed = True
         if self._sched.landed(entry.key, needed=needed).kind is ActionKind.HOLD:
             return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
 
-    def _timed_copy(self, direction: Direction) -> bool:
-        """Whether to bracket the next copy with timing events.
-
-        Every copy when tracing, each region's first few per direction (its bandwidth
-        figure), and otherwise the runtime's sample (:meth:`DeviceRuntime.sample`).
-        """
-        count = self._timed_per_direction[direction]
-        self._timed_per_direction[direction] = count + 1
-        return self.runtime.sample(direction, always=self._tracing or count < 2)
-
-    def _release_device(self, entry: _Entry, items: list[_Offloaded] | None = None) -> None:
+    def _release_device(self, entry: Entry, items: list[Offloaded] | None = None) -> None:
         """Drop offcore's device references of a landed entry; count what that really freed."""
         if entry.obj.state is State.OFFLOADING:
             entry.obj.release_device_copy()  # refuses unless the D2H event completed
@@ -870,23 +630,22 @@ class OffloadHandle:
         entry.src = None
         if entry.storage_ref() is not None:
             self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
-            if not entry.freed and not entry.held and not entry.used:
+            if entry.fate is DeviceFate.UNKNOWN and not entry.used:
                 # still alive although backward has not used it: something else references it
-                entry.held = True
+                entry.fate = DeviceFate.HELD_ELSEWHERE
                 self._stats.held_elsewhere_bytes += entry.nbytes
 
-    def _storage_died(self, entry: _Entry) -> None:
+    def _storage_died(self, entry: Entry) -> None:
         with self._lock:
             if self._by_storage.get(entry.skey) is entry:
                 del self._by_storage[entry.skey]
         if entry.obj is not None:
             self._sched.device_copy_died(entry.key)
-        if entry.landed and not entry.freed and not entry.disposed and not entry.used and not entry.failed:
-            entry.freed = True
-            self._stats.freed_device_bytes += entry.nbytes
-            if entry.held:
-                entry.held = False
+        if entry.state is EntryState.LANDED and entry.fate is not DeviceFate.FREED and not entry.used:
+            if entry.fate is DeviceFate.HELD_ELSEWHERE:
                 self._stats.held_elsewhere_bytes -= entry.nbytes
+            entry.fate = DeviceFate.FREED
+            self._stats.freed_device_bytes += entry.nbytes
 
     # -- unpack --------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -904,7 +663,7 @@ class OffloadHandle:
 
     def _readers(self) -> dict[int, list[int]]:
         """Every save key reading each offloaded storage (an object is needed at the first of their uses)."""
-        return {e.key: e.keys for e in self._by_key.values() if not e.disposed}
+        return {e.key: e.keys for e in self._by_key.values() if e.state is not EntryState.DISPOSED}
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""
@@ -914,21 +673,24 @@ class OffloadHandle:
                 self._trace.span("compute", f"backward {self._round}", self._t_backward, now - self._t_backward)
             for action in self._sched.backward_ended(now):  # frees what was held
                 entry = self._by_key.get(action.key)
-                if entry is not None and not entry.disposed:
+                if entry is not None and entry.state is not EntryState.DISPOSED:
                     self._release_device(entry)
             for entry in list(self._by_key.values()):
-                if entry.restored is not None and not entry.disposed:
+                if entry.restored is not None and entry.state is not EntryState.DISPOSED:
                     self._drop_restored(entry)
             self._sample_peak()
             self._peak_final = self._peak_now()
             poll(self.runtime)
+            if not self.runtime.timings_between_steps:
+                self.runtime.resolve_timings()
+            self._flush_copies()
         except Exception:  # pragma: no cover - must not break the caller's backward
             pass
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         poll(self.runtime)
         if _current_autograd_node() is not None:
-            if not self._in_backward:
+            if not self._sched.in_backward:
                 self._begin_backward()
             elif (_GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1) != self._graph_task:
                 # the backward pass that began the round raised, so its end callback never ran
@@ -936,7 +698,7 @@ class OffloadHandle:
                 self._begin_backward()
         now = time.perf_counter()
         key = packed.key
-        if isinstance(packed, _Kept):
+        if type(packed) is Kept:
             if packed.tensor._version != packed.version:
                 raise self._modified_error(packed.tensor, packed.version, packed.tensor._version, offloaded=False)
             self._execute(self._sched.used(key, now))
@@ -969,32 +731,32 @@ class OffloadHandle:
             "shares its memory."
         )
 
-    def _restore(self, packed: _Offloaded, key: int, now: float) -> torch.Tensor:
+    def _restore(self, packed: Offloaded, key: int, now: float) -> torch.Tensor:
         entry = packed.entry
         current = packed.keeper._version
         if current != packed.version:
             raise self._modified_error(
                 packed.meta, packed.version, current, offloaded=True, in_flight=entry.modified_in_flight
             )
-        storage = self._device_storage(entry, key, now)
+        round_ = self._sched.round
+        storage = self._device_storage(entry, key, now, entry.used_round != round_)
         out = packed.meta.restore(packed.keeper, storage)
         entry.keepers_pointed = True
         if packed.fmt is not None:
             out = self.device.restore_format(out, packed.fmt)
         entry.used = True
-        entry.used_round = self._round
-        packed.unpacked_round = self._round
+        entry.used_round = round_
+        packed.unpacked_round = round_
         # ``packed`` is alive (autograd passed it in): with one live record it is the only one
-        if entry.live == 1 or entry.all_unpacked(self._round):
+        if entry.live == 1 or entry.all_unpacked(round_):
             self._consumed(entry)
         return out
 
-    def _device_storage(self, entry: _Entry, key: int, now: float) -> torch.UntypedStorage:
+    def _device_storage(self, entry: Entry, key: int, now: float, first_use: bool) -> torch.UntypedStorage:
         """The storage backward should read, on the device and ordered for the compute stream."""
-        first_use = entry.used_round != self._round
         sched = self._sched
         if entry.restored is not None:
-            if first_use and entry.key in sched._counted:
+            if first_use and sched.is_outstanding(entry.key):
                 self._stats.prefetch_hits += 1
             self._execute(sched.used(key, now, managed_key=entry.key))
             return self._await_prefetch(entry)
@@ -1013,7 +775,7 @@ class OffloadHandle:
         self._execute(sched.used(key, now, managed_key=entry.key))
         return storage
 
-    def _reload_now(self, entry: _Entry) -> torch.UntypedStorage:
+    def _reload_now(self, entry: Entry) -> torch.UntypedStorage:
         device, runtime = self.device, self.runtime
         compute = device.current_stream()
         dst = self._allocate_device(entry.nbytes)
@@ -1021,7 +783,8 @@ class OffloadHandle:
             start, issued = runtime.begin_timing(device, compute)
             try:
                 done = device.copy_(dst, entry.host_view, stream=compute)
-                self._ledger.record_copy(Direction.H2D, entry.nbytes)
+                self._h2d_copies += 1
+                self._h2d_bytes += entry.nbytes
                 compute.wait_event(done)
             except Exception as exc:
                 raise CopyFailedError(
@@ -1059,7 +822,7 @@ class OffloadHandle:
             )
         return dst
 
-    def _await_prefetch(self, entry: _Entry) -> torch.UntypedStorage:
+    def _await_prefetch(self, entry: Entry) -> torch.UntypedStorage:
         """The prefetched storage of ``entry``, with the compute stream ordered after its copy."""
         restored = entry.restored
         assert restored is not None
@@ -1091,7 +854,7 @@ class OffloadHandle:
         self._sched.awaited(entry.key)
         return restored
 
-    def _prefetch_failed(self, entry: _Entry, exc: Exception) -> torch.UntypedStorage:
+    def _prefetch_failed(self, entry: Entry, exc: Exception) -> torch.UntypedStorage:
         """A failed prefetch: drop its device buffer and reload synchronously from the intact host copy."""
         self.runtime.recover(self.runtime.h2d_stream)
         self._sched.prefetch_failed(entry.key)
@@ -1101,13 +864,13 @@ class OffloadHandle:
         self._copy_failed(entry, exc, "host-to-device prefetch failed")
         return self._reload_now(entry)
 
-    def _consumed(self, entry: _Entry) -> None:
+    def _consumed(self, entry: Entry) -> None:
         """Every live record of ``entry`` was unpacked this round: autograd owns the storage now."""
         if self._sched.consumed(entry.key):  # it was held on landing: offcore's device copy goes
             self._release_device(entry)
         self._drop_restored(entry)
 
-    def _drop_restored(self, entry: _Entry) -> None:
+    def _drop_restored(self, entry: Entry) -> None:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
         storage = entry.restored
         if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
@@ -1139,14 +902,14 @@ class OffloadHandle:
             elif action.kind is ActionKind.EVICT and entry is not None:
                 self._evict(entry)
 
-    def _evict(self, entry: _Entry) -> None:
+    def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
         if entry.obj.state is State.OFFLOADING:  # held on landing
             self._release_device(entry)
         else:
             self._drop_restored(entry)
 
-    def _start_prefetch(self, entry: _Entry) -> bool:
+    def _start_prefetch(self, entry: Entry) -> bool:
         """Start the reload the scheduler offered and report the outcome to it (returned too).
 
         Note [No speculative allocation after a refusal]: a prefetch is speculative. Asking a
@@ -1180,18 +943,18 @@ class OffloadHandle:
         return True
 
     # -- release -------------------------------------------------------------------------
-    def _item_died(self, entry: _Entry) -> None:
+    def _item_died(self, entry: Entry) -> None:
         entry.live -= 1
-        if entry.disposed:
+        if entry.state is EntryState.DISPOSED:
             return
         if entry.live <= 0:
             self._dispose(entry)
-        elif entry.restored is not None and entry.used and entry.all_unpacked(self._round):
+        elif entry.restored is not None and entry.used and entry.all_unpacked(self._sched.round):
             self._consumed(entry)
 
-    def _dispose(self, entry: _Entry) -> None:
+    def _dispose(self, entry: Entry) -> None:
         """No record uses ``entry`` any more: return its host buffer and device references once copies landed."""
-        entry.disposed = True
+        entry.state = EntryState.DISPOSED
         with self._lock:
             if self._by_storage.get(entry.skey) is entry:
                 del self._by_storage[entry.skey]
@@ -1205,24 +968,12 @@ class OffloadHandle:
             pending, stream = obj.d2h_event, runtime.d2h_stream
         host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
         entry.host = entry.host_view = entry.src = entry.restored = None
-        tier = obj.host_tier or Tier.PINNED
-        ledger, runtime, device = self._ledger, self.runtime, self.device
         pool = self._pool() if host is not None else None
-        sanitize = self._sanitize
-
-        def release(
-            host: Any = host, host_view: Any = host_view, src: Any = src, restored: Any = restored, obj: Any = obj
-        ) -> None:
-            if pool is not None:
-                pool.release(host)  # the pool poisons it under the sanitizer
-            elif sanitize and host_view is not None:
-                device.poison(host_view)
-            if host_view is not None:  # a failed offload returned its host buffer already
-                ledger.remove(tier, Kind.ACTIVATION, obj.nbytes)
-            if obj.state is not State.RELEASED:
-                obj.release()
-
-        runtime.defer(pending, release, stream=stream)
+        args = (pool, host, host_view, self.device if self._sanitize else None, self._ledger, obj)
+        if pending is None:  # nothing in flight touches its buffers (the common case, after backward)
+            _release_buffers(*args)
+        else:  # the copy in flight reads ``src`` / writes ``restored``: both live until it landed
+            runtime.defer(pending, functools.partial(_release_buffers, *args, src, restored), stream=stream)
 
     # -- figures -------------------------------------------------------------------------
     def _peak_now(self) -> int:
@@ -1243,6 +994,7 @@ class OffloadHandle:
                 pass
         poll(self.runtime)
         self.runtime.resolve_timings()
+        self._flush_copies()
         s = self._stats
         ledger = self._ledger
         peak = self._peak_final if self._peak_final is not None else self._peak_now()
@@ -1286,6 +1038,23 @@ class OffloadHandle:
             f"<OffloadHandle {'active' if self.active else 'closed'} offloaded "
             f"{format_bytes(self._stats.offloaded_bytes)} in {self._stats.offloaded_storages} storages>"
         )
+
+
+def _release_buffers(
+    pool: Any, host: Any, host_view: Any, poison: Any, ledger: Ledger, obj: ManagedObject, *_keep: Any
+) -> None:
+    """Return a disposed entry's host buffer (to its pool, or poisoned under the sanitizer) and release its object.
+
+    ``_keep``: device buffers a copy in flight used, held until this runs (after it landed).
+    """
+    if pool is not None:
+        pool.release(host)  # the pool poisons it under the sanitizer
+    elif poison is not None and host_view is not None:
+        poison.poison(host_view)
+    if host_view is not None:  # a failed offload returned its host buffer already
+        ledger.remove(obj.host_tier or Tier.PINNED, Kind.ACTIVATION, obj.nbytes)
+    if obj.state is not State.RELEASED:
+        obj.release()
 
 
 def _check_device(device: Any) -> None:

@@ -8,22 +8,52 @@ refused with the list of known ones (:data:`KNOWN_OPTIONS`).
     >>> policy = OffloadPolicy.parse(min_bytes="64KiB", watermark=0.3)
     >>> policy.min_bytes, policy.watermark, policy.prefetch
     (65536, 0.3, 'deadline')
+
+:class:`PackRules` applies a policy to each saved tensor of one region: it says why a
+tensor stays on the device (a reason, counted in ``OffloadStats.kept``) or lets the
+region offload it. It also keeps the module scope the rules need (which module runs, the
+parameters' storages, ``modules=`` / ``exclude=`` depths) and :func:`no_offload`'s
+per-thread switch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import nn
 
 from offcore.errors import ConfigurationError
-from offcore.residency import PREFETCH_MODES
+from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
+from offcore_torch.storage import is_offloadable_kind, is_parameter_like, storage_key
 
-__all__ = ["OffloadPolicy", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
+__all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
+
+_local = threading.local()
+_current_autograd_node = torch._C._current_autograd_node
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Inside this block (on this thread) nothing is offloaded, e.g. around an output head.
+
+    >>> with offcore_torch.offload_activations(dev) as handle:      # doctest: +SKIP
+    ...     h = model.body(x)
+    ...     with offcore_torch.no_offload():
+    ...         loss = model.head(h)
+    """
+    _local.suspended = getattr(_local, "suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _local.suspended -= 1
+
 
 FALLBACKS = ("pageable", "keep")
 
@@ -138,3 +168,172 @@ class OffloadPolicy:
 
 #: The keyword arguments :meth:`OffloadPolicy.parse` (and so ``offload_activations``) accepts.
 KNOWN_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(OffloadPolicy))
+
+
+class PackRules:
+    """The pack decisions of one region: which saved tensors it offloads, and why the others stay.
+
+    Three questions, asked in this order by the region's pack hook (each returns the
+    reason a tensor stays on the device, or None):
+
+    1. :meth:`before_storage`: during backward, inside :func:`no_offload`, a kind offcore
+       cannot move (``during_backward``, ``no_offload``, ``unsupported``);
+    2. :meth:`for_storage`: the storage itself (``empty``, ``parameter``, ``leaf``,
+       ``small`` and unmarked, ``not_on_device``, ``marked`` False); a storage that
+       passes and is offloaded already is shared (dedupe), whatever the scope;
+    3. :meth:`for_new_storage`: offloading a new storage (``excluded``,
+       ``outside_modules``, ``small``, ``watermark``); a storage marked True skips these.
+
+        >>> import offcore, torch
+        >>> dev = offcore.device("cpu")
+        >>> rules = PackRules(OffloadPolicy.parse(min_bytes="1KiB"), dev)
+        >>> with dev:
+        ...     t = torch.randn(8)
+        >>> rules.for_storage(t, 32, 0, None)
+        'small'
+        >>> dev.close()
+    """
+
+    __slots__ = (
+        "policy",
+        "device",
+        "min_bytes",
+        "scoped",
+        "param_keys",
+        "module_names",
+        "module_stack",
+        "scope_depth",
+        "exclude_depth",
+        "watermark",
+        "capacity",
+        "_handles",
+    )
+
+    def __init__(self, policy: OffloadPolicy, device: Any) -> None:
+        self.policy = policy
+        self.device = device
+        self.min_bytes = policy.min_bytes
+        self.scoped = policy.modules is not None
+        self.param_keys: set[int] = set()
+        self.module_names: dict[int, str] = {}
+        self.module_stack: list[str] = []
+        self.scope_depth = 0
+        self.exclude_depth = 0
+        self.watermark = (
+            Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
+        )
+        self.capacity = 0
+        self._handles: list[Any] = []
+
+    # -- the decisions (once per saved tensor) -------------------------------------------
+    def before_storage(self, tensor: torch.Tensor) -> str | None:
+        if _current_autograd_node() is not None:
+            return "during_backward"
+        if getattr(_local, "suspended", 0):
+            return "no_offload"
+        if not is_offloadable_kind(tensor):
+            return "unsupported"
+        return None
+
+    def for_storage(self, tensor: torch.Tensor, nbytes: int, skey: int, marked: bool | None) -> str | None:
+        if nbytes == 0:
+            return "empty"
+        if skey in self.param_keys:
+            return "parameter"
+        if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
+            return "leaf"
+        if (
+            marked is None
+            and nbytes < self.min_bytes
+            and not self.exclude_depth
+            and not (self.scoped and not self.scope_depth)
+        ):
+            # small and unmarked: kept whatever else holds (no entry can exist for it: only a
+            # storage at least min_bytes or marked True is offloaded), without asking the device
+            return "small"
+        if not self.device.holds(tensor):
+            return "not_on_device"
+        if marked is False:
+            return "marked"
+        return None
+
+    def for_new_storage(self, nbytes: int, marked: bool | None) -> str | None:
+        if marked is None:
+            if self.exclude_depth:
+                return "excluded"
+            if self.scoped and not self.scope_depth:
+                return "outside_modules"
+            if nbytes < self.min_bytes:
+                return "small"
+            if self.watermark is not None and not self.under_pressure():
+                return "watermark"
+        return None
+
+    def under_pressure(self) -> bool:
+        """The watermark rule (offcore.residency.Watermark) on the device's own accounting."""
+        stats = self.device.memory_stats()
+        capacity = int(stats.get("capacity_bytes", 0) or self.capacity)
+        free = int(stats.get("free_bytes", capacity - int(stats.get("allocated_bytes", 0))))
+        assert self.watermark is not None
+        return self.watermark.under_pressure(free=free, capacity=capacity)
+
+    def where(self) -> str:
+        """The module running now (how a storage is named), or ``"forward"``."""
+        return self.module_stack[-1] if self.module_stack else "forward"
+
+    # -- module scope --------------------------------------------------------------------
+    def install(self) -> None:
+        """Register the module hooks the rules need (removed by :meth:`remove`, also after a failure)."""
+        policy, handles = self.policy, self._handles
+        try:
+            for module in (policy.modules or ()) + (policy.exclude or ()):
+                self.note_module(module)
+            handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_enter))
+            handles.append(nn.modules.module.register_module_forward_hook(self._on_module_exit, always_call=True))
+            for module in policy.modules or ():
+                handles.append(module.register_forward_pre_hook(self._enter_scope))
+                handles.append(module.register_forward_hook(self._exit_scope, always_call=True))
+            for module in policy.exclude or ():
+                handles.append(module.register_forward_pre_hook(self._enter_exclude))
+                handles.append(module.register_forward_hook(self._exit_exclude, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter_scope(self, *_: Any) -> None:
+        self.scope_depth += 1
+
+    def _exit_scope(self, *_: Any) -> None:
+        self.scope_depth -= 1
+
+    def _enter_exclude(self, *_: Any) -> None:
+        self.exclude_depth += 1
+
+    def _exit_exclude(self, *_: Any) -> None:
+        self.exclude_depth -= 1
+
+    def note_module(self, module: nn.Module) -> None:
+        """Learn the storages of a module tree's parameters and buffers, and its submodules' names."""
+        if id(module) in self.module_names:
+            return
+        root = type(module).__name__
+        for name, sub in module.named_modules():
+            self.module_names.setdefault(id(sub), f"{root}.{name}" if name else root)
+        for tensor in (*module.parameters(), *module.buffers()):
+            self.param_keys.add(storage_key(tensor.untyped_storage()))
+
+    def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
+        name = self.module_names.get(id(module))
+        if name is None:
+            self.note_module(module)
+            name = self.module_names[id(module)]
+        self.module_stack.append(name)
+
+    def _on_module_exit(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()

@@ -39,6 +39,15 @@ unchanged on the fake device, CUDA and NPU.
 # keeps for its stats costs nothing per poll, and anyone may poll (a test, synchronize)
 # without losing a landing: it waits in the queue until the binding takes it.
 
+# Note [Timings are read in batches]
+# A timed copy's bracket (two events) is read once its end event completed. Reading means
+# querying the oldest bracket of each stream, so a poll at every pack and unpack would pay
+# an event query per stream for a sample of a few copies in a hundred. Polls read them only
+# once _TIMING_BATCH brackets are pending; the binding reads the rest at its step
+# boundaries (region entry and exit, end of backward, stats: resolve_timings), before the
+# link estimate is used to plan backward's reloads. Backends where reading a timing is a
+# barrier read them only between steps (Capability.TIMING_READ_SYNCHRONIZES).
+
 # Note [A failed copy is a completed copy]
 # A copy can fail on its stream (the backend's event then raises on query/synchronize,
 # as an asynchronous CUDA error does, and the fake device's stream failures and injected
@@ -70,6 +79,7 @@ from offcore.trace import TraceRecorder
 __all__ = ["DeviceRuntime", "runtime_for", "runtime_of"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
+_TIMING_BATCH = 32  # pending timing brackets a poll lets accumulate (Note [Timings are read in batches])
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
 _fallback_by_id: dict[int, DeviceRuntime] = {}
 _registry_lock = threading.Lock()
@@ -124,10 +134,12 @@ class DeviceRuntime:
         self._deferred: dict[Any, collections.deque[tuple[Any, Callable[[], None]]]] = {}
         self._deferred_total = 0
         self._timed: dict[Any, collections.deque[_Timed]] = {}  # per stream: brackets end in order
+        self._timed_pending = 0  # brackets in ``_timed`` (Note [Timings are read in batches])
         self._track_end: dict[str, float] = collections.defaultdict(float)
         self._d2h_in_flight: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, token)
-        self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()  # (token, failure)
-        self._timed_copies: dict[Direction, int] = collections.defaultdict(int)
+        # (token, failure) of the D2H copies that landed, until the binding takes them
+        self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()
+        self._sampled = {Direction.D2H: 0, Direction.H2D: 0}
 
     # -- host pools --------------------------------------------------------------------
     def pool(self, device: Any, budget: int, pinned: bool) -> HostBufferPool:
@@ -209,15 +221,15 @@ class DeviceRuntime:
         )
 
     def poll(self) -> None:
-        """Run the releases whose copies landed and time the copies that finished. Cheap when idle."""
+        """Run the releases whose copies landed, and see which device-to-host copies landed. Cheap when idle.
+
+        Copy timings are read in batches (Note [Timings are read in batches]).
+        """
         if self._deferred_total:
             for release in self._ready_releases():
                 release()
-        if not self.timings_between_steps:
-            for queue in self._timed.values():
-                if queue and _landed(queue[0].end)[0]:
-                    self._resolve_timed()
-                    break
+        if self._timed_pending >= _TIMING_BATCH and not self.timings_between_steps:
+            self._resolve_timed()
         if self._d2h_in_flight:
             self._poll_d2h()
 
@@ -294,8 +306,8 @@ class DeviceRuntime:
         Timing costs two events per copy; the link estimate and the per-region
         bandwidth figures need a sample, not every copy.
         """
-        count = self._timed_copies[direction]
-        self._timed_copies[direction] = count + 1
+        count = self._sampled[direction]
+        self._sampled[direction] = count + 1
         return always or count < 16 or count % 16 == 0
 
     def begin_timing(self, device: Any, stream: Any, *, record: bool = True) -> tuple[Any, float]:
@@ -345,6 +357,7 @@ class DeviceRuntime:
             if queue is None:
                 queue = self._timed[key] = collections.deque()
             queue.append(_Timed(start, end, nbytes, direction, issued, label, ledger, trace))
+            self._timed_pending += 1
 
     def resolve_timings(self) -> None:
         """Read the copy timings whose copies completed (between steps where reading one is a barrier)."""
@@ -356,6 +369,7 @@ class DeviceRuntime:
             for queue in self._timed.values():
                 while queue and _landed(queue[0].end)[0]:
                     done.append(queue.popleft())
+            self._timed_pending -= len(done)
         for item in done:
             try:
                 seconds = item.start.elapsed_time(item.end) / 1e3

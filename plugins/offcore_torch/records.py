@@ -1,0 +1,212 @@
+"""The records of activation offload: what autograd holds per saved tensor, and one entry per offloaded storage.
+
+Autograd holds what the pack hook returns until backward unpacks it (or the graph dies):
+
+- :class:`Kept`: a tensor offcore did not offload (detached) and its version at save;
+- :class:`Offloaded`: a saved tensor whose storage was offloaded: its :class:`Entry`,
+  metadata and version keeper (storage.py Note [Version keepers]).
+
+An :class:`Entry` is one offloaded *storage* (a tensor and its views share it): its host
+buffer, its device references and the records reading it. Its lifecycle is an explicit
+:class:`EntryState`; what the device memory of the original storage did is a
+:class:`DeviceFate` (the figures ``freed_device_bytes`` / ``held_elsewhere_bytes``).
+Where the copies are (offloading, offloaded, prefetching, restored) is the scheduler's
+:class:`offcore.objects.ManagedObject` (``entry.obj``), never duplicated here.
+
+    >>> EntryState.COPYING.value, DeviceFate.FREED.value
+    ('copying', 'freed')
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offcore.objects import ManagedObject
+from offcore_torch.storage import TensorMeta, internal_ops, is_offloadable_kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from offcore_torch.offload import OffloadHandle
+
+__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry"]
+
+
+class EntryState(enum.Enum):
+    """Where an offloaded storage's device-to-host copy, and the entry itself, stand."""
+
+    COPYING = "copying"
+    """Its device-to-host copy is in flight: offcore still references the device storage."""
+    LANDED = "landed"
+    """The copy landed: the host copy is the data (the device copy is freed, held or alive elsewhere)."""
+    FAILED = "failed"
+    """The copy failed: the device copy stays the data, the host buffer went back."""
+    DISPOSED = "disposed"
+    """No record uses it any more: its buffers are released once their copies landed."""
+
+
+class DeviceFate(enum.Enum):
+    """What became of the original device storage once offcore let go of it (the memory offloading saved)."""
+
+    UNKNOWN = "unknown"
+    """Not known yet (the copy is in flight, or backward already used it)."""
+    HELD_ELSEWHERE = "held_elsewhere"
+    """Offcore let go, but something else (the batch, a tensor the caller kept) still references it."""
+    FREED = "freed"
+    """It died on the device after its copy landed: counted in ``freed_device_bytes``."""
+
+
+class Kept:
+    """What autograd holds for a tensor offcore did not offload: the tensor (detached) and its version."""
+
+    __slots__ = ("tensor", "version", "key")
+
+    def __init__(self, tensor: torch.Tensor, key: int) -> None:
+        # detach(): a saved *output* holding its own grad_fn would form a reference cycle
+        # autograd cannot collect. The alias shares the version counter.
+        if tensor.grad_fn is None:
+            self.tensor = tensor  # a leaf: holding it forms no cycle
+        elif is_offloadable_kind(tensor):
+            with internal_ops():
+                self.tensor = tensor.detach()
+        else:
+            self.tensor = tensor.detach()
+        self.version = tensor._version
+        self.key = key
+
+
+class Offloaded:
+    """What autograd holds for an offloaded tensor: its storage entry, metadata and version keeper."""
+
+    __slots__ = ("entry", "keeper", "version", "meta", "key", "fmt", "unpacked_round", "__weakref__")
+
+    def __init__(self, entry: Entry, tensor: torch.Tensor, key: int, fmt: Any, meta: TensorMeta) -> None:
+        self.entry = entry
+        with internal_ops():  # storage.version_keeper, inlined: once per saved tensor
+            self.keeper = tensor.detach()
+        self.version = tensor._version
+        self.meta = meta
+        self.key = key
+        self.fmt = fmt
+        self.unpacked_round = -1
+
+    def __del__(self) -> None:
+        entry = self.entry
+        if entry is not None:
+            try:
+                entry.region._item_died(entry)
+            except Exception:  # pragma: no cover - never raise from a finalizer
+                pass
+
+
+class Entry:
+    """One offloaded storage: its copies, its host buffer and the records that use it."""
+
+    __slots__ = (
+        "region",
+        "key",
+        "where",
+        "meta",
+        "_name",
+        "nbytes",
+        "obj",
+        "skey",
+        "storage_ref",
+        "src",
+        "host",
+        "host_view",
+        "version_at_copy",
+        "items",
+        "live",
+        "restored",
+        "restored_ref",
+        "state",
+        "fate",
+        "used",
+        "used_round",
+        "keys",
+        "modified_in_flight",
+        "keepers_pointed",
+        "__weakref__",
+    )
+
+    def __init__(self, region: OffloadHandle, key: int, where: str, meta: TensorMeta, nbytes: int, skey: int) -> None:
+        self.region = region
+        self.key = key
+        self.where = where
+        self.meta = meta
+        self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
+        self.nbytes = nbytes
+        # registered with the region's scheduler once its device-to-host copy was submitted
+        self.obj: ManagedObject = None  # type: ignore[assignment]
+        self.skey = skey
+        self.storage_ref: StorageRef = None  # type: ignore[assignment]
+        self.src: torch.Tensor | None = None
+        self.host: Any = None
+        self.host_view: torch.Tensor | None = None
+        self.version_at_copy = 0
+        self.items: list[weakref.ref[Offloaded]] = []
+        self.live = 0
+        self.restored: torch.UntypedStorage | None = None
+        self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
+        self.state = EntryState.COPYING
+        self.fate = DeviceFate.UNKNOWN
+        self.used = False  # unpacked at least once (in any round, or read by hand outside backward)
+        self.used_round = -1  # the last backward round that unpacked it
+        self.keys: list[int] = [key]  # pack keys of every record that reads this storage
+        self.modified_in_flight = False
+        # the records' version keepers point at ``restored`` (storage.py Note [Restore through the version keeper])
+        self.keepers_pointed = False
+
+    @property
+    def name(self) -> str:
+        """``#<save index> <module> <shape> <dtype>``: how stats, waits and traces name this storage."""
+        name = self._name
+        if name is None:
+            name = self._name = f"#{self.key} {self.where} {self.meta.describe()}"
+        return name
+
+    def live_items(self) -> list[Offloaded]:
+        items = self.items
+        if len(items) == 1:  # the common case: one saved tensor per storage
+            item = items[0]()
+            return [] if item is None else [item]
+        return [item for ref in items if (item := ref()) is not None]
+
+    def all_unpacked(self, round_: int) -> bool:
+        """Every record autograd still holds was unpacked in backward round ``round_``."""
+        for ref in self.items:
+            item = ref()
+            if item is not None and item.unpacked_round != round_:
+                return False
+        return True
+
+
+class StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to an offloaded storage that tells its entry when the storage dies.
+
+    The entry is reached weakly (no entry -> weakref -> entry cycle); one shared callback
+    (:func:`storage_died`), no closure per storage. Made with ``StorageRef(storage,
+    storage_died)`` and ``entry_ref`` set after (no Python ``__init__`` on the hot path).
+    """
+
+    __slots__ = ("entry_ref",)
+
+
+def storage_died(ref: StorageRef) -> None:
+    """The weakref callback of every offloaded storage (Note [When may a device copy be freed?], point 2)."""
+    found = ref.entry_ref()
+    if found is not None:
+        try:
+            found.region._storage_died(found)
+        except Exception:  # pragma: no cover - weakref callbacks must not raise
+            pass
+
+
+def storage_ref(storage: torch.UntypedStorage, entry: Entry) -> StorageRef:
+    """A :class:`StorageRef` to ``storage`` that reports its death to ``entry``."""
+    ref = StorageRef(storage, storage_died)
+    ref.entry_ref = weakref.ref(entry)
+    return ref
