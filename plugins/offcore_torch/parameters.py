@@ -201,6 +201,7 @@ class _Slot:
         "dirty",
         "klass",
         "unit",
+        "from_host",
     )
 
     def __init__(self, index: int, handle: ParameterOffloadHandle, tensor: torch.Tensor, name: str, is_buffer: bool):
@@ -224,6 +225,7 @@ class _Slot:
         self.dirty = False
         self.klass: type = type(tensor)
         self.unit: _Unit | None = None  # the unit of a use outside a module
+        self.from_host = False  # the model was built on the host: the tensor moves to the device empty
 
 
 @dataclass(eq=False)
@@ -383,13 +385,15 @@ class ParameterOffloadHandle:
                 f"offload_parameters: {name} is a view into a larger storage; only tensors that own their whole "
                 "storage can be offloaded"
             )
-        if not self.device.holds(tensor):
+        from_host = not self.device.holds(tensor)
+        if from_host and tensor.device.type != "cpu":
             raise ConfigurationError(
-                f"offload_parameters: {name} is not in the device's memory; move the model to the device first "
-                "(on the fake device build it inside 'with dev:' or call dev.adopt(model))"
+                f"offload_parameters: {name} is on {tensor.device}, neither in the device's memory nor on the host"
             )
         slot = _Slot(len(self._slots), self, tensor, name, is_buffer)
-        self.ledger.add(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)  # on the device until offloaded
+        slot.from_host = from_host
+        if not from_host:
+            self.ledger.add(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)  # on the device until offloaded
         self._slots.append(slot)
         self._by_storage[id(storage)] = slot
         return slot
@@ -425,15 +429,35 @@ class ParameterOffloadHandle:
         for slot in self._slots:
             slot.host = self._pool.acquire(slot.nbytes)
             slot.host_view = slot.host.view
-            last = dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream)
             self.ledger.add(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
+            if slot.from_host:
+                slot.host_view.copy_(slot.alias)
+                continue
+            last = dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream)
         if last is not None:
             last.synchronize()
         for slot in self._slots:
+            if slot.from_host:
+                self._to_device_empty(slot)
             self._set_class(slot)
             self._resize(slot, 0)
             slot.resident = False
         self.ledger.reset_step()  # peaks and copies count from here
+
+    def _to_device_empty(self, slot: _Slot) -> None:
+        """A tensor of a model built on the host gets a device storage (one tensor on the device at a time,
+        freed right after by the caller), so the whole model never has to fit on the device."""
+        tensor = slot.tensor
+        with self._device_active():
+            new = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=self.device.torch_device
+            )
+        with torch.no_grad():
+            tensor.data = new
+        slot.storage = new.untyped_storage()
+        slot.alias = torch.empty(0, dtype=torch.uint8, device=new.device).set_(slot.storage)
+        slot.version = tensor._version
+        self.ledger.add(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)
 
     def _set_class(self, slot: _Slot) -> None:
         tensor = slot.tensor

@@ -427,10 +427,10 @@ def test_clear_errors(make_fake_device: Any) -> None:
     dev = make_fake_device()
     with pytest.raises(offcore.ConfigurationError, match="nn.Module"):
         offload_parameters("model", dev)  # type: ignore[arg-type]
-    host_model = nn.Linear(4, 4)  # built outside 'with dev:': host memory
-    with pytest.raises(offcore.ConfigurationError, match="not in the device's memory"):
-        offload_parameters(host_model, dev)
-    assert type(host_model.weight) is nn.Parameter
+    meta_model = nn.Linear(4, 4, device="meta")
+    with pytest.raises(offcore.ConfigurationError, match="neither in the device's memory nor on the host"):
+        offload_parameters(meta_model, dev)
+    assert type(meta_model.weight) is nn.Parameter
     with dev:
         model = nn.Linear(16, 16)
         with pytest.raises(offcore.ConfigurationError, match="prefetch"):
@@ -474,3 +474,30 @@ def test_with_activation_offload(make_fake_device: Any) -> None:
     want = train_both(make_fake_device(), False)
     got = train_both(make_fake_device(link="slow"), True)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_model_built_on_the_host_never_fits_the_device_whole(make_fake_device: Any) -> None:
+    """A model larger than the device, built on the host: its parameters go straight to pinned memory and
+    train as the same model built on the device would."""
+    dev = make_fake_device(capacity="3MiB", link="slow")
+    torch.manual_seed(0)
+    model = _wide_mlp()  # host memory, 2.1 MiB of parameters: with gradients it could not train on 3 MiB
+    reference = _wide_mlp()
+    reference.load_state_dict(model.state_dict())
+    with dev:
+        handle = offload_parameters(model, dev, budget="300KiB")
+        assert dev.memory_stats().allocated_bytes == 0
+        assert dev.memory_stats().peak_allocated_bytes <= handle.largest_module_bytes
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+        loss = model(x).square().mean()
+        loss.backward()
+    want = reference(x).square().mean()
+    want.backward()
+    assert torch.equal(loss, want)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    with dev:
+        for p in model.parameters():
+            p.grad = None
+        handle.remove()  # everything back on the device: fits without the gradients
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
