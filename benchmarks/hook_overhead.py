@@ -15,8 +15,9 @@ is each variant's own work per saved tensor:
   host buffer, unpack allocates a device tensor and copies it back, both synchronously
   on the compute stream, through the backend's ``copy_`` (so the fake device's per-copy
   bookkeeping is paid by both).
-- **torchtune OffloadActivations** where ``torchtune`` is importable (it needs CUDA
-  streams to copy; on the fake device it is skipped).
+- **torchtune OffloadActivations** where ``torchtune`` is importable: its hooks as torchtune
+  ships them (pinned memory and a copy stream only where CUDA is available; on the fake
+  device its copy to the CPU returns the same tensor, like torch's save_on_cpu).
 - **offcore**: ``offload_activations(dev, min_bytes=0, prefetch="deadline")``: pack, its
   D2H copy on the copy stream, landing, prefetch, unpack, release.
 
@@ -92,7 +93,8 @@ def _torchtune_hooks() -> Callable[[Any], Any] | None:
         from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
     except Exception:
         return None
-    return lambda device: OffloadActivations(use_streams=torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    return lambda device: OffloadActivations(use_pin_memory=cuda, use_streams=cuda)
 
 
 @dataclass
@@ -115,7 +117,7 @@ def variants(backend: str) -> list[Variant]:
         Variant(REFERENCE, SaveOnCpuSameCopies),
     ]
     torchtune = _torchtune_hooks()
-    if torchtune is not None and backend != "cpu":
+    if torchtune is not None:
         chosen.append(Variant("torchtune OffloadActivations", torchtune))
     chosen.append(
         Variant("offcore", lambda device: offcore_torch.offload_activations(device, min_bytes=0, prefetch="deadline"))
@@ -260,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if _torchtune_hooks() is None:
         print("torchtune is not importable here: its OffloadActivations row is left out.")
-    elif args.device == "cpu":
-        print("torchtune's OffloadActivations copies with CUDA streams: left out on the fake device.")
     results: dict[str, Any] = {"command": sys.argv, "tensors": args.tensors, "reps": args.reps, "sizes": []}
     for nbytes in args.size_bytes:
         chosen = measure_size(nbytes, args)
