@@ -379,6 +379,75 @@ def _timeline(outcome: Any, start: float, optimizer_start: float, end: float) ->
     return spans
 
 
+# Note [The predicted timeline is the predicted step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A predicted step time is the simulated layers' step plus what runs outside them
+# (StepMeasurement.other_compute_s: the embedding, the head and the loss in forward and
+# backward, the optimizer step). The predicted timeline and memory series draw all of it, so
+# they end at the predicted step time and line up with the measured phases (forward#k,
+# backward#k, optimizer): at each turn from a micro-step's forward to its backward the head
+# and the loss run forward then backward (their bytes, StepProfile.head_bytes, held meanwhile),
+# and the optimizer step closes the step at its measured peak.
+
+
+def predicted_step_series(
+    result: Any, measurement: StepMeasurement
+) -> tuple[list[tuple[str, str, float, float]], list[tuple[float, int]]]:
+    """The predicted timeline and memory series of one whole step (Note [The predicted timeline is the predicted step]).
+
+    ``result`` is the simulated step of the planned layers; the spans and points come back
+    shifted to make room for the compute outside them, which is drawn as its own spans.
+
+        >>> timeline, memory = predicted_step_series(result, measurement)   # doctest: +SKIP
+        >>> timeline[-1][1], timeline[-1][3] == predicted_s                  # doctest: +SKIP
+        ('optimizer', True)
+    """
+    last = result.plan.layer_names[-1] if result.plan.layer_names else None
+    forwards = [e for e in result.events if e.kind == "forward"]
+    last_layer = last if last is not None else (forwards[-1].layer if forwards else "")
+    turns = sorted({e.end for e in forwards if e.layer == last_layer})
+    head_forward = measurement.other_forward_s / max(1, len(turns))
+    head = head_forward + measurement.other_backward_s / max(1, len(turns))
+
+    def shift(t: float, *, inclusive: bool) -> float:
+        """``t`` on the whole step's clock: after every turn it passed, the head ran."""
+        return t + head * sum(1 for turn in turns if turn < t or (inclusive and turn == t))
+
+    spans: list[tuple[str, str, float, float]] = []
+    for e in result.events:
+        # at a turn, what starts there runs after the head, except the copy of forward's last save
+        start = shift(e.start, inclusive=e.stream != "d2h" and e.kind != "forward")
+        spans.append((e.stream, e.name, start, start + (e.end - e.start)))
+    for k, turn in enumerate(turns):
+        begin = shift(turn, inclusive=False)
+        suffix = f"#{k}" if len(turns) > 1 else ""
+        spans.append(("compute", f"forward:head+loss{suffix}", begin, begin + head_forward))
+        spans.append(("compute", f"backward:head+loss{suffix}", begin + head_forward, begin + head))
+    end = result.step_time_s + head * max(1, len(turns))
+    spans.append(("compute", "optimizer", end, end + measurement.optimizer_s))
+    spans.sort(key=lambda span: (span[2], span[0]))
+
+    memory: list[tuple[float, int]] = []
+    points = list(zip(result.memory_times, result.memory_bytes, strict=True))
+    index = 0
+    while index < len(points):
+        t = points[index][0]
+        same = [level for time_, level in points[index:] if time_ == t]
+        if t in turns:  # the head's bytes are held while it runs: the instant's peak lasts `head`
+            top = same.index(max(same))
+            memory.extend((shift(t, inclusive=False), level) for level in same[: top + 1])
+            memory.extend((shift(t, inclusive=True), level) for level in same[top:])
+        else:
+            memory.extend((shift(t, inclusive=False), level) for level in same)
+        index += len(same)
+    final = memory[-1][1] if memory else 0
+    if memory and memory[-1][0] < end:
+        memory.append((end, final))
+    memory.append((end, max(final, measurement.optimizer_peak_bytes)))  # the optimizer step's own peak
+    memory.append((end + measurement.optimizer_s, final))
+    return spans, memory
+
+
 # ----------------------------------------------------------------------------- plans
 def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -> StepProfile:
     """The profile at ``factor`` × the batch: layer times and bytes and the per-sample other bytes scale."""
@@ -1003,8 +1072,7 @@ def _run_compare(
             result.predicted_step_s = choice.predicted_s
             result.predicted_peak_bytes = choice.predicted_peak_bytes
             result.predicted_wait_s = predicted.exposed_wait_s
-            result.predicted_memory = list(zip(predicted.memory_times, predicted.memory_bytes, strict=True))
-            result.predicted_timeline = [(e.stream, e.name, e.start, e.end) for e in predicted.events]
+            result.predicted_timeline, result.predicted_memory = predicted_step_series(predicted, measurement)
             result.predicted_max_batch = _max_batch(profile, measurement, step_plan, settings.batch)
             result.max_batch = result.predicted_max_batch
             run = _train(device, work, settings, step_plan, observe=settings.observe, progress=report, label=name)
