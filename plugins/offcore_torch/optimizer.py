@@ -68,6 +68,22 @@ next forward waiting per parameter on its own event.
 # not issued yet issues it on demand (``reloaded``). An EVICT of an upload frees nothing
 # (it writes the parameter's own storage): the copy stays and is not repeated. The device
 # capacity check is off (``device_capacity=0``): an upload allocates no device memory.
+#
+# Note [Optimizer states on NVMe]
+# With ``tier="nvme"`` each parameter's big state tensors (every tensor state of more than
+# one element: AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer) live in one object
+# of an offcore.nvme.NvmeTier between steps; scalars (AdamW's step) stay in memory. A host
+# step runs offcore.nvme.pipelined over groups (one parameter, or consecutive small ones up
+# to _NVME_GROUP_BYTES of masters): read group i+1 into bounce buffers from a pinned pool,
+# step group i with the host optimizer's state pointing at views of its buffers, write
+# group i-1, and release a group's buffers only once its write completed (Note [when may
+# the host copy be released] in offcore/nvme/tier.py). Nothing lost: a failed read leaves
+# the disk copy as it was and the group unstepped; a failed write leaves the stepped states
+# in their buffers (the only valid copy, still the optimizer's state) and the next step
+# writes them again. ``step()`` then raises the StorageError with a note saying how many
+# parameters were stepped, and keeps the round open: calling ``step()`` again steps only the
+# others, so the result is that of one uninterrupted step. The fp32 masters stay in host
+# memory (they are the upload's source and the staleness check's reference).
 """
 
 from __future__ import annotations
@@ -76,6 +92,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import shutil
 import threading
 import time
 import weakref
@@ -84,9 +101,10 @@ from typing import Any
 
 import torch
 
-from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError
+from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, StorageError
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
+from offcore.nvme import NvmeTier, pipelined
 from offcore.objects import State
 from offcore.pool import HostBuffer
 from offcore.residency import ActionKind, ResidencyScheduler
@@ -103,6 +121,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CHUNK_BYTES = 8 * 1024**2  # host steps at step(): batches of about this many master bytes
+_NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
 
@@ -123,6 +142,9 @@ class _Slot:
         "h2d",
         "synced_version",
         "hook",
+        "layout",
+        "state_nbytes",
+        "state_buf",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -139,6 +161,29 @@ class _Slot:
         self.h2d: Any = None  # event of the last H2D of the master into the device parameter
         self.synced_version = param._version
         self.hook: Any = None
+        # tier="nvme" (Note [Optimizer states on NVMe]): the state tensors kept on disk, as
+        # (name, dtype, shape, byte offset) in one object of ``state_nbytes``; ``state_buf`` is the
+        # pool buffer holding them while they are in memory (read for a step, or a failed write)
+        self.layout: list[tuple[str, torch.dtype, torch.Size, int]] | None = None
+        self.state_nbytes = 0
+        self.state_buf: HostBuffer | None = None
+
+
+class _AllOf:
+    """The transfers of one group: ``synchronize()`` waits for all, then raises the first failure."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def synchronize(self) -> None:
+        error: BaseException | None = None
+        for handle in self.handles:
+            try:
+                handle.synchronize()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -164,6 +209,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
       in the next forward; the rest is uploaded at the forward's triggers, in the core's need
       order (Note [The optimizer's moves go through the core]).
+    - ``tier`` (``"host"``): ``"nvme"`` keeps the optimizer states in files under ``nvme_path``
+      (an :class:`offcore.nvme.NvmeTier` of ``nvme_budget`` bytes, default: the free space there;
+      ``verify``: CRC-checked reads), stepped with :func:`offcore.nvme.pipelined`
+      (Note [Optimizer states on NVMe]); the files go when the optimizer is closed or dropped.
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
     keyed by the host masters); ``state_dict()`` is in torch's format.
@@ -183,6 +232,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         accumulation_steps: int | None = None,
         host_budget: int | str | None = None,
         upload_budget: int | str | None = None,
+        tier: str = "host",
+        nvme_path: str | None = None,
+        nvme_budget: int | str | None = None,
+        verify: bool = False,
         trace: TraceRecorder | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -200,6 +253,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigurationError(f"accumulation_steps must be a positive int or None, got {accumulation_steps!r}")
         if isinstance(params, torch.Tensor):
             raise ConfigurationError("params must be an iterable of tensors or of param-group dicts, not one tensor")
+        if tier not in ("host", "nvme"):
+            raise ConfigurationError(f"tier must be 'host' or 'nvme', got {tier!r}")
+        if tier == "nvme" and nvme_path is None:
+            raise ConfigurationError("tier='nvme' needs nvme_path= (a directory on the NVMe disk, owned by you)")
+        if tier == "host" and (nvme_path is not None or nvme_budget is not None):
+            raise ConfigurationError("nvme_path= / nvme_budget= need tier='nvme'")
         groups = list(params)
         if not groups:
             raise ConfigurationError("OffloadOptimizer got an empty parameter list")
@@ -248,6 +307,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             budget = parse_size(host_budget, what="host_budget")
         self._pool = device.host_pool(budget, pinned=pin_memory)
         self._host: torch.optim.Optimizer | None = None
+        self._nvme: NvmeTier | None = None
+        self._state_pool: Any = None
+        if tier == "nvme":
+            assert nvme_path is not None
+            disk = nvme_budget if nvme_budget is not None else shutil.disk_usage(nvme_path).free
+            self._nvme = NvmeTier(nvme_path, budget=disk, verify=verify, ledger=self.ledger)
+            # bounce buffers: three groups live in the pipeline (read i+1, step i, write i-1), each of
+            # up to ~4 x its master bytes of state (AdamW: 2 x), a failed write's groups kept besides
+            largest = max((p.numel() * 4 for p in flat), default=0)
+            self._state_pool = device.host_pool(
+                4 * max(largest, _NVME_GROUP_BYTES) * 4 + 64 * 1024**2, pinned=pin_memory
+            )
 
         # torch.optim.Optimizer's own attributes (hooks, profiling names), without its param handling
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
@@ -266,7 +337,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise
         self._regroup()
         self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle)
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle, self._nvme)
 
     # -- construction ------------------------------------------------------------------
     def _master_dtype(self, param: torch.Tensor) -> torch.dtype:
@@ -582,7 +653,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._release_staging(staging)
         slot.master.grad = slot.grad
         if run_step:
-            self._step_slots([slot], entry[4] if entry is not None else self._rs)
+            self._step_groups([[slot]], entry[4] if entry is not None else self._rs)
 
     # -- host steps -----------------------------------------------------------------------
     def _step_slots(self, slots: list[_Slot], rs: ResidencyScheduler | None = None) -> None:
@@ -821,6 +892,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 chunks.append([])
                 size = 0
         self._h2d_after_compute()
+        if self._nvme is not None:
+            groups = self._groups(remaining)
+            try:
+                self._worker.submit(self._step_groups, groups, rs).result()
+            except StorageError as exc:
+                self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
+            except BaseException:
+                self._end_round()
+                raise
+            self._end_round()
+            return loss
         # the worker steps chunk k+1 while this thread carries out the uploads chunk k made due
         futures = [(self._worker.submit(self._step_slots, chunk), chunk) for chunk in chunks if chunk]
         error: BaseException | None = None
@@ -838,6 +920,146 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         return loss
+
+    # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
+    def _groups(self, slots: list[_Slot]) -> list[list[_Slot]]:
+        """One parameter, or consecutive small ones up to ~4 MiB of master bytes, per group."""
+        groups: list[list[_Slot]] = []
+        size = _NVME_GROUP_BYTES
+        for slot in slots:
+            nbytes = slot.master.numel() * slot.master.element_size()
+            if size + nbytes > _NVME_GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(slot)
+            size += nbytes
+        return groups
+
+    def _step_groups(self, groups: list[list[_Slot]], rs: ResidencyScheduler | None) -> None:
+        """Worker: host steps over ``groups``; with tier="nvme", pipelined over their states on disk."""
+        if self._nvme is None:
+            for group in groups:
+                self._step_slots(group, rs)
+            return
+
+        def compute(group: list[_Slot]) -> None:
+            self._step_slots(group, rs)
+            for slot in group:
+                slot.stepped = True
+                self._pack(slot)
+
+        pipelined(groups, self._read_group, compute, self._write_group, release=self._release_group)
+
+    def _state_view(self, slot: _Slot) -> Any:
+        assert slot.state_buf is not None
+        return slot.state_buf.view[: slot.state_nbytes].numpy()
+
+    def _attach(self, slot: _Slot) -> None:
+        """Point the host optimizer's state of ``slot`` at views of its state buffer."""
+        assert self._host is not None and slot.layout is not None and slot.state_buf is not None
+        state = self._host.state[slot.master]
+        raw = slot.state_buf.view
+        for name, dtype, shape, offset in slot.layout:
+            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            state[name] = raw[offset : offset + n].view(dtype).view(shape)
+
+    def _read_group(self, group: list[_Slot]) -> Any:
+        handles = []
+        try:
+            for slot in group:
+                if slot.layout is None or slot.state_buf is not None:
+                    continue  # no state yet, or still in memory (its last write failed)
+                slot.state_buf = self._acquire_state(slot.state_nbytes)
+                self._attach(slot)
+                assert self._nvme is not None
+                handles.append(self._nvme.read(slot.index, self._state_view(slot)))
+        except BaseException:
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.synchronize()
+            self._release_group(group)
+            raise
+        return _AllOf(handles)
+
+    def _pack(self, slot: _Slot) -> None:
+        """After a step: the big state tensors of ``slot`` live in its state buffer (layout made once)."""
+        assert self._host is not None
+        state = self._host.state.get(slot.master)
+        if not state:
+            return
+        if slot.layout is None:
+            layout, offset = [], 0
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1:
+                    layout.append((name, value.dtype, value.shape, offset))
+                    offset += -(-value.numel() * value.element_size() // 64) * 64
+            if not layout:
+                return
+            slot.layout, slot.state_nbytes = layout, offset
+        if slot.state_buf is None:
+            slot.state_buf = self._acquire_state(slot.state_nbytes)
+        raw = slot.state_buf.view
+        for name, dtype, shape, offset in slot.layout:
+            value = state[name]
+            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            view = raw[offset : offset + n].view(dtype).view(shape)
+            if value.data_ptr() != view.data_ptr():  # created by the step (first step), or replaced
+                view.copy_(value)
+                state[name] = view
+
+    def _write_group(self, group: list[_Slot]) -> Any:
+        assert self._nvme is not None
+        handles = []
+        try:
+            for slot in group:
+                if slot.state_buf is not None:
+                    handles.append(self._nvme.write(slot.index, self._state_view(slot), kind=Kind.OPTIMIZER_STATE))
+        except BaseException:
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.synchronize()
+            raise
+        return _AllOf(handles)
+
+    def _release_group(self, group: list[_Slot]) -> None:
+        """The disk holds ``group``'s states (or they were only read): their host copies go."""
+        assert self._host is not None
+        for slot in group:
+            if slot.state_buf is None:
+                continue
+            state = self._host.state.get(slot.master, {})
+            for name, *_ in slot.layout or ():
+                state.pop(name, None)
+            self._state_pool.release(slot.state_buf)
+            slot.state_buf = None
+
+    def _acquire_state(self, nbytes: int) -> HostBuffer:
+        try:
+            return self._state_pool.acquire(max(nbytes, 1))
+        except CapacityExceededError as exc:
+            raise CapacityExceededError(
+                f"OffloadOptimizer(tier='nvme'): the bounce buffers ({format_bytes(self._state_pool.budget)}) "
+                f"cannot hold a group's optimizer states ({format_bytes(nbytes)}); "
+                f"{format_bytes(self._state_pool.used_bytes)} are in use"
+            ) from exc
+
+    def _storage_failed(self, exc: StorageError, slots: list[_Slot]) -> None:
+        """A read or write of the states failed during ``step()``: say what was applied, lose nothing."""
+        done = [s for s in slots if s.stepped]
+        todo = [s for s in slots if not s.stepped]
+        unwritten = [s.index for g in getattr(exc, "unwritten_groups", []) for s in g]
+        note = (
+            f"OffloadOptimizer(tier='nvme'): the step was applied to {len(done)} of {len(slots)} parameters "
+            f"(their states and masters are valid); {len(todo)} were not stepped: fix the cause and call "
+            "opt.step() again, it steps only those (the same result as one uninterrupted step)."
+        )
+        if unwritten:
+            note += (
+                f" The states of parameters {unwritten} were stepped but not written to disk: they stay in "
+                "host memory and are written again by the next step."
+            )
+        exc.add_note(note)
+        raise exc  # the round stays open: the retry steps what is left
 
     def _end_round(self) -> None:
         for slot in self._slots:
@@ -952,11 +1174,50 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`)."""
         self._drain()
         assert self._host is not None
-        sd = self._host.state_dict()
+        sd = self.run_on_host(self._gather_state_dict) if self._nvme is not None else self._host.state_dict()
         masters = {s.index: s.master.clone() for s in self._slots if s.stage is not None}
         if masters:
             sd[MASTER_WEIGHTS_KEY] = masters
         return sd
+
+    def _gather_state_dict(self) -> dict[str, Any]:
+        """Worker: the host optimizer's state dict with the states on disk read into fresh tensors."""
+        assert self._host is not None and self._nvme is not None
+        attached = []
+        try:
+            for slot in self._slots:
+                if slot.layout is None or slot.state_buf is not None:
+                    continue
+                state = self._host.state[slot.master]
+                whole = torch.empty(slot.state_nbytes, dtype=torch.uint8)
+                self._nvme.read(slot.index, whole.numpy()).synchronize()
+                attached.append(slot)
+                for name, dtype, shape, offset in slot.layout:
+                    n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+                    state[name] = whole[offset : offset + n].view(dtype).view(shape).clone()
+            sd = self._host.state_dict()
+            sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # torch's dict shares the per-parameter dicts
+            return sd
+        finally:
+            for slot in attached:
+                state = self._host.state[slot.master]
+                for name, *_ in slot.layout or ():
+                    state.pop(name, None)
+
+    def _store_all(self) -> None:
+        """Worker: after load_state_dict, write every parameter's states to disk, wait, drop them from memory."""
+        assert self._host is not None and self._nvme is not None
+        for slot in self._slots:
+            if slot.state_buf is not None:
+                self._state_pool.release(slot.state_buf)
+                slot.state_buf = None
+            slot.layout = None
+            self._pack(slot)
+            if slot.state_buf is not None:
+                self._nvme.write(slot.index, self._state_view(slot), kind=Kind.OPTIMIZER_STATE).synchronize()
+                self._release_group([slot])
+            elif slot.index in self._nvme:
+                self._nvme.delete(slot.index)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` (of this class or of ``optimizer_class`` itself).
@@ -970,6 +1231,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         masters = state_dict.pop(MASTER_WEIGHTS_KEY, None) or {}
         host = self._host
         self.run_on_host(host.load_state_dict, state_dict)
+        if self._nvme is not None:
+            self.run_on_host(self._store_all)
         self._regroup()
         self.synchronize()
         with self._sched_lock:
@@ -1023,6 +1286,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._pool.release(buffer)
             slot.buffers = []
         self._pool.trim()
+        if self._nvme is not None:
+            for slot in self._slots:
+                if slot.state_buf is not None:
+                    self._state_pool.release(slot.state_buf)
+                    slot.state_buf = None
+            self._state_pool.trim()
+            with contextlib.suppress(Exception):
+                self._nvme.close()
         self.ledger = Ledger()
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
@@ -1075,9 +1346,12 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
     return hook
 
 
-def _shutdown(worker: concurrent.futures.ThreadPoolExecutor, handle: Any) -> None:
+def _shutdown(worker: concurrent.futures.ThreadPoolExecutor, handle: Any, nvme: NvmeTier | None) -> None:
     handle.remove()
     worker.shutdown(wait=False)
+    if nvme is not None:
+        with contextlib.suppress(Exception):
+            nvme.close()  # its files go with the optimizer
 
 
 class OffloadGradScaler:

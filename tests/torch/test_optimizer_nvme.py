@@ -1,0 +1,216 @@
+"""OffloadOptimizer(tier="nvme"): optimizer states in an NvmeTier, stepped with offcore.nvme.pipelined
+(Note [Optimizer states on NVMe]).
+
+- bit-identical training vs the host reference (AdamW, SGD momentum; overlap; bf16 + fp32 masters);
+- the states are on disk between steps, not in memory; state_dict() gathers them from disk;
+- exact resume in a fresh process (6 steps = 3 + save + load + 3);
+- an injected read or write error during the step: a clear StorageError, nothing lost, and calling
+  step() again after the fault is gone gives the numbers of an uninterrupted run;
+- the files go when the optimizer is closed or dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import offcore_torch  # noqa: E402
+from offcore_torch.models import mlp_workload  # noqa: E402
+from optimizer_offload_helpers import assert_equivalent, assert_same, place, run  # noqa: E402
+
+from offcore.errors import ConfigurationError, StorageError  # noqa: E402
+from offcore.kinds import Kind, Tier  # noqa: E402
+
+MLP = mlp_workload(d_in=16, width=32, depth=3, d_out=8, batch_size=8)
+
+
+def _files(path: Path) -> list[str]:
+    return [str(p) for p in path.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_nesterov"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
+def test_matches_host_reference(make_fake_device: Any, tmp_path: Path, optimizer: str, overlap: bool) -> None:
+    options = dict(optimizer=optimizer, accumulation=2, overlap=overlap)
+    want = run(MLP, device=make_fake_device(), offload=False, **options)
+    got = run(
+        MLP, device=make_fake_device(link="slow"), options={"tier": "nvme", "nvme_path": str(tmp_path)}, **options
+    )
+    assert_equivalent(got, want)
+    assert _files(tmp_path) == []  # closed: the files are gone
+
+
+def test_bf16_with_fp32_masters_and_verify(make_fake_device: Any, tmp_path: Path) -> None:
+    options = dict(dtype=torch.bfloat16, master_weights=True)
+    want = run(MLP, device=make_fake_device(), offload=False, **options)
+    nvme = {"tier": "nvme", "nvme_path": str(tmp_path), "verify": True}
+    got = run(MLP, device=make_fake_device(), options=nvme, **options)
+    assert_equivalent(got, want)
+
+
+def test_states_live_on_disk_between_steps(make_fake_device: Any, tmp_path: Path) -> None:
+    dev = make_fake_device()
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", nvme_path=str(tmp_path)
+        )
+        for step in range(2):
+            MLP.loss(model, MLP.make_batch(step, torch.device("cpu"))).backward()
+            opt.step()
+            opt.zero_grad()
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        in_memory = [k for st in opt.state.values() for k, v in st.items() if v.numel() > 1]
+        assert in_memory == []  # only AdamW's scalar step counts stay in memory
+        assert opt.ledger.bytes(Tier.NVME, Kind.OPTIMIZER_STATE) >= 2 * params
+        assert len(_files(tmp_path)) == len(list(model.parameters()))
+        sd = opt.state_dict()
+        assert all(set(v) == {"step", "exp_avg", "exp_avg_sq"} for v in sd["state"].values())
+        assert opt._state_pool.used_bytes == 0  # no bounce buffer held between steps
+        del opt
+        gc.collect()
+        assert _files(tmp_path) == []  # dropped: the files are gone
+
+
+def test_bad_arguments(make_fake_device: Any, tmp_path: Path) -> None:
+    dev = make_fake_device()
+    model = place(MLP.build(0), dev)
+    with pytest.raises(ConfigurationError, match="nvme_path"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="nvme")
+    with pytest.raises(ConfigurationError, match="tier must be"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="disk")
+    with pytest.raises(ConfigurationError, match="need tier='nvme'"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, nvme_path=str(tmp_path))
+
+
+def _failing(real: Any, calls: list[int], fail_at: int) -> Any:
+    def op(fd: int, buffers: Any, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise OSError(errno.EIO, "injected I/O error")
+        return real(fd, buffers, offset)
+
+    return op
+
+
+@pytest.mark.parametrize("which", ["preadv", "pwritev"])
+@pytest.mark.parametrize("groups", ["one", "per_parameter"])
+def test_io_error_in_the_step_loses_nothing(
+    make_fake_device: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str, groups: str
+) -> None:
+    """Step 2 meets an I/O error; the fault goes; step() again; the run ends as an uninterrupted one."""
+    if groups == "per_parameter":  # several groups: the error comes part way through the pipeline
+        monkeypatch.setattr(offcore_torch.optimizer, "_NVME_GROUP_BYTES", 1)
+    want = run(MLP, device=make_fake_device(), offload=False, steps=4)
+    dev = make_fake_device()
+    losses, grads = [], []
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            device=dev,
+            tier="nvme",
+            nvme_path=str(tmp_path),
+            lr=1e-2,
+            weight_decay=0.1,
+        )
+        try:
+            for step in range(4):
+                loss = MLP.loss(model, MLP.make_batch(step, torch.device("cpu")))
+                loss.backward()
+                losses.append(loss.detach().clone())
+                if step == 2:
+                    calls = [0]
+                    with pytest.MonkeyPatch.context() as fault, pytest.raises(StorageError, match="injected") as info:
+                        fault.setattr(os, which, _failing(getattr(os, which), calls, fail_at=3))
+                        opt.step()
+                    notes = " ".join(getattr(info.value, "__notes__", []))
+                    assert "call opt.step() again" in notes, notes
+                    if which == "pwritev":
+                        assert "stay in host memory" in notes, notes
+                opt.step()
+                grads.append([g.clone() for g in opt.host_grads()])
+                opt.zero_grad()
+            opt.synchronize()
+            params = [p.detach().clone() for p in model.parameters()]
+            state = opt.state_dict()
+        finally:
+            opt.close()
+    assert_same(losses, want.losses, "losses")
+    assert_same(grads, want.grads, "grads")
+    assert_same(params, want.params, "params")
+    assert_same(state, want.state, "optimizer state")
+    assert _files(tmp_path) == []
+
+
+_RESUME = textwrap.dedent(
+    """
+    import json, sys, torch, offcore, offcore_torch
+    from offcore_torch.models import mlp_workload
+    first, last, ckpt, out, disk = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    work = mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=8)
+    dev = offcore.device("cpu", capacity="1GiB", sanitize=True, h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s")
+    model = work.build(0).to(torch.bfloat16)
+    with dev:
+        dev.adopt(model)
+        if first > 0:
+            saved = torch.load(ckpt, weights_only=True)
+            model.load_state_dict(saved["model"])
+        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, master_weights=True,
+                                             accumulation_steps=2, fused=True, lr=1e-2, weight_decay=0.1,
+                                             tier="nvme", nvme_path=disk)
+        if first > 0:
+            opt.load_state_dict(saved["optim"])
+        losses = []
+        for step in range(first, last):
+            for micro in range(2):
+                batch = tuple(b.to(torch.bfloat16) for b in work.make_batch(2 * step + micro, torch.device("cpu")))
+                loss = work.loss(model, batch)
+                loss.backward()
+                losses.append(loss.float().item())
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
+        opt.close()
+    json.dump(losses, open(out + ".json", "w"))
+    """
+)
+
+
+def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(_RESUME)
+    disk = tmp_path / "nvme"
+    disk.mkdir(mode=0o700)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def train(first: int, last: int, ckpt: str, out: str) -> None:
+        subprocess.run(
+            [sys.executable, str(script), str(first), str(last), ckpt, out, str(disk)],
+            check=True,
+            env=env,
+            timeout=300,
+        )
+
+    straight, half, resumed = (str(tmp_path / n) for n in ("straight.pt", "half.pt", "resumed.pt"))
+    train(0, 6, "", straight)
+    train(0, 3, "", half)
+    train(3, 6, half, resumed)
+    a, b = torch.load(straight, weights_only=True), torch.load(resumed, weights_only=True)
+    assert_same(b, a, "checkpoint after 6 steps")
+    losses = json.loads(Path(half + ".json").read_text()) + json.loads(Path(resumed + ".json").read_text())
+    assert losses == json.loads(Path(straight + ".json").read_text())
+    assert _files(disk) == []
