@@ -15,7 +15,8 @@ Public API: :func:`offload_activations` (returns an :class:`OffloadHandle`),
 :class:`OffloadOptimizer` (optimizer states and gradients on the host, with
 :func:`clip_grad_norm_`, :class:`OffloadGradScaler` and :func:`from_deepspeed_config`),
 :func:`no_offload`, :func:`mark`, :func:`synchronize`, :class:`OffloadStats`,
-:class:`OffloadPolicy`, and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
+:class:`OffloadPolicy`, :func:`offload_parameters` (parameters streamed from the host
+by next use; returns a :class:`ParameterOffloadHandle`), and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
 as ``schedule=`` to share what prefetch learns across regions). Names load lazily.
 """
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from offcore_torch.deepspeed_config import from_deepspeed_config
     from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
     from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
+    from offcore_torch.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
     from offcore_torch.policy import OffloadPolicy
     from offcore_torch.stats import OffloadStats
 
@@ -39,12 +41,15 @@ __all__ = [
     "OffloadOptimizer",
     "OffloadPolicy",
     "OffloadStats",
+    "ParameterOffloadHandle",
+    "ParameterOffloadStats",
     "Scheduler",
     "clip_grad_norm_",
     "from_deepspeed_config",
     "mark",
     "no_offload",
     "offload_activations",
+    "offload_parameters",
     "synchronize",
 ]
 
@@ -61,6 +66,9 @@ _EXPORTS = {
     "OffloadGradScaler": "offcore_torch.optimizer",
     "clip_grad_norm_": "offcore_torch.clip",
     "from_deepspeed_config": "offcore_torch.deepspeed_config",
+    "offload_parameters": "offcore_torch.parameters",
+    "ParameterOffloadHandle": "offcore_torch.parameters",
+    "ParameterOffloadStats": "offcore_torch.parameters",
 }
 
 

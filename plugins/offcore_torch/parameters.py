@@ -421,8 +421,9 @@ class ParameterOffloadHandle:
 
     def _offload_all(self) -> None:
         dev, rt = self.device, self.runtime
-        total = sum(s.nbytes for s in self._slots)
-        self._pool = dev.host_pool(total + 512 * (len(self._slots) + 1), pinned=True)
+        # one pinned block holding every host copy exactly (slices are 512-byte aligned)
+        total = max(512, sum(-(-s.nbytes // 512) * 512 for s in self._slots))
+        self._pool = dev.host_pool(total, pinned=True, block_size=total)
         compute = dev.current_stream()
         rt.d2h_stream.wait_stream(compute)
         last = None
@@ -948,7 +949,17 @@ class ParameterOffloadHandle:
         self._ready(self._slots, "remove")
         self._teardown()
 
-    def _teardown(self) -> None:
+    def discard(self) -> None:
+        """Remove every hook and give the host copies back *without* bringing the parameters back: the
+        model is unusable afterwards (its parameters have empty storages). For a model that would not
+        fit on the device whole, once it is no longer needed."""
+        if self._removed:
+            return
+        self._frames.clear()
+        self._step = None
+        self._teardown(restore=False)
+
+    def _teardown(self, *, restore: bool = True) -> None:
         self._removed = True
         for hook in self._hooks:
             hook.remove()
@@ -960,7 +971,7 @@ class ParameterOffloadHandle:
             if slot.tensor.__dict__.get("_offcore_slot") is slot:
                 del slot.tensor._offcore_slot  # type: ignore[attr-defined]
                 slot.tensor.__class__ = slot.klass
-            if not slot.resident:  # setup failed half-way: restore from the host copy
+            if not slot.resident and restore:  # setup failed half-way: restore from the host copy
                 self._resize(slot, slot.nbytes)
                 slot.resident = True
                 assert slot.host_view is not None

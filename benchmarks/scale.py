@@ -1,0 +1,337 @@
+"""How large a model trains on a fixed device, and what streaming parameters costs (issue 12).
+
+Part 1, **scale** (CPU fake device, fixed capacity, sanitizer off): the widest GPT-style model
+(:class:`offcore_torch.models.TinyGPT`, depth fixed, width grown in steps of ``--quantum``)
+for which one training step (forward, backward, optimizer update) runs at all, per variant:
+
+- **keep-all** (the baseline): the model on the device, ``torch.optim.AdamW`` on the device;
+- **params**: ``offload_parameters`` (the model built on the host goes straight to pinned
+  memory); AdamW still on the device (its step fetches every parameter);
+- **params + activations**: also ``offload_activations`` around forward;
+- **params + activations + OffloadOptimizer**: B's ``OffloadOptimizer`` composed through its public
+  API (its upload after the step brings every parameter to the device at once);
+- **all kinds (host step)**: parameters, activations, gradients and optimizer state off the
+  device: gradients go D2H from post-accumulate hooks, AdamW steps the handle's host copies
+  (``handle.host_tensor``) and ``handle.host_updated()`` leaves the next forward to stream
+  them -- what the OffloadOptimizer hook asked for in the report gives.
+
+A width "fits" when the step raises no out-of-memory error; the search doubles the width,
+then bisects. Reported: width, parameter count, the ratio to keep-all's count (target for
+all four kinds: >= 10x), and the device's peak during the step.
+
+Part 2, **step time** (``--time``): keep-all against parameter offload at one width, the
+emulated H2D link sized so each block's parameters copy in ``--fill`` (0.8) of that block's
+measured forward time (calibrated in the same run); a step is forward + backward (the
+optimizer update is the same for both and left out). Interleaved rounds, medians, ratio to
+keep-all (target <= 1.15), and the cost floor: parameter offload over an unlimited link.
+
+Run::
+
+    .venv/bin/python benchmarks/scale.py                    # both parts
+    .venv/bin/python benchmarks/scale.py --part scale --capacity 32MiB --json /tmp/scale.json
+    .venv/bin/python benchmarks/scale.py --part time --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import offcore_torch
+import torch
+from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss
+from offcore_torch.parameters import offload_parameters
+from offcore_torch.runtime import runtime_for
+
+import offcore
+from offcore.errors import CapacityExceededError
+from offcore.units import format_bytes, parse_size
+
+VARIANTS = ("keep-all", "params", "params+activations", "params+activations+OffloadOptimizer", "all kinds (host step)")
+
+
+def config(width: int, args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab, d_model=width, n_heads=args.heads, n_layers=args.depth, seq_len=args.seq, dropout=0.0
+    )
+
+
+def batch(step: int, cfg: GPTConfig, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class HostStep:
+    """Gradients D2H as backward makes them, AdamW over the handle's host copies (no H2D after the step)."""
+
+    def __init__(self, model: torch.nn.Module, handle: Any, dev: Any) -> None:
+        self.dev, self.handle = dev, handle
+        self.runtime = runtime_for(dev)
+        self.params = list(model.parameters())
+        self.host = [handle.host_tensor(p) for p in self.params]
+        self.grads = [torch.zeros_like(h) for h in self.host]  # host memory: made outside 'with dev:'
+        for h, g in zip(self.host, self.grads, strict=True):
+            h.grad = g
+        self.opt = torch.optim.AdamW(self.host, lr=1e-3)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._land) for p in self.params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    def _land(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        assert grad is not None
+        d2h = self.runtime.d2h_stream
+        d2h.wait_stream(self.dev.current_stream())
+        self.dev.copy_(self.grads[self.index[id(param)]], grad, stream=d2h).synchronize()
+        param.grad = None
+
+    def step(self) -> None:  # outside 'with dev:': the optimizer's state is host memory
+        self.opt.step()
+        self.handle.host_updated()
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (CapacityExceededError, torch.OutOfMemoryError)) or "out of memory" in str(exc).lower()
+
+
+def try_step(variant: str, width: int, args: argparse.Namespace) -> tuple[bool, int, int]:
+    """(fits, parameter count, device peak bytes) of one training step of ``variant`` at ``width``."""
+    cfg = config(width, args)
+    dev = offcore.device("cpu", capacity=args.capacity, h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg, seed=0)  # on the host
+    count = sum(p.numel() for p in model.parameters())
+    handle: Any = None
+    extra: Any = None
+    try:
+        with dev:
+            if variant == "keep-all":
+                dev.adopt(model)  # as .to(device)
+            else:
+                handle = offload_parameters(model, dev, budget=args.budget)
+            if variant == "params+activations+OffloadOptimizer":
+                extra = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)
+                opt: Any = extra
+            elif variant != "all kinds (host step)":
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if variant == "all kinds (host step)":
+            extra = HostStep(model, handle, dev)
+        dev.reset_peak_memory_stats()
+        with dev:
+            idx, targets = batch(0, cfg, args.batch)
+            if "activations" in variant or variant.startswith("all"):
+                with offcore_torch.offload_activations(dev, min_bytes="16KiB"):
+                    loss = next_token_loss(model(idx), targets)
+            else:
+                loss = next_token_loss(model(idx), targets)
+            loss.backward()
+            del loss
+            if variant != "all kinds (host step)":
+                opt.step()
+                opt.zero_grad()
+        if variant == "all kinds (host step)":
+            extra.step()
+        offcore_torch.synchronize(dev)
+        return True, count, dev.memory_stats().peak_allocated_bytes
+    except Exception as exc:  # out of memory: does not fit
+        if not _is_oom(exc):
+            raise
+        return False, count, dev.memory_stats().peak_allocated_bytes
+    finally:
+        if isinstance(extra, HostStep):
+            extra.close()
+        elif extra is not None:
+            extra.close()
+        if handle is not None:
+            handle.discard()  # not remove(): the model need not fit on the device
+        dev.close()
+
+
+def largest(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    q = args.quantum
+    fits: dict[int, tuple[bool, int, int]] = {}
+
+    def fit(width: int) -> bool:
+        if width not in fits:
+            fits[width] = try_step(variant, width, args)
+            print(f"  {variant:40s} width {width:5d}: {'fits' if fits[width][0] else 'OOM'}", file=sys.stderr)
+        return fits[width][0]
+
+    lo, hi = 0, q
+    while fit(hi):
+        lo, hi = hi, hi * 2
+        if hi > args.max_width:
+            break
+    while hi - lo > q:
+        mid = (lo + hi) // 2 // q * q
+        if mid in (lo, hi):
+            break
+        if fit(mid):
+            lo = mid
+        else:
+            hi = mid
+    if lo == 0:
+        return {"variant": variant, "width": 0, "parameters": 0, "peak_bytes": 0}
+    _, count, peak = fits[lo]
+    return {"variant": variant, "width": lo, "parameters": count, "peak_bytes": peak}
+
+
+def part_scale(args: argparse.Namespace) -> dict[str, Any]:
+    rows = [largest(v, args) for v in args.variants]
+    base = rows[0]["parameters"] or 1
+    print(
+        f"\nscale: capacity {args.capacity}, depth {args.depth}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}"
+    )
+    print(f"{'variant':42s} {'width':>6s} {'parameters':>12s} {'x keep-all':>10s} {'device peak':>12s}")
+    for row in rows:
+        row["ratio"] = row["parameters"] / base
+        print(
+            f"{row['variant']:42s} {row['width']:6d} {row['parameters']:12,d} {row['ratio']:10.1f} "
+            f"{format_bytes(row['peak_bytes']):>12s}"
+        )
+    target = next((r for r in rows if r["variant"].startswith("all")), None)
+    if target is not None:
+        ok = target["ratio"] >= 10
+        print(f"target all kinds >= 10 x keep-all's parameters: {'MET' if ok else 'NOT MET'} ({target['ratio']:.1f} x)")
+    return {"rows": rows}
+
+
+# ------------------------------------------------------------------------------ step time
+def part_time(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = config(args.time_width, args)
+    # calibrate: each block's forward time with everything on the device
+    dev0 = offcore.device("cpu", capacity="8GiB", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    torch.manual_seed(0)
+    with dev0:
+        model0 = TinyGPT(cfg, seed=0)
+        idx, _ = batch(0, cfg, args.time_batch)
+        x = (model0.tok_emb(idx) + model0.pos_emb(torch.arange(cfg.seq_len))).detach()
+        block = model0.blocks[0]
+        times = []
+        for _ in range(7):
+            began = time.perf_counter()
+            block(x).sum().backward()
+            times.append(time.perf_counter() - began)
+    block_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
+    block_fwd_bwd = statistics.median(times)
+    block_forward = block_fwd_bwd / 3  # forward ~ 1/3 of forward + backward
+    bandwidth = block_bytes / (args.fill * block_forward)
+    dev0.close()
+
+    def make(variant: str) -> tuple[Callable[[int], None], Any, Any]:
+        link = {"h2d_bandwidth": bandwidth, "d2h_bandwidth": bandwidth} if variant == "params" else {}
+        if variant != "params":
+            link = {"h2d_bandwidth": "inf", "d2h_bandwidth": "inf"}
+        dev = offcore.device("cpu", capacity="8GiB", latency="10us", **link)
+        torch.manual_seed(0)
+        with dev:
+            model = TinyGPT(cfg, seed=0)
+            handle = offload_parameters(model, dev) if variant != "keep-all" else None
+
+        def step(s: int) -> None:
+            with dev:
+                idx, targets = batch(s, cfg, args.time_batch)
+                next_token_loss(model(idx), targets).backward()
+                model.zero_grad(set_to_none=True)
+
+        return step, handle, dev
+
+    variants = {"keep-all": make("keep-all"), "params": make("params"), "params, unlimited link": make("floor")}
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    n = 0
+    for step, _, _ in variants.values():
+        for _ in range(args.warmup):
+            step(n)
+            n += 1
+    for _ in range(args.rounds):
+        for name, (step, _, _) in variants.items():
+            began = time.perf_counter()
+            for _ in range(args.block):
+                step(n)
+                n += 1
+            results[name].append((time.perf_counter() - began) / args.block)
+    base = statistics.median(results["keep-all"])
+    print(
+        f"\nstep time (forward + backward): width {args.time_width}, depth {args.depth}, batch {args.time_batch}, "
+        f"block forward {block_forward * 1e3:.2f} ms, block parameters {format_bytes(block_bytes)}, "
+        f"H2D link {format_bytes(int(bandwidth))}/s (fill {args.fill})"
+    )
+    rows = []
+    for name, values in results.items():
+        med = statistics.median(values)
+        row = {"variant": name, "median_s": med, "ratio": med / base, "samples": values}
+        handle = variants[name][1]
+        if handle is not None:
+            st = handle.stats()
+            row.update(
+                prefetch_hits=st.prefetch_hits,
+                stalls=st.stalls,
+                unplanned=st.unplanned,
+                exposed_wait_s=st.exposed_wait_s,
+            )
+        rows.append(row)
+        extra = (
+            f"  hits {row['prefetch_hits']} stalls {row['stalls']} unplanned {row['unplanned']} "
+            f"wait {row['exposed_wait_s'] * 1e3:.1f} ms"
+            if "stalls" in row
+            else ""
+        )
+        print(f"{name:26s} {med * 1e3:8.2f} ms  {row['ratio']:.3f} x keep-all{extra}")
+    ratio = rows[1]["ratio"]
+    print(f"target params <= 1.15 x keep-all: {'MET' if ratio <= 1.15 else 'NOT MET'} ({ratio:.3f} x)")
+    for _, handle, dev in variants.values():
+        if handle is not None:
+            handle.remove()
+        dev.close()
+    return {"bandwidth": bandwidth, "block_forward_s": block_forward, "block_bytes": block_bytes, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("scale", "time", "both"), default="both")
+    parser.add_argument("--capacity", default="32MiB")
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--quantum", type=int, default=32, help="width step (default 32)")
+    parser.add_argument("--max-width", type=int, default=4096)
+    parser.add_argument("--budget", default=None, help="offload_parameters budget (default: 2 x largest module)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--time-width", type=int, default=384)
+    parser.add_argument("--time-batch", type=int, default=8)
+    parser.add_argument("--fill", type=float, default=0.8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if args.budget is not None:
+        args.budget = parse_size(args.budget, what="budget")
+    torch.set_num_threads(args.threads)
+    out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__}
+    if args.part in ("scale", "both"):
+        out["scale"] = part_scale(args)
+    if args.part in ("time", "both"):
+        out["time"] = part_time(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
