@@ -12,8 +12,8 @@ adds is where the *reduced* gradients go and where the optimizer runs.
   hooks after its reduce-scatter, with the reduced shard as ``grad``: that shard goes to the
   host. ``state_dict()`` is keyed by parameter name with DTensor values, so
   ``torch.distributed.checkpoint`` saves and loads it sharded.
-- :func:`clip_grad_norm_`: the global norm over sharded host gradients (local norm, then an
-  all-reduce of ``norm ** p``, as DTensor does), or over DDP's replicated ones.
+- :func:`clip_grad_norm_`: the global norm over sharded host gradients (per-parameter norms
+  combined with one all-reduce, as torch does with DTensor gradients), or over DDP's replicated ones.
 
     >>> import torch, offcore, offcore_torch                                   # doctest: +SKIP
     >>> from offcore_torch.distributed import FSDPOffloadOptimizer              # doctest: +SKIP
@@ -27,9 +27,11 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # hooks and hands over each bucket from DDP's communication hook, once its all-reduce is done:
 # at the next bucket's hook (the host asks the future, ``done()``; ``wait()`` then orders the
 # current stream after the collective on hardware) and, for the rest, in an autograd callback
-# at the end of backward (queued before DDP's own finalize, so the bucket is read before DDP
-# copies it into ``param.grad``). The bucket is rewritten by the next backward: the compute
-# stream waits for the last D2H before the DDP module's next forward. Under FSDP2 the sharded
+# at the end of backward (queued before DDP's own finalize). A second callback, queued from the
+# first and so run after DDP's finalize wrote the reduced values into ``param.grad``, sets those
+# gradients to None: the host has them, and a later backward (accumulation without ``no_sync``)
+# must not add them in again. The bucket is rewritten by the next backward: the compute stream
+# waits for the last D2H before the DDP module's next forward. Under FSDP2 the sharded
 # parameter's hooks run after the reduce-scatter (and only when gradients are synchronized:
 # ``set_requires_gradient_sync(False)`` accumulates unsharded on the device, then one reduced
 # shard arrives), on whatever stream FSDP2 made current: OffloadOptimizer records its events
@@ -76,6 +78,7 @@ class DDPHandoff:
         self._pending: list[tuple[torch.futures.Future[Any], list[tuple[torch.Tensor, int, int, torch.Size]]]] = []
         self._callback_queued = False
         self._last_copy: Any = None
+        self._handed: list[torch.Tensor] = []
         self.buckets_handed = 0
         self._forward_handle = model.register_forward_pre_hook(self._before_forward)
 
@@ -99,6 +102,15 @@ class DDPHandoff:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._hand_over(block=True)
+        # runs after DDP's finalize (queued after it), which writes the reduced buckets into param.grad
+        torch.autograd.Variable._execution_engine.queue_callback(self._clear_gradients)
+
+    def _clear_gradients(self) -> None:
+        """The host holds this backward's reduced gradients: drop the device's ``param.grad`` (never written:
+        a D2H may still read the bucket), so a later backward does not add them in again."""
+        handed, self._handed = self._handed, []
+        for param in handed:
+            param.grad = None
 
     def _hand_over(self, *, block: bool) -> None:
         optimizer = self._optimizer()
@@ -113,6 +125,7 @@ class DDPHandoff:
             flat = reduced.view(-1)
             for param, offset, numel, shape in layout:
                 self._last_copy = optimizer.accept_gradient(param, flat.narrow(0, offset, numel).view(shape))
+                self._handed.append(param)
             self.buckets_handed += 1
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -400,32 +413,35 @@ def _clip_sharded(
             "under backward (accumulation_steps= / last_micro_step()); build the optimizer with accumulation_steps=None"
         )
     norm_type = float(norm_type)
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
 
-    def grads() -> list[torch.Tensor]:
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    def local_norms() -> torch.Tensor:
+        # one norm per parameter (0 without a gradient), in the same order on every rank
+        norms = [
+            torch.linalg.vector_norm(m.grad, norm_type) if m.grad is not None else torch.zeros((), dtype=m.dtype)
+            for m in masters
+        ]
+        return torch.stack([n.to(norms[0].dtype) for n in norms])
 
-    def local_norm() -> torch.Tensor:
-        found = grads()
-        if not found:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.nn.utils.get_total_norm(found, norm_type)
-
-    local = optimizer.run_on_host(local_norm)
-    # the collective runs on a device tensor: nccl/hccl groups cannot reduce host tensors
+    local = optimizer.run_on_host(local_norms)
+    # Note [Sharded norms as torch computes them]: each parameter's norm is combined over the ranks
+    # (x^p, sum, then ^(1/p); max for inf), then the norm of those norms is taken; this is what
+    # torch.nn.utils.clip_grad_norm_ does with FSDP2's DTensor gradients, so the bits match it.
+    # The collective runs on a device tensor: nccl/hccl groups cannot reduce host tensors.
     value = local.to(device.torch_device)
     if norm_type == float("inf"):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        total = value
     else:
-        value = value**norm_type  # DTensor's partial norm: x^p, sum over ranks, then ^(1/p)
+        value = value**norm_type
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-        total = value ** (1.0 / norm_type)
+        value = value ** (1.0 / norm_type)
+    total = torch.linalg.vector_norm(value, norm_type)
     total = total.cpu()
 
     def scale() -> None:
-        found = grads()
-        if found:
-            torch.nn.utils.clip_grads_with_norm_(found, max_norm, total)
+        with_grads = [m for m in masters if m.grad is not None]  # torch takes the parameters, scales their .grad
+        if with_grads:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
 
     optimizer.run_on_host(scale)
     return total
@@ -437,7 +453,7 @@ def clip_grad_norm_(
     """Clip the host gradients to a global norm of ``max_norm``; returns the norm (a host tensor).
 
     With an :class:`FSDPOffloadOptimizer` the gradients are shards: the norm is the local norm combined
-    over ``group`` (the world by default) with one all-reduce, the same arithmetic as
+    over ``group`` (the world by default) with one all-reduce, the same arithmetic (and bits) as
     ``torch.nn.utils.clip_grad_norm_`` on FSDP2's DTensor gradients. With an :class:`OffloadOptimizer`
     under DDP the gradients are already reduced (the same on every rank): no collective.
 

@@ -151,10 +151,11 @@ def _rank_main(
 
 
 def _kill(procs: list[Any]) -> None:
-    for proc in procs:
+    started = [proc for proc in procs if proc.pid is not None]
+    for proc in started:
         if proc.is_alive():
             proc.kill()
-    for proc in procs:
+    for proc in started:
         proc.join(timeout=30)
 
 
