@@ -13,7 +13,8 @@
 
 Public API: :func:`offload_activations` (returns an :class:`OffloadHandle`),
 :class:`OffloadOptimizer` (optimizer states and gradients on the host, with
-:func:`clip_grad_norm_`, :class:`OffloadGradScaler` and :func:`from_deepspeed_config`),
+:func:`clip_grad_norm_`, :class:`OffloadGradScaler` and :func:`from_deepspeed_config`;
+under ``torch.distributed``: :func:`attach_ddp` and :class:`FSDPOffloadOptimizer`),
 :func:`no_offload`, :func:`mark`, :func:`synchronize`, :class:`OffloadStats`,
 :class:`OffloadPolicy`, :func:`offload_parameters` (parameters streamed from the host
 by next use; returns a :class:`ParameterOffloadHandle`), and offcore's :class:`~offcore.scheduler.Scheduler` (pass one
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
     from offcore_torch.clip import clip_grad_norm_
     from offcore_torch.deepspeed_config import from_deepspeed_config
+    from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
     from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
     from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
     from offcore_torch.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from offcore_torch.stats import OffloadStats
 
 __all__ = [
+    "FSDPOffloadOptimizer",
     "OffloadGradScaler",
     "OffloadHandle",
     "OffloadOptimizer",
@@ -44,6 +47,7 @@ __all__ = [
     "ParameterOffloadHandle",
     "ParameterOffloadStats",
     "Scheduler",
+    "attach_ddp",
     "clip_grad_norm_",
     "from_deepspeed_config",
     "mark",
@@ -66,6 +70,8 @@ _EXPORTS = {
     "OffloadGradScaler": "offcore_torch.optimizer",
     "clip_grad_norm_": "offcore_torch.clip",
     "from_deepspeed_config": "offcore_torch.deepspeed_config",
+    "attach_ddp": "offcore_torch.distributed",
+    "FSDPOffloadOptimizer": "offcore_torch.distributed",
     "offload_parameters": "offcore_torch.parameters",
     "ParameterOffloadHandle": "offcore_torch.parameters",
     "ParameterOffloadStats": "offcore_torch.parameters",
