@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -346,8 +347,11 @@ class ParameterOffloadHandle:
         )
         self._removed = False
         self._pool: Any = None
+        self._foreign_step = False  # an optimizer stepped since the last release point
+        self._thread = threading.current_thread()
 
         self._collect(model)
+        self._param_ids = {id(s.tensor) for s in self._slots}
         largest = max((u.nbytes for u in self._units), default=0)
         capacity = int(getattr(device, "capacity", 0) or 0)
         if budget is None:
@@ -603,6 +607,8 @@ class ParameterOffloadHandle:
 
     def _begin_step(self, t: float) -> _Step:
         self._end_step()
+        if self._foreign_step:  # an optimizer stepped since: what it fetched is written back and freed
+            self._release_outside()
         mode = self._mode()
         history = self._histories.get(mode)
         if history is None:
@@ -805,23 +811,43 @@ class ParameterOffloadHandle:
         self._tasks.discard(task)
         last = not self._tasks
         for slot in self._slots:
-            if task in slot.bwd_tasks:
-                slot.bwd_tasks.discard(task)
-            if last:
-                slot.outside = False
+            slot.bwd_tasks.discard(task)
             self._maybe_free(slot)
+        if last:
+            self._release_outside()
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """After any optimizer's step: what it fetched changed (write it back), then free it."""
+        """After any optimizer's step (a global hook: it may run on another thread, e.g. a host optimizer
+        on a worker). One that steps these parameters: write back what it fetched and changed, free it.
+        Any other (a host optimizer whose step is uploaded into these parameters by its owner, as
+        OffloadOptimizer does): only noted; the next release point writes back what was fetched."""
+        ours = self._param_ids
+        if any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            if self._frames or threading.current_thread() is not self._thread:
+                self._foreign_step = True
+                return
+            self._foreign_step = True
+            self._release_outside()
+            self.release()
+        else:
+            self._foreign_step = True
+
+    def _release_outside(self) -> None:
+        """Free what was fetched outside a module; after an optimizer step, write it all back first."""
         fetched = [s for s in self._slots if s.outside]
         if not fetched:
+            self._foreign_step = False
             return
-        # an optimizer may upload into the parameters on a copy stream (OffloadOptimizer) and
-        # its copies need not bump the version counter: wait for them, write back every copy
-        self.runtime.h2d_stream.synchronize()
+        if self._foreign_step:
+            # an optimizer may have uploaded into the parameters on a copy stream (OffloadOptimizer),
+            # and copies need not bump the version counter: wait for them, write every copy back
+            self._foreign_step = False
+            self.runtime.h2d_stream.synchronize()
+            for slot in fetched:
+                slot.dirty = True
         for slot in fetched:
-            slot.dirty = True
-        self.release()
+            slot.outside = False
+            self._maybe_free(slot)
 
     def _use_outside(self, slots: list[_Slot], *, escaped: bool) -> None:
         """An operator reads ``slots``: those no module call pins now are fetched and kept until released."""
@@ -863,8 +889,8 @@ class ParameterOffloadHandle:
         if self._frames:
             return
         self._end_step()
+        self._release_outside()
         for slot in self._slots:
-            slot.outside = False
             self._maybe_free(slot)
 
     def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
