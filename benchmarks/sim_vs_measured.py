@@ -23,7 +23,16 @@ is paired with the same measured steps.
 
 Peaks include every strategy's resident model (all six are alive at once, so the
 rounds can interleave); the profile sees them too, so predicted and measured peaks
-stay comparable.
+stay comparable. The memory columns (issue 14: within 10 %) give, per strategy, the
+predicted / measured peak and the same ratio for the bytes *above* the resident state
+(what a plan changes, not diluted by the six models), and the largest batch that fits
+the planning budget's headroom above the resident state: predicted by the simulator
+(``offcore_torch.compare._max_batch``) and extrapolated from the measured peak as
+``offcore compare`` does. Offloaded steps free a device copy when its host copy has
+landed, so their peak depends on how long copies take *while the step runs*; the
+"rt link" columns predict with the link the offcore runtime measured during the timed
+steps (the same estimator its scheduler plans with) instead of the idle
+``measure_link`` figure.
 
 Not a test: the figures depend on the machine and on what else runs on it.
 """
@@ -64,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from offcore_torch.compare import (
         CompareSettings,
+        _extrapolated_batch,
+        _max_batch,
         build_workload,
         measure_microbatch_overhead,
         pcie_like_bandwidths,
@@ -72,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from offcore_torch.executor import PlanExecutor
     from offcore_torch.profiler import measure_link, measure_step
+    from offcore_torch.runtime import runtime_for
 
     import offcore
 
@@ -156,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         n: {"measured": [], "predicted": [], "error": [], "error_uncalibrated": [], "wait": [], "peak": []}
         for n in names
     }
+    runtime = runtime_for(device)
+
+    def runtime_link() -> dict[str, float]:
+        """The link as the offcore runtime measured it during the steps (its scheduler plans with it)."""
+        d2h_link, h2d_link = runtime.d2h_link, runtime.h2d_link
+        return {
+            "d2h_bandwidth": d2h_link.bandwidth or link.d2h_bandwidth,
+            "h2d_bandwidth": h2d_link.bandwidth or link.h2d_bandwidth,
+            "latency_s": (d2h_link.latency + h2d_link.latency) / 2,
+        }
+
     for round_index in range(args.rounds):
         step = args.warmup + round_index
         batch = work.make_batch(step, torch_device)
@@ -187,12 +210,30 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["wait"].append(wait)
             rows[name]["peak"].append(peak)
             rows[name].setdefault("predicted_peak", []).append(fresh.predicted_peak(result))
+            # the same headroom above the resident state as the planning budget had for one model
+            capacity = fresh.resident_bytes + (budget - first.resident_bytes)
+            sized = fresh.profile.with_link(capacity_bytes=capacity)
+            rows[name].setdefault("max_batch", []).append(
+                _extrapolated_batch(settings.batch, capacity, fresh, peak, multiple=plans[name].microbatches)
+            )
+            rows[name].setdefault("predicted_max_batch", []).append(
+                _max_batch(sized, fresh, plans[name], settings.batch)
+            )
+            on_runtime_link = replace(fresh, profile=sized.with_link(**runtime_link()))
+            rows[name].setdefault("predicted_peak_rt", []).append(
+                on_runtime_link.predicted_peak(on_runtime_link.predict(plans[name])[0])
+            )
+            rows[name].setdefault("predicted_max_batch_rt", []).append(
+                _max_batch(on_runtime_link.profile, on_runtime_link, plans[name], settings.batch)
+            )
+            rows[name].setdefault("resident", []).append(fresh.resident_bytes)
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
 
     print(
         f"{'strategy':<11} {'plan':<34} {'measured ms':>11} {'predicted ms':>12} {'error':>7} {'IQR of error':>14} "
         f"{'within 15%':>10} {'peak':>10} {'pred peak':>10} {'wait ms':>8} {'uncal. err':>10}"
     )
+    memory_rows: list[str] = []
     summary = []
     for name in names:
         r = rows[name]
@@ -215,6 +256,22 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": r,
             }
         )
+        # memory: the round with the highest measured peak (the figure shown), its predictions
+        worst = max(range(len(r["peak"])), key=lambda k: r["peak"][k])
+        peak, resident = r["peak"][worst], r["resident"][worst]
+        cells = []
+        for key, batch_key in (
+            ("predicted_peak", "predicted_max_batch"),
+            ("predicted_peak_rt", "predicted_max_batch_rt"),
+        ):
+            predicted_peak = r[key][worst]
+            above = (predicted_peak - resident) / max(1, peak - resident)
+            cells.append(f"{predicted_peak / peak:>6.3f} {above:>7.3f} {r[batch_key][worst]:>5}")
+            summary[-1][f"{key}_ratio"] = predicted_peak / peak
+            summary[-1][f"{key}_above_resident_ratio"] = above
+            summary[-1][batch_key] = r[batch_key][worst]
+        summary[-1]["max_batch"] = r["max_batch"][worst]
+        memory_rows.append(f"{name:<11} {format_bytes(peak):>10} {r['max_batch'][worst]!s:>6}   " + "   ".join(cells))
         print(
             f"{name:<11} {plans[name].describe():<34} {statistics.median(r['measured']) * 1e3:>11.1f} "
             f"{statistics.median(r['predicted']) * 1e3:>12.1f} {error:>+7.0%} "
@@ -222,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{format_bytes(max(r['peak'])):>10} {format_bytes(max(r['predicted_peak'])):>10} "
             f"{statistics.median(r['wait']) * 1e3:>8.1f} {statistics.median(r['error_uncalibrated']):>+10.0%}"
         )
+    print(
+        "\nmemory (the round with the highest measured peak; above = the bytes above the resident state; "
+        "max batch in the planning budget's headroom):"
+    )
+    print(
+        f"{'strategy':<11} {'peak':>10} {'batch':>6}   {'pred/meas':>6} {'above':>7} {'batch':>5}   "
+        f"{'rt link':>6} {'above':>7} {'batch':>5}"
+    )
+    print("\n".join(memory_rows))
     for _, _, executor in state.values():
         executor.__exit__(None, None, None)
     device.close()

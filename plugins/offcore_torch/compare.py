@@ -460,11 +460,15 @@ def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -
     )
 
 
-def _extrapolated_batch(batch: int, capacity: int, measurement: StepMeasurement, peak: int | None) -> int | None:
+def _extrapolated_batch(
+    batch: int, capacity: int, measurement: StepMeasurement, peak: int | None, *, multiple: int = 1
+) -> int | None:
     """The largest batch that fits ``capacity`` if the bytes above the resident state grow linearly with the batch.
 
     Extrapolated from a measured ``peak`` at ``batch``; the optimizer step's peak is a
     floor no batch size lowers. ``None`` when nothing above the resident state was seen.
+    ``multiple``: a plan with gradient accumulation runs only batches its micro-batch
+    count divides (the simulator's figure, ``_max_batch``, is such a multiple too).
     """
     if peak is None or measurement.optimizer_peak_bytes > capacity:
         return 0 if peak is not None else None
@@ -472,7 +476,8 @@ def _extrapolated_batch(batch: int, capacity: int, measurement: StepMeasurement,
     above = peak - resident
     if above <= 0:
         return None
-    return max(0, int(batch * (capacity - resident) / above))
+    fits = max(0, int(batch * (capacity - resident) / above))
+    return fits - fits % max(1, multiple)
 
 
 def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Plan, batch: int) -> int:
@@ -710,7 +715,8 @@ def _replan_with_measured_peaks(
     """Plan again when the strategies that ran show the memory model wrong near the budget.
 
     Note [Measured peaks] (offcore/sim/planner.py): the strategies run before "planned".
-    A measured peak within the target beats the simulator's conservative figure; a peak
+    A measured peak within the target beats the simulator's figure (and is the peak reported
+    for a plan chosen on it); a peak
     measured above its prediction (or an out-of-memory error under a predicted fit) shows
     bytes the model misses, which the planner then keeps as a margin below the budget.
     """
@@ -751,6 +757,11 @@ def _replan_with_measured_peaks(
     )["planned"]
     if choice.plan is not None and again.plan is not None and again.plan.describe() == choice.plan.describe():
         return choice
+    if again.plan is not None and again.predicted_peak_bytes is not None:
+        # chosen on a measured peak (the planner's fit test used it): that is the figure it fits by
+        ran = [peak for known, peak in measured.items() if known.describe() == again.plan.describe()]
+        if ran and min(ran) <= target:
+            again = replace(again, predicted_peak_bytes=min(again.predicted_peak_bytes, min(ran)))
     note(
         "planned: re-planned with the measured peaks of the strategies that ran (target "
         f"{format_bytes(target)}): {', '.join(surprises)}"
@@ -1096,7 +1107,9 @@ def _run_compare(
                     device = _make_device(settings, **options)
             else:
                 _fill(result, run)
-                result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, result.peak_device_bytes)
+                result.max_batch = _extrapolated_batch(
+                    settings.batch, capacity, measurement, result.peak_device_bytes, multiple=step_plan.microbatches
+                )
             if name == "baseline" and not result.ok:  # the reference measured its keep-all peak
                 result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, measurement.peak_bytes)
             if name == "baseline" and result.ok:
