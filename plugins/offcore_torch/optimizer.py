@@ -69,6 +69,20 @@ next forward waiting per parameter on its own event.
 # (it writes the parameter's own storage): the copy stays and is not repeated. The device
 # capacity check is off (``device_capacity=0``): an upload allocates no device memory.
 #
+# Note [Failed copies in the optimizer]
+# A copy can fail at submission (``copy_`` raises) or on its stream (its event raises).
+# Gradients: the device gradient is held until its D2H landed, so a failed D2H is made
+# again once (after clearing the stream's sticky error, DeviceRuntime.recover); if that
+# fails too, the gradient of that micro-step is lost: the error says so, and ``step()``
+# refuses to apply the round (CopyFailedError) until ``zero_grad()`` starts it over, so a
+# step is either applied with every gradient or not at all. (With host steps under
+# backward, accumulation_steps / last_micro_step, parameters whose step already ran in that
+# round keep it; the others are refused.) Uploads: the host master holds the stepped value,
+# so a failed H2D is issued again (at submission, or where the forward waits for it), and a
+# second failure raises CopyFailedError telling to call ``opt.synchronize()`` once fixed: the
+# step was applied fully, only its upload is pending. Either way the device gradients, the
+# staging buffers and the pool return to their baseline (tests/torch/test_optimizer_faults.py).
+#
 # Note [Optimizer states on NVMe]
 # With ``tier="nvme"`` each parameter's big state tensors (every tensor state of more than
 # one element: AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer) live in one object
@@ -290,6 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._used: set[int] = set()  # parameters the forward of this round's uses phase used
         self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
         self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
+        self._lost: str | None = None  # a gradient of this round was lost (Note [Failed copies in the optimizer])
         self._state_bytes = 0
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
@@ -531,10 +546,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             target = _typed(staging, grad.dtype, grad.shape)
             self.ledger.add(self._host_tier, Kind.GRADIENT, staging.nbytes)
         try:
-            done = dev.copy_(target, grad, stream=rt.d2h_stream)
-        except BaseException:
+            done = self._copy_retrying(target, grad, rt.d2h_stream, f"parameter {slot.index}'s gradient")
+        except BaseException as exc:
             if staging is not None:
                 self._release_staging(staging)
+            self._lost = self._lost or str(exc)
             raise
         if clear:
             param.grad = None  # freed once the copy landed (the holder keeps it until then)
@@ -601,7 +617,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not (self._in_flight and self._in_flight[0] is entry):
                     continue
                 self._in_flight.popleft()
-            self._free_gradient(entry, failed=failed)
+            if not failed:  # a failed copy is the worker's: it copies again, or frees it (_land)
+                self._free_gradient(entry, failed=False)
 
     def _free_gradient(self, entry: tuple[Any, ...], *, failed: bool) -> None:
         """A gradient's D2H completed (or failed): the core frees its device copy, once."""
@@ -632,12 +649,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             try:
                 done.synchronize()
             except Exception as exc:
-                if entry is not None:
-                    self._free_gradient(entry, failed=True)
-                raise CopyFailedError(
-                    f"OffloadOptimizer: the D2H copy of parameter {slot.index}'s gradient failed ({exc}); "
-                    "its gradient of this micro-step is lost, run the micro-step again"
-                ) from exc
+                # Note [Failed copies in the optimizer]: the device gradient is still held: copy it again
+                grad = entry[1][0] if entry is not None and entry[1] else None
+                try:
+                    if grad is None or entry is None:
+                        raise
+                    again = self._copy_retrying(target, grad, self._runtime.d2h_stream, "", recover=True)
+                    again.synchronize()
+                    with self._sched_lock:  # the core sees the first copy fail and the second start
+                        entry[4].offload_failed(entry[3])
+                        entry[4].offload_started(entry[3], again, self._host_tier)
+                except Exception:
+                    if entry is not None:
+                        self._free_gradient(entry, failed=True)
+                    message = (
+                        f"OffloadOptimizer: the D2H copy of parameter {slot.index}'s gradient failed ({exc}); "
+                        "its gradient of this micro-step is lost: the step will not be applied; call "
+                        "opt.zero_grad() and run the micro-steps again"
+                    )
+                    self._lost = self._lost or message
+                    raise CopyFailedError(message) from exc
             if entry is not None:
                 self._free_gradient(entry, failed=False)
             if staging is not None:
@@ -662,7 +693,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         assert self._host is not None
         for slot in slots:
             if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
-                slot.h2d.synchronize()
+                with contextlib.suppress(Exception):  # a failed copy reads nothing any more; its use re-issues it
+                    slot.h2d.synchronize()
         chosen: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         for slot in slots:
             chosen[id(slot.group)].append(slot.master)
@@ -694,10 +726,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device.current_stream().record_event(done)
         self._runtime.h2d_stream.wait_event(done)
 
+    def _copy_retrying(self, dst: Any, src: Any, stream: Any, what: str, *, recover: bool = False) -> Any:
+        """``copy_`` on ``stream``; a copy refused at submission is tried once more after clearing the
+        stream (Note [Failed copies in the optimizer]); a second refusal raises CopyFailedError."""
+        if recover:
+            self._runtime.recover(stream)
+        try:
+            return self._device.copy_(dst, src, stream=stream)
+        except Exception as first:
+            self._runtime.recover(stream)
+            try:
+                return self._device.copy_(dst, src, stream=stream)
+            except Exception as exc:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the copy of {what or 'a tensor'} failed twice ({first}; {exc})"
+                ) from exc
+
     def _copy_up(self, slot: _Slot) -> Any:
         """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event."""
         src = slot.stage if slot.stage is not None else slot.master
-        event = self._device.copy_(slot.param.detach(), src, stream=self._runtime.h2d_stream)
+        event = self._copy_retrying(
+            slot.param.detach(),
+            src,
+            self._runtime.h2d_stream,
+            f"parameter {slot.index} to the device (its host master holds the stepped value: opt.synchronize() "
+            "uploads it again)",
+        )
         with self._lock:
             slot.h2d = event
             self._pending_h2d[id(slot.param)] = slot
@@ -810,7 +864,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 return
             event = slot.h2d
         began = time.perf_counter()
-        self._device.current_stream().wait_event(event)
+        try:
+            self._device.current_stream().wait_event(event)
+        except Exception as exc:  # the upload failed on its stream: the master is intact, upload again
+            self._runtime.recover(self._runtime.h2d_stream)
+            self._copy_up(slot)
+            with self._lock:
+                self._pending_h2d.pop(id(slot.param), None)
+                event = slot.h2d
+            try:
+                self._device.current_stream().wait_event(event)
+            except Exception as again:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
+                    "host master holds the stepped value: fix the cause and call opt.synchronize()"
+                ) from again
         if self.trace is not None:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         if event.query():
@@ -874,6 +942,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._drain()
+        if self._lost is not None:
+            raise CopyFailedError(
+                f"OffloadOptimizer.step(): not applied, a gradient of this round was lost ({self._lost}); "
+                "call opt.zero_grad() and run the micro-steps again"
+            )
         if not self._offload_gradients:
             self._gradients_from_device()
         with self._sched_lock:
@@ -1110,7 +1183,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the host gradients (and any device gradients), as ``torch.optim.Optimizer.zero_grad``."""
-        self._drain()
+        with contextlib.suppress(CopyFailedError):  # reported already; zero_grad is how one starts over
+            self._drain()
+        self._lost = None
         for slot in self._slots:
             grad = slot.param.grad
             if grad is not None:
