@@ -8,7 +8,8 @@ returns an :class:`OffloadSetup` that trains like a DeepSpeed engine (``setup.ba
 Supported keys:
 
 - ``zero_optimization``: ``stage`` (0-3; one device, so only the optimizer offload matters),
-  ``offload_optimizer``: ``device`` (``"cpu"``), ``pin_memory``;
+  ``offload_optimizer``: ``device`` (``"cpu"``, or ``"nvme"`` with ``nvme_path``: the optimizer
+  states on NVMe, ``OffloadOptimizer(tier="nvme")``), ``pin_memory``;
 - ``optimizer``: ``type`` (``Adam``/``AdamW``/``SGD``/``Adagrad``; DeepSpeed's ``Adam`` is AdamW
   unless ``params.adam_w_mode`` is false) and ``params`` (the torch class's arguments, plus
   ``torch_adam`` / ``adam_w_mode``);
@@ -61,7 +62,7 @@ _TOP = {
     "train_micro_batch_size_per_gpu",
 }
 _ZERO = {"stage", "offload_optimizer"}
-_OFFLOAD = {"device", "pin_memory"}
+_OFFLOAD = {"device", "pin_memory", "nvme_path"}
 _FP16 = {"enabled", "initial_scale_power", "loss_scale_window", "loss_scale"}
 _BF16 = {"enabled"}
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -156,10 +157,16 @@ def from_deepspeed_config(
         problems.append(f"zero_optimization.stage={stage!r} (expected 0-3)")
     offload = _section(zero, "offload_optimizer", "zero_optimization.", problems)
     problems += [f"zero_optimization.offload_optimizer.{k} (not supported)" for k in sorted(set(offload) - _OFFLOAD)]
-    if str(offload.get("device", "cpu")).lower() != "cpu":
+    offload_device = str(offload.get("device", "cpu")).lower()
+    nvme_path = offload.get("nvme_path")
+    if offload_device not in ("cpu", "nvme"):
+        problems.append(f"zero_optimization.offload_optimizer.device={offload.get('device')!r} (only 'cpu' or 'nvme')")
+    elif offload_device == "nvme" and not isinstance(nvme_path, str):
         problems.append(
-            f"zero_optimization.offload_optimizer.device={offload.get('device')!r} (only 'cpu': the host optimizer)"
+            f"zero_optimization.offload_optimizer.device={offload.get('device')!r} needs nvme_path (a directory)"
         )
+    elif offload_device == "cpu" and nvme_path is not None:
+        problems.append("zero_optimization.offload_optimizer.nvme_path (only with device 'nvme')")
     pin_memory = offload.get("pin_memory", True)
     if not isinstance(pin_memory, bool):
         problems.append(f"zero_optimization.offload_optimizer.pin_memory={pin_memory!r} (expected true/false)")
@@ -229,6 +236,7 @@ def from_deepspeed_config(
         master_weights=dtype is not torch.float32,
         pin_memory=pin_memory,
         accumulation_steps=gas if overlap else None,
+        **({"tier": "nvme", "nvme_path": nvme_path} if offload_device == "nvme" else {}),
         **{**params, **options},
     )
     return OffloadSetup(model, opt, gas, float(clipping), scaler, dtype)

@@ -90,3 +90,31 @@ def test_unknown_optimizer_params_and_bad_files(make_fake_device: Any, tmp_path:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(offcore.ConfigurationError, match="cannot read"):
         offcore_torch.from_deepspeed_config(torch.nn.Linear(2, 2), tmp_path / "bad.json", device=make_fake_device())
+
+
+def test_nvme_offload_trains_like_cpu_offload(make_fake_device: Any, tmp_path: Path) -> None:
+    def train(zero: dict[str, Any]) -> list[Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+        dev = make_fake_device()
+        with dev:
+            dev.adopt(model)
+            config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+            setup = offcore_torch.from_deepspeed_config(model, config, device=dev)
+            for step in range(3):
+                setup.backward(model(torch.full((4, 8), float(step))).square().mean())
+                setup.step()
+            setup.optimizer.synchronize()
+            assert (setup.optimizer._nvme is not None) == (zero["offload_optimizer"]["device"] == "nvme")
+            setup.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    assert_same(train(nvme), train({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    with pytest.raises(offcore.ConfigurationError, match="needs nvme_path"):
+        offcore_torch.from_deepspeed_config(
+            torch.nn.Linear(2, 2),
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            device=make_fake_device(),
+        )
