@@ -145,7 +145,7 @@ def attach_ddp(
     """Send DDP's *reduced* gradients to ``optimizer`` (Note [Reduced gradients go to the host]).
 
     Build ``optimizer`` over ``model.parameters()`` after wrapping with DDP, then attach once, before the
-    first backward. The all-reduce is DDP's default (mean over ``process_group``, the world by default);
+    first backward. The all-reduce is DDP's default (mean over ``process_group``, DDP's own by default);
     ``model.no_sync()`` accumulates on the device as usual and the reduced sum arrives at the synchronizing
     backward. DDP keeps its gradient buckets on the device (``gradient_as_bucket_view=True`` avoids a second
     copy in ``param.grad``); what leaves the device is the optimizer state and step.
@@ -159,7 +159,7 @@ def attach_ddp(
     if not isinstance(optimizer, OffloadOptimizer):
         raise ConfigurationError(f"attach_ddp takes an OffloadOptimizer, got {type(optimizer).__name__}")
     optimizer.remove_gradient_hooks()
-    handoff = DDPHandoff(model, optimizer, process_group)
+    handoff = DDPHandoff(model, optimizer, process_group if process_group is not None else model.process_group)
     model.register_comm_hook(None, lambda _state, bucket: handoff.hook(bucket))
     return handoff
 
