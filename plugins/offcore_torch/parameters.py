@@ -258,6 +258,9 @@ class _Step:
     cursor: int = 0
     held: dict[int, list[_Slot]] = field(default_factory=dict)
     t_last: float = 0.0
+    mode: tuple[bool, bool] = (True, True)
+    prestarted: bool = False  # begun at the end of the previous backward (Note [The next step starts early])
+    forward_seen: bool = False
 
 
 @dataclass(frozen=True)
@@ -634,7 +637,7 @@ class ParameterOffloadHandle:
             rs.landed(key, needed=False)
         actions = rs.forward_ended(t)
         rs.backward_began(t)  # one round on one clock from the step's start: forward and backward uses alike
-        step = self._step = _Step(rs, history, list(sequence), t_last=t)
+        step = self._step = _Step(rs, history, list(sequence), t_last=t, mode=mode)
         self._counters["steps"] += 1
         self._execute(step, actions)
         return step
@@ -751,7 +754,12 @@ class ParameterOffloadHandle:
         frame: tuple[_Unit | None, list[_Slot], bool] = (unit, [], in_backward)
         if not self._frames and not in_backward:
             self._frames.append(frame)
-            self._begin_step(time.perf_counter())
+            if self._foreign_step:
+                self._release_outside()
+            step = self._step
+            if step is None or not step.prestarted or step.forward_seen or step.mode != self._mode():
+                step = self._begin_step(time.perf_counter())
+            step.forward_seen = True
         else:
             self._frames.append(frame)
         if unit is None:
@@ -815,6 +823,19 @@ class ParameterOffloadHandle:
             self._maybe_free(slot)
         if last:
             self._release_outside()
+            if not self._frames and self._step is not None and not self._removed:
+                # Note [The next step starts early]
+                step = self._begin_step(time.perf_counter())
+                step.prestarted = True
+
+    # Note [The next step starts early]
+    # When a backward ends (outside any forward), the next step's round begins at once, in the
+    # same mode: its first copies (the first modules' forward, or what an optimizer step reads
+    # next) start under the optimizer step and data loading instead of at the next forward,
+    # where they would be exposed. The next top-level forward takes this round over when its
+    # mode (grad enabled, train/eval) matches and no forward used it yet; otherwise it ends it
+    # (its copies are dropped) and begins its own. The step's clock starts at the end of
+    # backward, so the learnt use times include the time between steps.
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """After any optimizer's step (a global hook: it may run on another thread, e.g. a host optimizer
@@ -827,8 +848,7 @@ class ParameterOffloadHandle:
                 self._foreign_step = True
                 return
             self._foreign_step = True
-            self._release_outside()
-            self.release()
+            self._release_outside()  # the next step's prefetches (already started) stay
         else:
             self._foreign_step = True
 
