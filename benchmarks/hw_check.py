@@ -37,6 +37,14 @@ what and why:
    offcore's fallbacks (storages that did not fit its host budget) and its in-training
    copy throughput as a fraction of the sweep's raw pinned figure.
 
+4. **optimizer**: a few training steps of an MLP (fp32, AdamW fused) with the optimizer on the
+   device (torch's own: the reference for speed and memory), ``offcore_torch.OffloadOptimizer``
+   (gradients D2H from their hooks, host steps under backward, ``accumulation_steps=1``), the same
+   AdamW on host copies without offload (offcore must match it bit for bit), and, on CUDA when
+   it imports, torchao's ``CPUOffloadOptimizer``. Median step time, device peak, and the largest
+   difference of the final parameters to the device optimizer (reported: CPU and GPU AdamW kernels
+   round differently) and to the host optimizer (must be 0).
+
 ``--backend cpu`` runs the same script on the fake device with small sizes and models,
 which is how the script itself is tested without hardware. The cuda and npu paths are
 written against torch's documented API and have **not yet been verified on hardware**.
@@ -76,7 +84,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-PHASES = ("suites", "sweep", "steps")
+PHASES = ("suites", "sweep", "steps", "optimizer")
 FINAL_MARGIN_S = 5.0  # kept back from the budget for the last report write and close()
 WATCHDOG_EXIT = 70  # _hw_check_pytest ended a stuck test
 NOT_VERIFIED = "not yet verified on hardware"
@@ -921,6 +929,148 @@ def step_times(report: Report, dev: Any, backend: str, plan: StepPlan, deadline:
     return f"cut: {'; '.join(cut)}" if cut else ""
 
 
+# --------------------------------------------------------------------------- 4. optimizer
+
+
+class HostOptimizer:
+    """The same optimizer class on host copies of the parameters, no offload: what offcore must reproduce."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.params = params
+        self.masters = [p.detach().to("cpu", copy=True) for p in params]
+        self.opt = cls(self.masters, **kwargs)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            if p.grad is not None:
+                m.grad = p.grad.to("cpu", copy=True)
+                p.grad = None
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+def optimizer_variants(dev: Any, backend: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Name -> (model -> optimizer), or a string saying why the variant does not apply here."""
+    import offcore_torch
+
+    variants: dict[str, Any] = {
+        "device AdamW": lambda m: torch.optim.AdamW(m.parameters(), **kwargs),
+        "offcore OffloadOptimizer": lambda m: offcore_torch.OffloadOptimizer(
+            m.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=1, **kwargs
+        ),
+        "host AdamW (no offload)": lambda m: HostOptimizer(list(m.parameters()), torch.optim.AdamW, **kwargs),
+    }
+    if backend != "cuda":
+        variants["torchao CPUOffloadOptimizer"] = "n/a: torchao's CPUOffloadOptimizer is CUDA-only"
+    else:
+        try:
+            from torchao.optim import CPUOffloadOptimizer  # type: ignore[import-not-found]
+
+            variants["torchao CPUOffloadOptimizer"] = lambda m: CPUOffloadOptimizer(
+                m.parameters(), torch.optim.AdamW, offload_gradients=True, **kwargs
+            )
+        except Exception as exc:  # optional; say why it is missing
+            variants["torchao CPUOffloadOptimizer"] = f"n/a: torchao not importable ({type(exc).__name__}: {exc})"
+    return variants
+
+
+def optimizer_check(report: Report, dev: Any, backend: str, quick: bool, deadline: float) -> str:
+    """Step time, device peak and final-parameter differences of the optimizer variants (returns a note)."""
+    from offcore_torch.models import mlp_workload
+
+    width, depth, batch, steps, warmup = (64, 2, 16, 3, 1) if quick else (2048, 8, 512, 5, 2)
+    work = mlp_workload(d_in=width, width=width, depth=depth, d_out=width, batch_size=batch)
+    kwargs = {"lr": 1e-3, "weight_decay": 0.01, "fused": True}
+    tdev = torch.device(dev.torch_device)
+    res: dict[str, Any] = {"model": f"MLP width {width} depth {depth} batch {batch}, fp32", "steps": steps,
+                           "warmup": warmup, "optimizer": "AdamW(fused=True, lr=1e-3, weight_decay=0.01)",
+                           "variants": {}}  # fmt: skip
+    report.data["optimizer"] = res
+    finals: dict[str, list[torch.Tensor]] = {}
+    cut: list[str] = []
+    for name, make in optimizer_variants(dev, backend, kwargs).items():
+        if isinstance(make, str):
+            res["variants"][name] = {"status": make}
+            report.write()
+            continue
+        if time.perf_counter() > deadline:
+            res["variants"][name] = {"status": "skipped: the phase's time is spent"}
+            cut.append(name)
+            continue
+        row: dict[str, Any] = {"status": "ok", "steps_run": 0}
+        times: list[float] = []
+        peaks: list[int] = []
+        log(f"optimizer: {name}")
+        with dev:
+            model = work.build(0)
+            model = dev.adopt(model) if backend == "cpu" else model.to(tdev)
+            opt = None
+            try:
+                opt = make(model)
+                for step in range(warmup + steps):
+                    if step and time.perf_counter() > deadline:
+                        row["status"], row["note"] = "cut", f"time spent after {step} steps"
+                        cut.append(name)
+                        break
+                    batch_t = work.make_batch(step, tdev)
+                    dev.synchronize()
+                    dev.reset_peak_memory_stats()
+                    began = time.perf_counter()
+                    work.loss(model, batch_t).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if hasattr(opt, "synchronize"):
+                        opt.synchronize()
+                    dev.synchronize()
+                    row["steps_run"] = step + 1
+                    if step >= warmup:
+                        times.append(time.perf_counter() - began)
+                        peaks.append(dev.memory_stats().peak_allocated_bytes)
+                    del batch_t
+                if row["steps_run"] == warmup + steps:
+                    finals[name] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+            except Exception as exc:  # one variant failing must not cost the others
+                row["status"], row["note"] = "failed", f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                close = getattr(opt, "close", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):
+                        close()
+                del model, opt
+        row["step_s"] = statistics.median(times) if times else None
+        row["peak_bytes"] = max(peaks) if peaks else None
+        res["variants"][name] = row
+        with contextlib.suppress(Exception):
+            free_host_caches(dev, backend)
+        report.write()
+
+    def max_diff(a: str, b: str) -> float | None:
+        if a not in finals or b not in finals:
+            return None
+        return max(float((x.double() - y.double()).abs().max()) for x, y in zip(finals[a], finals[b], strict=True))
+
+    base = res["variants"].get("device AdamW", {}).get("step_s")
+    for name, row in res["variants"].items():
+        row["ratio_to_device"] = row["step_s"] / base if base and row.get("step_s") else None
+        row["max_diff_to_device"] = max_diff(name, "device AdamW")
+        row["max_diff_to_host"] = max_diff(name, "host AdamW (no offload)")
+    off = "offcore OffloadOptimizer"
+    res["bit_identical_to_host"] = (
+        all(torch.equal(x, y) for x, y in zip(finals[off], finals["host AdamW (no offload)"], strict=True))
+        if off in finals and "host AdamW (no offload)" in finals
+        else None
+    )
+    report.write()
+    if res["bit_identical_to_host"] is False:
+        return f"not bit-identical to the host AdamW (max difference {res['variants'][off]['max_diff_to_host']})"
+    return f"cut: {'; '.join(cut)}" if cut else ""
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -992,6 +1142,25 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{fallbacks} | {wait} | {bw} |")  # fmt: skip
         lines += ["", "offcore's copy figures come from its runtime's own copy timings; the adapter records their "
                   "start event right before the transfer (`copy_(..., start_event=...)`), after its host-side work.", ""]  # fmt: skip
+    opt = report.get("optimizer")
+    if opt:
+        same = {True: "yes", False: "**NO**", None: "not measured"}[opt.get("bit_identical_to_host")]
+        lines += [f"## Optimizer offload, {opt['model']}, {opt['optimizer']} (baseline: device AdamW)", "",
+                  f"offcore bit-identical to the same AdamW on host copies: {same}.", "",
+                  "| variant | status | steps | step (ms) | ratio | peak device | max diff to device | "
+                  "max diff to host |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, v in opt["variants"].items():
+            if "steps_run" not in v:
+                lines.append(f"| {name} | {v['status']} |||||||")
+                continue
+            ms = f"{v['step_s'] * 1e3:.1f}" if v.get("step_s") else "-"
+            ratio = f"{v['ratio_to_device']:.3f}" if v.get("ratio_to_device") else "-"
+            peak = format_bytes(v["peak_bytes"]) if v.get("peak_bytes") is not None else "-"
+            fmt = lambda d: "-" if d is None else f"{d:.3g}"  # noqa: E731
+            status = v["status"] + (f" ({v['note']})" if v.get("note") else "")
+            lines.append(f"| {name} | {status} | {v['steps_run']} | {ms} | {ratio} | {peak} | "
+                         f"{fmt(v.get('max_diff_to_device'))} | {fmt(v.get('max_diff_to_host'))} |")  # fmt: skip
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -1003,7 +1172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="cuda", help="cuda, npu or cpu (fake device, for testing the script)")
     parser.add_argument("--out", default="hw-report", help="output folder for hw_check.json / hw_check.md")
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of the whole run (seconds)")
-    parser.add_argument("--phases", default=",".join(PHASES), help="phases to run, in order (suites,sweep,steps)")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help="phases to run, in order (suites,sweep,steps,optimizer)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes and models (script self-test)")
     parser.add_argument("--skip-suites", action="store_true", help="do not run the pytest suites")
     parser.add_argument("--suites", default="tests/backends tests/torch", help="pytest paths of the suite phase")
@@ -1077,6 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
         "suites": args.suite_timeout if args.suite_timeout is not None else 120.0,
         "sweep": sum(sweep_model.estimate(s) for s in sizes),
         "steps": sum(plan.prior(seq, name) for seq in plan.seqs for name in applicable_variants(args.backend)),
+        "optimizer": 10.0 if quick else 45.0,
     }
     suites_ok = True
     suite_run: SuiteRun | None = None
@@ -1103,6 +1274,10 @@ def main(argv: list[str] | None = None) -> int:
                 note = sweep(report, dev, mod, sizes, args.repeats, sweep_model, deadline)
                 if note:
                     info["status"], info["note"] = "cut", note
+            elif name == "optimizer":
+                note = optimizer_check(report, dev, args.backend, quick, deadline)
+                if note:
+                    info["status"], info["note"] = ("failed" if note.startswith("not bit-identical") else "cut"), note
             elif name == "steps":
                 note = step_times(report, dev, args.backend, plan, deadline, host_limit)
                 if note:

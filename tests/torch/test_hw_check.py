@@ -95,7 +95,7 @@ def test_every_phase_on_the_fake_device(
     assert rc == 1, "a failing, a hanging and a stuck test: not green"
     report = read_report(out)
     assert report["finished"] is True and report["elapsed_s"] < report["budget_s"]
-    assert list(report["phases"]) == ["suites", "sweep", "steps"]
+    assert list(report["phases"]) == ["suites", "sweep", "steps", "optimizer"]
     assert all(p["status"] == "ok" and p["seconds"] > 0 for p in report["phases"].values()), report["phases"]
 
     suites = report["suites"]
@@ -122,12 +122,25 @@ def test_every_phase_on_the_fake_device(
         offcore_row = variants["offcore (deadline)"]
         assert offcore_row["fallbacks"] == 0 and offcore_row["host_budget"] >= variants["keep-all"]["saved_bytes"]
 
+    opt = report["optimizer"]
+    assert opt["bit_identical_to_host"] is True
+    variants = opt["variants"]
+    assert "CUDA-only" in variants["torchao CPUOffloadOptimizer"]["status"]
+    for name in ("device AdamW", "offcore OffloadOptimizer", "host AdamW (no offload)"):
+        assert variants[name]["status"] == "ok" and variants[name]["step_s"] > 0, variants[name]
+        assert variants[name]["peak_bytes"] > 0
+    assert variants["offcore OffloadOptimizer"]["max_diff_to_host"] == 0.0
+    assert variants["offcore OffloadOptimizer"]["max_diff_to_device"] is not None
+    # no optimizer state on the device: offcore's peak is below the device optimizer's
+    assert variants["offcore OffloadOptimizer"]["peak_bytes"] < variants["device AdamW"]["peak_bytes"]
+
     printed = capsys.readouterr().out
-    for name in ("setup", "suites", "sweep", "steps"):
+    for name in ("setup", "suites", "sweep", "steps", "optimizer"):
         assert f"phase {name}: " in printed, printed
     assert "hw_check total:" in printed
     md = (out / "hw_check.md").read_text()
     assert "## Suites" in md and "## Copy bandwidth" in md and "## Step time" in md and "unfinished" not in md
+    assert "## Optimizer offload" in md
 
 
 def test_the_sweep_sizes_that_crashed_now_run(hw_check: ModuleType, tmp_path: Path) -> None:
