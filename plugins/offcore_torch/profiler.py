@@ -521,8 +521,11 @@ def measure_step(
     # overestimates, the prediction stays conservative.
     simulated_peak = simulate(profile, Plan.keep_all(n), record_events=False).peak_bytes
     calibration = max(0, peak - simulated_peak)
-    if calibration:  # at the turn, where the keep-all peak is: part of the head's bytes
+    if calibration:  # at the turn, where the keep-all peak usually is: part of the head's bytes
         profile = replace(profile, other_bytes=base_other + calibration, head_bytes=other_saved + calibration)
+        short = peak - simulate(profile, Plan.keep_all(n), record_events=False).peak_bytes
+        if short > 0:  # the simulated peak is elsewhere: the rest is resident for the whole step (not per sample)
+            profile = replace(profile, other_bytes=profile.other_bytes + short)
     return StepMeasurement(
         profile=profile,
         forward_s=forward_total,
