@@ -129,6 +129,11 @@ class DDPHandoff:
             self.buckets_handed += 1
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # a backward that raised midway left its buckets and its end-of-backward flag: they belong to
+        # a step that did not happen, so they are dropped, never handed to the next step
+        self._pending.clear()
+        self._handed.clear()
+        self._callback_queued = False
         last, self._last_copy = self._last_copy, None
         optimizer = self._optimizer()
         if last is not None and optimizer is not None:
@@ -182,6 +187,7 @@ class FSDPOffloadOptimizer:
     by parameter name with DTensor values (torch.distributed.checkpoint saves it sharded and loads it
     back in place); ``load_state_dict`` takes it back. Other keyword arguments go to
     :class:`OffloadOptimizer` (``accumulation_steps``, ``master_weights``, ...) and the optimizer.
+    LR schedulers take ``opt.optimizer`` (the :class:`OffloadOptimizer`; the parameter groups are shared).
 
         >>> opt = FSDPOffloadOptimizer(model, torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
         >>> dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)                # doctest: +SKIP
