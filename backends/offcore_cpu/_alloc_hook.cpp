@@ -48,18 +48,27 @@ struct Ledger {
   // All fit, or nothing is charged. ``pending``: a small allocation made while a Python
   // number is in use on the thread (see commit()); it does not raise the peak yet.
   bool try_add(int64_t nbytes, int64_t count, bool pending = false) {
+    return charge(nbytes, count, pending) != kRefused;
+  }
+
+  // try_add for the hook: the generation a pending allocation belongs to (read under the same
+  // lock, so a commit() cannot come in between), -1 for others, kRefused when it does not fit.
+  static constexpr int64_t kRefused = -2;
+  int64_t charge(int64_t nbytes, int64_t count, bool pending) {
     std::lock_guard<std::mutex> guard(mu);
     if (current + nbytes > capacity) {
-      return false;
+      return kRefused;
     }
     current += nbytes;
     allocations += count;
     if (pending) {
       pending_bytes += nbytes;
-    } else if (current - pending_bytes > peak) {
+      return generation;
+    }
+    if (current - pending_bytes > peak) {
       peak = current - pending_bytes;
     }
-    return true;
+    return -1;
   }
 
   void add(int64_t nbytes, int64_t count) {
@@ -210,38 +219,33 @@ struct HookAllocator final : c10::Allocator {
     }
     bool pending = nbytes <= kScalarBytes && tl_scalars->load() > 0;
     int64_t n = static_cast<int64_t>(nbytes);
-    if (!ledger->try_add(n, 1, pending)) {
+    int64_t generation = ledger->charge(n, 1, pending);
+    if (generation == Ledger::kRefused) {
       raise_out_of_memory(ledger, nbytes);
     }
     c10::DataPtr inner;
     try {
       inner = g_previous->allocate(nbytes);
     } catch (...) {
-      ledger->sub(n, 1, -1);
-      ledger->commit();  // conservative: a failed pending allocation may not stay pending
+      ledger->sub(n, 1, generation);
       throw;
     }
     if (ledger->poison && inner.get() != nullptr) {
       std::memset(inner.get(), 0xFF, nbytes);  // Note [What the sanitizer poisons, and when], point 2
     }
-    return track(std::move(inner), nbytes, pending ? Kind::Pending : Kind::Counted, ledger);
+    return track(std::move(inner), nbytes, pending ? Kind::Pending : Kind::Counted, ledger, generation);
   }
 
   // Hands out ``inner`` with a deleter that credits ``ledger`` (Counted, Pending) or counts the
   // Python number down (Scalar) when the memory is freed.
-  static c10::DataPtr track(c10::DataPtr inner, size_t nbytes, Kind kind, const std::shared_ptr<Ledger>& ledger) {
+  static c10::DataPtr track(c10::DataPtr inner, size_t nbytes, Kind kind, const std::shared_ptr<Ledger>& ledger,
+                           int64_t generation = -1) {
     void* data = inner.get();
     if (data == nullptr || data != inner.get_context()) {  // not a plain pointer: never happens on the CPU
       if (kind != Kind::Scalar) {
-        ledger->sub(static_cast<int64_t>(nbytes), 1, -1);
-        ledger->commit();
+        ledger->sub(static_cast<int64_t>(nbytes), 1, generation);
       }
       return inner;
-    }
-    int64_t generation = -1;
-    if (kind == Kind::Pending) {
-      std::lock_guard<std::mutex> guard(ledger->mu);
-      generation = ledger->generation;
     }
     std::shared_ptr<std::atomic<int64_t>> scalars;
     if (kind == Kind::Scalar) {
