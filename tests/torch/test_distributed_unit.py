@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
+from distributed_helpers import RankContext, RankFailed, run_ranks  # noqa: E402
 from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp  # noqa: E402
 
 import offcore  # noqa: E402
@@ -82,3 +83,37 @@ def test_accept_gradient_orders_after_the_stream_current_at_each_call(
             assert torch.equal(model.weight.detach(), before - 3.0)
         finally:
             opt.close()
+
+
+def _one_rank_fails(ctx: RankContext) -> None:
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.recv(torch.zeros(1), src=1)  # never sent: only the group's teardown ends this
+
+
+def _blocks(ctx: RankContext) -> None:
+    import torch.distributed as dist
+
+    dist.recv(torch.zeros(1), src=1 - ctx.rank)  # both wait for each other
+
+
+def _no_ranks_left() -> bool:
+    import multiprocessing
+
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("offcore-rank")]
+
+
+@pytest.mark.distributed
+def test_run_ranks_kills_the_group_when_a_rank_fails() -> None:
+    with pytest.raises(RankFailed, match="rank 1 gives up"):
+        run_ranks(_one_rank_fails, timeout=120)
+    assert _no_ranks_left()
+
+
+@pytest.mark.distributed
+def test_run_ranks_kills_the_group_at_its_deadline() -> None:
+    with pytest.raises(RankFailed, match="deadline"):
+        run_ranks(_blocks, timeout=4)
+    assert _no_ranks_left()
