@@ -351,6 +351,7 @@ class ParameterOffloadHandle:
         self._removed = False
         self._pool: Any = None
         self._foreign_step = False  # an optimizer stepped since the last release point
+        self._early: frozenset[int] = frozenset()  # Note [The next step starts early]
         self._thread = threading.current_thread()
 
         self._collect(model)
@@ -638,9 +639,24 @@ class ParameterOffloadHandle:
         actions = rs.forward_ended(t)
         rs.backward_began(t)  # one round on one clock from the step's start: forward and backward uses alike
         step = self._step = _Step(rs, history, list(sequence), t_last=t, mode=mode)
+        self._early = self._first_forward_slots(sequence) if mode[0] else frozenset()
         self._counters["steps"] += 1
         self._execute(step, actions)
         return step
+
+    def _first_forward_slots(self, sequence: list[tuple[int, str]]) -> frozenset[int]:
+        """The storages the next forward uses first, up to the budget: backward's last uses keep them."""
+        out: set[int] = set()
+        total = 0
+        for uid, tag in sequence:
+            if tag != "f":
+                continue
+            unit = self._units[uid]
+            total += unit.nbytes
+            if total > self.budget:
+                break
+            out.update(slot.index for slot in unit.slots)
+        return frozenset(out)
 
     def _device_in_use(self) -> int:
         stats = self.device.memory_stats()
@@ -813,6 +829,8 @@ class ParameterOffloadHandle:
         if slot is None:
             return
         slot.bwd_tasks.discard(_graph_task_id())
+        if slot.index in self._early and not self._frames and len(self._tasks) <= 1:
+            return  # needed first by the next forward: kept for the next round (Note [The next step starts early])
         self._maybe_free(slot)
 
     def _backward_done(self, task: int) -> None:
@@ -820,13 +838,14 @@ class ParameterOffloadHandle:
         last = not self._tasks
         for slot in self._slots:
             slot.bwd_tasks.discard(task)
-            self._maybe_free(slot)
         if last:
             self._release_outside()
             if not self._frames and self._step is not None and not self._removed:
-                # Note [The next step starts early]
+                # Note [The next step starts early]: its first copies of what is still on the device cost nothing
                 step = self._begin_step(time.perf_counter())
                 step.prestarted = True
+        for slot in self._slots:
+            self._maybe_free(slot)
 
     # Note [The next step starts early]
     # When a backward ends (outside any forward), the next step's round begins at once, in the
@@ -835,7 +854,10 @@ class ParameterOffloadHandle:
     # where they would be exposed. The next top-level forward takes this round over when its
     # mode (grad enabled, train/eval) matches and no forward used it yet; otherwise it ends it
     # (its copies are dropped) and begins its own. The step's clock starts at the end of
-    # backward, so the learnt use times include the time between steps.
+    # backward, so the learnt use times include the time between steps. Backward's last uses
+    # are the next forward's first: the storages the next forward needs first (up to the
+    # budget) are not freed when their gradients are accumulated, so the new round's first
+    # copies find them on the device and cost nothing.
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """After any optimizer's step (a global hook: it may run on another thread, e.g. a host optimizer
