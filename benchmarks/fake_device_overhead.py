@@ -1,8 +1,8 @@
 """What the CPU fake device's memory accounting costs: a keep-all step inside ``with dev:`` vs plain torch.
 
 Inside ``with dev:`` the fake device counts every new tensor storage as device memory
-(``backends/offcore_cpu/tracking.py``, Note [Counting device memory with storages]); it
-sees every operator, so every ratio measured on the fake device is diluted by its cost.
+(``backends/offcore_cpu/tracking.py``, Note [Counting device memory with allocations]); its
+cost dilutes every ratio measured on the fake device, and slows every test suite run on it.
 This benchmark runs the same training step (forward, loss, backward, ``optimizer.step()``,
 keep-all: no offload) side by side in one run, for each workload:
 
