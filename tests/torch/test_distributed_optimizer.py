@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.torch]
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 STEPS = 4
 SAVE_AFTER = 2  # the FSDP2 "plain" offloaded run saves a checkpoint after this many steps
-CASES = {"plain": 1, "nosync": 2, "sync_accum": 2, "clip": 1}  # case -> micro-steps per step
+# case -> micro-steps per step; "activations": activation offload too (offloaded runs)
+CASES = {"plain": 1, "nosync": 2, "sync_accum": 2, "clip": 1, "activations": 1}
 CLIP = 0.05  # small enough that clipping scales every step
 
 
@@ -107,7 +108,13 @@ def _train(
                     torch.manual_seed(1000 * ctx.rank + 10 * step + micro)  # dropout, reproducible on resume
                     with quiet:
                         data = tuple(t.to(device.torch_device) for t in batch(step * accumulation + micro, ctx.rank))
-                        loss = loss_fn(model, data)
+                        offload_act = offload and case == "activations"
+                        with (
+                            offcore_torch.offload_activations(device, min_bytes=0)
+                            if offload_act
+                            else contextlib.nullcontext()
+                        ):
+                            loss = loss_fn(model, data)
                         loss.backward()
                     out["losses"].append(loss.detach().cpu())
                     if not offload and sync and not (case == "clip" and engine == "fsdp"):
@@ -131,6 +138,10 @@ def _train(
             else:
                 out["state"] = opt.opt.state_dict()
             out["params"] = fingerprint(local_params(model))
+            del data, loss
+            offcore_torch.synchronize(device)  # activation offload drops landed device buffers at its next poll
+            out["device_bytes"] = device.memory_stats().allocated_bytes
+            out["param_bytes"] = sum(p.numel() * p.element_size() for p in local_params(model))
         finally:
             if offload:
                 opt.close()
@@ -156,6 +167,10 @@ def _resumed(ctx: RankContext, ckpt: str) -> dict[str, Any]:
 
 
 _RESULTS: dict[str, tuple[list[Any], list[Any]]] = {}
+
+
+def ctx_is_fake(backend_name: str) -> bool:
+    return backend_name.split(":")[0] == "cpu"
 
 
 def _results(backend_name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
@@ -184,6 +199,9 @@ def test_offload_optimizer_is_bit_identical(
         assert_same(got["losses"], want["losses"], f"{where} losses")
         assert_same(got["state"], want["state"], f"{where} optimizer state")
         assert got["params"] == want["params"], f"{where}: parameters differ"
+        if ctx_is_fake(backend_name):  # between steps the device holds the parameters (+ DDP's buckets), no state
+            buckets = got["param_bytes"] if engine == "ddp" else 0
+            assert got["device_bytes"] <= got["param_bytes"] + buckets + 64 * 1024, (where, got["device_bytes"])
         if engine == "ddp":  # every step's reduced buckets went through the communication hook
             assert got["handed"] >= STEPS * (CASES[case] if case == "sync_accum" else 1)
     if case == "clip":
