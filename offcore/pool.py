@@ -9,6 +9,17 @@ back to the backend with :meth:`HostBufferPool.trim`, and a request that fits no
 block and not the rest of the budget first gives the idle blocks back (they were too
 small for it) before it is refused.
 
+# Note [Free lists by size]
+# A training step acquires and releases the same few sizes over and over (one buffer per
+# saved tensor, once per step). A released buffer is therefore parked on a free list keyed
+# by its exact size, and the next request of that size takes it back as it is: no first-fit
+# scan, no re-slicing of the block, no merging, O(1) under the lock. Parked buffers count as
+# free in ``used_bytes``; they go back into their blocks' free lists (merged with their
+# neighbours) whenever a request finds no parked buffer of its size and no block room, and
+# before any block is judged idle (``trim``, a request reclaiming idle blocks), so the
+# budget, the merging and the no-leak guarantees are those of the plain pool. A buffer
+# released twice is refused whether it is parked or merged.
+
     >>> from offcore.pool import HostBufferPool
     >>> import numpy as np
     >>> pool = HostBufferPool(lambda n: np.zeros(n, np.uint8), budget=1 << 20, block_size=1 << 20)
@@ -112,6 +123,9 @@ class HostBufferPool:
         self.alignment = alignment
         self._blocks: dict[int, _Block] = {}  # by block id, oldest first (first fit in that order)
         self._next_block = 0
+        # released buffers by exact size, taken back as they are (Note [Free lists by size])
+        self._parked: dict[int, list[HostBuffer]] = {}
+        self._parked_ids: set[int] = set()  # id() of every parked buffer (a second release is refused)
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.peak_used_bytes = 0
@@ -134,12 +148,25 @@ class HostBufferPool:
         """
         if nbytes <= 0:
             raise ConfigurationError(f"cannot acquire a host buffer of {nbytes} bytes")
-        size = self._round(nbytes)
         with self._lock:
+            parked = self._parked.get(nbytes)
+            if parked:  # the common case: a buffer of this very size came back (Note [Free lists by size])
+                buffer = parked.pop()
+                self._parked_ids.discard(id(buffer))
+                used = self.used_bytes = self.used_bytes + buffer.size
+                if used > self.peak_used_bytes:
+                    self.peak_used_bytes = used
+                return buffer
+            size = self._round(nbytes)
             for block_id, block in self._blocks.items():
                 offset = block.take(size)
                 if offset is not None:
                     return self._hand_out(block_id, offset, size, nbytes)
+            if self._parked_ids and self._unpark():  # parked buffers of other sizes merge back first
+                for block_id, block in self._blocks.items():
+                    offset = block.take(size)
+                    if offset is not None:
+                        return self._hand_out(block_id, offset, size, nbytes)
             new_size = self._new_block_size(size)
             if new_size is None and self._free_idle_blocks():
                 new_size = self._new_block_size(size)
@@ -169,8 +196,20 @@ class HostBufferPool:
             new_size = max(size, room // self.alignment * self.alignment)
         return None if new_size > room else new_size
 
+    def _unpark(self) -> int:
+        """Give every parked buffer back to its block, merged (lock held); returns how many."""
+        count = len(self._parked_ids)
+        blocks = self._blocks
+        for parked in self._parked.values():
+            for buffer in parked:
+                blocks[buffer.block].give(buffer.offset, buffer.size)
+        self._parked.clear()
+        self._parked_ids.clear()
+        return count
+
     def _free_idle_blocks(self) -> int:
         """Drop every block with no buffer out (lock held); returns the bytes given back."""
+        self._unpark()
         idle = [block_id for block_id, block in self._blocks.items() if block.idle]
         freed = sum(self._blocks.pop(block_id).size for block_id in idle)
         if self._on_block is not None and freed:
@@ -186,13 +225,22 @@ class HostBufferPool:
     def release(self, buffer: HostBuffer) -> None:
         """Return a buffer; the caller guarantees no copy still reads or writes it."""
         with self._lock:
-            block = self._blocks.get(buffer.block)
-            if block is None:  # its block went back to the backend, so this buffer was already released
+            if buffer.block not in self._blocks:  # its block went back to the backend: released already
                 raise IllegalTransitionError(
                     f"host buffer at offset {buffer.offset} ({buffer.size} bytes) belongs to a block this pool "
                     "no longer holds; release each buffer exactly once"
                 )
-            block.give(buffer.offset, buffer.size)
+            key = id(buffer)
+            if key in self._parked_ids:
+                raise IllegalTransitionError(
+                    f"host buffer at offset {buffer.offset} ({buffer.size} bytes) is already free in its pool block; "
+                    "release each buffer exactly once"
+                )
+            parked = self._parked.get(buffer.nbytes)
+            if parked is None:
+                parked = self._parked[buffer.nbytes] = []
+            parked.append(buffer)  # Note [Free lists by size]
+            self._parked_ids.add(key)
             self.used_bytes -= buffer.size
 
     def trim(self) -> int:
