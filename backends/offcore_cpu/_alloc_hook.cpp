@@ -125,12 +125,22 @@ struct Ledger {
 
 enum class Kind : uint8_t { Counted, Pending, Scalar };
 
+// The Python numbers of a thread that are *fresh*: made (wrapped as tensors) since the
+// thread's last counted allocation of more than kScalarBytes, and alive. A number autograd
+// saves for backward stops being fresh at the next such allocation, so it does not make the
+// rest of the forward's small tensors pending.
+struct Fresh {
+  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> epoch{0};
+};
+
 struct Entry {
   std::shared_ptr<Ledger> ledger;
   size_t nbytes;
   Kind kind;
   int64_t generation;  // Pending: the ledger's generation at allocation
-  std::shared_ptr<std::atomic<int64_t>> scalars;  // Scalar: its thread's count of live Python numbers
+  std::shared_ptr<Fresh> fresh;  // Scalar: its thread's fresh Python numbers
+  int64_t epoch;                 // Scalar: that thread's epoch when it was made
   c10::DeleterFnPtr deleter;
 };
 
@@ -139,8 +149,7 @@ std::unordered_map<void*, Entry> g_live;
 c10::Allocator* g_previous = nullptr;
 
 thread_local std::shared_ptr<Ledger> tl_ledger;
-// Python numbers wrapped as tensors on this thread while a ledger was installed, still alive.
-thread_local std::shared_ptr<std::atomic<int64_t>> tl_scalars = std::make_shared<std::atomic<int64_t>>(0);
+thread_local std::shared_ptr<Fresh> tl_fresh = std::make_shared<Fresh>();
 
 [[noreturn]] void raise_out_of_memory(const std::shared_ptr<Ledger>& ledger, size_t nbytes) {
   pybind11::gil_scoped_acquire gil;
@@ -179,8 +188,9 @@ void tracked_delete(void* ptr) {
     return;
   }
   if (entry.kind == Kind::Scalar) {
-    if (entry.scalars->fetch_sub(1) == 1) {
-      entry.ledger->commit();
+    Fresh& fresh = *entry.fresh;
+    if (entry.epoch == fresh.epoch.load() && fresh.count.fetch_sub(1) == 1) {
+      entry.ledger->commit();  // the operators using the fresh numbers returned
     }
   } else {
     entry.ledger->sub(static_cast<int64_t>(entry.nbytes), 1, entry.kind == Kind::Pending ? entry.generation : -1);
@@ -217,7 +227,11 @@ struct HookAllocator final : c10::Allocator {
     if (outside_operators(excluded)) {
       return g_previous->allocate(nbytes);
     }
-    bool pending = nbytes <= kScalarBytes && tl_scalars->load() > 0;
+    bool pending = nbytes <= kScalarBytes && tl_fresh->count.load() > 0;
+    if (nbytes > kScalarBytes && tl_fresh->count.load() > 0) {  // the fresh numbers are not fresh any more
+      tl_fresh->epoch.fetch_add(1);
+      tl_fresh->count.store(0);
+    }
     int64_t n = static_cast<int64_t>(nbytes);
     int64_t generation = ledger->charge(n, 1, pending);
     if (generation == Ledger::kRefused) {
@@ -247,17 +261,19 @@ struct HookAllocator final : c10::Allocator {
       }
       return inner;
     }
-    std::shared_ptr<std::atomic<int64_t>> scalars;
+    std::shared_ptr<Fresh> fresh;
+    int64_t epoch = 0;
     if (kind == Kind::Scalar) {
-      scalars = tl_scalars;
-      scalars->fetch_add(1);
+      fresh = tl_fresh;
+      epoch = fresh->epoch.load();
+      fresh->count.fetch_add(1);
     }
     c10::DeleterFnPtr deleter = inner.get_deleter();
     c10::Device device = inner.device();
     inner.release_context();
     {
       std::lock_guard<std::mutex> guard(g_mu);
-      g_live[data] = Entry{ledger, nbytes, kind, generation, std::move(scalars), deleter};
+      g_live[data] = Entry{ledger, nbytes, kind, generation, std::move(fresh), epoch, deleter};
     }
     return c10::DataPtr(data, data, &tracked_delete, device);
   }
@@ -296,7 +312,7 @@ std::shared_ptr<Ledger> get_current() {
 bool owns(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
   std::lock_guard<std::mutex> guard(g_mu);
   auto it = g_live.find(reinterpret_cast<void*>(address));
-  return it != g_live.end() && it->second.ledger == ledger;
+  return it != g_live.end() && it->second.ledger == ledger && it->second.kind != Kind::Scalar;
 }
 
 int64_t locked(Ledger& ledger, int64_t Ledger::*field) {

@@ -36,10 +36,13 @@ Two implementations with the same figures (``offcore.device("cpu", accounting=..
 #   Python the GIL is released, or (``torch.tensor(data)``, kernels below autograd) the
 #   ADInplaceOrView dispatch key is excluded;
 # - an operator's dtype cast of such a number (``x.mul_(2)`` on a float tensor casts ``2``
-#   to a 4-byte tensor): an allocation of at most 16 bytes made while a wrapped number of the
-#   thread is alive is *pending*: counted in ``allocated_bytes`` but left out of the peak
-#   until the wrapped numbers die (the operators using them returned) or the figures are
-#   read, when what is still alive (an output, not a cast) enters the peak.
+#   to a 4-byte tensor): an allocation of at most 16 bytes made while a *fresh* wrapped number
+#   of the thread is alive (made since the thread's last counted allocation of more than 16
+#   bytes: a number autograd saves for backward stops being fresh) is *pending*: counted in
+#   ``allocated_bytes`` but left out of the peak until the fresh numbers die (the operators
+#   using them returned) or the figures are read, when what is still alive (an output, not a
+#   cast) enters the peak. So a small output can be missing from the peak for the moments
+#   between its operator and the next commit (at most 16 bytes per such tensor).
 # Differences from the reference, each closer to CUDA's allocator: an operator's internal
 # temporaries (a workspace, a contiguous copy) count towards the peak while they live;
 # an ``UntypedStorage.resize_`` inside an operator is seen; zero-byte tensors are not

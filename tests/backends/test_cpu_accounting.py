@@ -127,6 +127,13 @@ def _python_numbers(dev: FakeDevice, t: dict[str, Any], snap: Callable[[], None]
         snap()
         t["y"] = t["x"] * 2
         snap()
+        t["w"] = torch.randn(8, requires_grad=True)
+        t["saved"] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: t["saved"].append(s) or s, lambda s: s):
+            t["prod"] = t["w"] * 3.0  # autograd saves the Python number as a CPU scalar: host memory
+        assert not any(dev.holds(s) for s in t["saved"] if s.dim() == 0)
+        del t["saved"]
+        snap()
         t["loss"] = t["x"].sum() * 0.5
         snap()
         t["z"] = t["x"] + 1.5
