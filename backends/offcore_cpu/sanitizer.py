@@ -12,7 +12,9 @@ reads the buffer, so the bug passes every test and corrupts gradients on a GPU. 
 #    queued behind another that still reads the same buffer does not corrupt it.
 # 2. Memory that is new but uninitialised is poisoned, as reused device memory holds
 #    stale bytes on a real allocator: ``allocate(..)`` buffers of every tier, and (torch)
-#    the outputs of ``empty``-family operators run while the device is active.
+#    the outputs of ``empty``-family operators run while the device is active (with the
+#    allocator accounting, every allocation an operator makes on the device, before the
+#    operator writes it: Note [Counting device memory with allocations] in tracking.py).
 # 3. Released memory is poisoned: host-pool buffers when they return to the pool
 #    (``dev.host_pool``), and any buffer a binding hands to ``dev.poison`` when it is
 #    done with it.
