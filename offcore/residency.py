@@ -92,7 +92,7 @@ from offcore.kinds import Kind, Tier
 from offcore.objects import ManagedObject, State
 from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
 
-__all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES"]
+__all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES", "NO_ACTIONS"]
 
 PREFETCH_MODES = ("deadline", "on_demand")
 _MODES = (*PREFETCH_MODES, "asap")  # "asap": Note [Objects produced on the host]
@@ -122,6 +122,10 @@ class _Completed:
 
 
 _COMPLETED = _Completed()
+
+NO_ACTIONS: Iterator[Action] = iter(())
+"""What an event returns when nothing is due (one shared, exhausted iterator: a binding may test
+``actions is NO_ACTIONS`` to skip carrying them out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +329,21 @@ class ResidencyScheduler:
         self.objects[key] = obj
         return obj
 
+    def register_offloading(
+        self, key: int, kind: Kind, nbytes: int, event: Any, host_tier: Tier = Tier.PINNED, *, name: str = ""
+    ) -> ManagedObject:
+        """:meth:`register` then :meth:`offload_started`, in one call (a binding's pack hook, once per
+        saved tensor); recorded as those two events, so a replay makes the same two calls."""
+        if self.record:
+            self._log("register", key, kind, nbytes)
+            self._log("offload_started", key)
+        objects = self.objects
+        if key in objects:
+            raise IllegalTransitionError(f"object key {key} is registered already")
+        obj = objects[key] = ManagedObject(kind=kind, nbytes=nbytes, name=name)
+        obj.start_offload(event, host_tier)
+        return obj
+
     def offload_started(self, key: int, event: Any, host_tier: Tier = Tier.PINNED) -> None:
         """A device-to-host copy of ``key`` was enqueued (``event`` completes when it lands)."""
         if self.record:
@@ -438,7 +457,7 @@ class ResidencyScheduler:
             obj.start_offload(_COMPLETED, obj.host_tier or Tier.PINNED)
             obj.release_device_copy()
         if self.plan is None:
-            return iter(())
+            return NO_ACTIONS
         return self._offered(self._offer(self.vtime))
 
     def upload_order(self, keys: list[int]) -> list[int]:
@@ -479,19 +498,23 @@ class ResidencyScheduler:
         ``managed_key`` is the managed object the save belongs to (None for a save that
         was not offloaded); it needs no more planning.
         """
-        if self.record:
+        record = self.record
+        if record:
             self._log("used", key, t, managed_key=managed_key)
         now = t - self._t_backward
-        if self.in_backward and self.round == 0:
+        if self.round == 0 and self.in_backward:
             self.observation.first_use.setdefault(key, now)
         plan = self.plan
         if plan is None:
-            return iter(())
+            return NO_ACTIONS
         if managed_key is not None:
             plan.issued(key)
         if not len(plan):
-            return iter(())
-        return self._offered(self._offer(plan.virtual_time(key, now)))
+            return NO_ACTIONS
+        vtime = self.vtime = plan.virtual_time(key, now)  # _offer, inlined (once per unpack)
+        due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
+        actions = self._prefetches(plan, due) if due else NO_ACTIONS
+        return self._resumes_recorded(actions) if record else actions
 
     def reloaded(self, key: int, event: Any) -> None:
         """The binding reloaded ``key`` on demand (a stall) and the consuming stream waited for ``event``."""
@@ -526,31 +549,34 @@ class ResidencyScheduler:
     def _offer(self, vtime: float) -> Iterator[Action]:
         plan = self.plan
         if plan is None or not len(plan):
-            return iter(())
+            return NO_ACTIONS
         self.vtime = vtime
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         if not due:
-            return iter(())
+            return NO_ACTIONS
         return self._prefetches(plan, due)
 
     def _prefetches(self, plan: PrefetchPlan, due: list[int]) -> Iterator[Action]:
         """Offer the due reloads in deadline order, within the budget and the device's room."""
-        if self._no_prefetch_round == self.upcoming_round:
+        if self._no_prefetch_round == (self.round if self.in_backward else self.round + 1):  # upcoming_round
             return  # Note [No speculative allocation after a refusal]
         objects = self.objects
+        awaiting, alive, released = self._awaiting_host, self._alive_elsewhere, self._released
         for key in due:
             obj = objects.get(key)
-            if obj is not None and obj.state in (State.OFFLOADING, State.PREFETCHING):
+            state = None if obj is None else obj.state
+            if state is State.OFFLOADING or state is State.PREFETCHING:
                 # a copy in flight: its D2H (the device copy is still there, see landed), or an
                 # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
                 continue
-            if key in self._awaiting_host:
+            if key in awaiting:
                 continue  # its host copy is not the data yet (Note [Objects produced on the host])
-            if obj is None or obj.state is not State.OFFLOADED or key in self._alive_elsewhere or key in self._released:
+            if state is not State.OFFLOADED or key in alive or key in released:
                 plan.issued(key)
                 continue
-            nbytes = obj.nbytes
-            if not self.within_budget(nbytes):
+            nbytes = obj.nbytes  # type: ignore[union-attr]
+            outstanding, budget = self.outstanding, self.budget
+            if not (outstanding + nbytes <= budget or (outstanding == 0 and budget > 0)):  # within_budget
                 victims = self._evict_for(plan, key, nbytes)
                 if not victims:
                     return
@@ -622,18 +648,29 @@ class ResidencyScheduler:
         self._uncount(key)
         self.objects[key].fail_prefetch()
 
-    def consumed(self, key: int) -> bool:
+    def consumed(self, key: int, *, dropped: bool = False) -> bool:
         """Every record of ``key`` was used this round: backward owns the device copy now.
 
         Returns whether it was a held copy (the binding then frees offcore's device copy).
+        ``dropped=True``: and the binding stopped referencing its restored copy, as a
+        :meth:`dropped` right after (one call; recorded as the two events).
         """
         if self.record:
             self._log("consumed", key)
-        self._uncount(key)
-        if self._unhold(key):
+            if dropped:
+                self._log("dropped", key)
+        if key in self._counted:  # _uncount, inlined
+            self._counted.remove(key)
+            self.outstanding -= self.objects[key].nbytes
+        held = key in self._held
+        if held:
+            del self._held[key]
             self._free_held(key)
-            return True
-        return False
+        if dropped:
+            obj = self.objects[key]
+            if obj.state is State.RESTORED:
+                obj.drop_restored_copy()
+        return held
 
     def _unhold(self, key: int) -> bool:
         if key in self._held:
@@ -667,10 +704,15 @@ class ResidencyScheduler:
         """No record uses ``key`` any more. Returns whether it was held (the binding drops it)."""
         if self.record:
             self._log("released", key)
-        self._uncount(key)
+        if key in self._counted:  # _uncount, inlined
+            self._counted.remove(key)
+            self.outstanding -= self.objects[key].nbytes
         self._alive_elsewhere.discard(key)
         self._released.add(key)
-        return self._unhold(key)
+        if key in self._held:  # _unhold, inlined
+            del self._held[key]
+            return True
+        return False
 
     def backward_ended(self, t: float) -> list[Action]:
         """The backward round ended at ``t``: free what was held; the first round teaches the predictor."""

@@ -61,6 +61,16 @@ How a saved tensor travels (every step uses the Backend protocol only):
 # release as long as its copy is in flight. What autograd holds per saved tensor is one
 # small record (offcore_torch.records), one entry per offloaded storage, and the
 # scheduler's ManagedObject; the entry's lifecycle is an EntryState, not flags.
+
+# Note [Ordering events are recorded again]
+# Every copy is ordered after the compute stream as it is at that call: an event recorded
+# on the current compute stream, waited on by the copy stream. The region records one event
+# per direction again for every copy instead of creating one per copy: ``Stream.record_event
+# (event)`` re-records it (the protocol's, torch's ``Stream.record_event``), and a wait takes
+# the recording current when it is issued (torch's ``cudaStreamWaitEvent``; the fake device
+# keeps the marker it saw), so re-recording later never changes a wait issued before. The
+# D2H event is used by pack (the region's thread), the H2D one by prefetches (its end of
+# forward and its backward, which never run at once).
 """
 
 from __future__ import annotations
@@ -87,7 +97,7 @@ from offcore.kinds import Direction, Kind, Tier
 from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
 from offcore.protocols import Capability
-from offcore.residency import Action, ActionKind, ResidencyScheduler
+from offcore.residency import NO_ACTIONS, Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
@@ -100,7 +110,6 @@ from offcore_torch.storage import (
     TensorMeta,
     internal_ops,
     raw_bytes,
-    release_storage,
 )
 
 __all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark", "synchronize", "poll"]
@@ -127,6 +136,7 @@ def mark(tensor: torch.Tensor, offload: bool = True) -> torch.Tensor:
 
 
 _NO_RANGE = contextlib.nullcontext()
+_profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled`` is read at every copy
 
 
 _RANGE_NAMES = {Direction.D2H: "offcore::d2h", Direction.H2D: "offcore::h2d"}
@@ -201,9 +211,10 @@ def poll(runtime: DeviceRuntime) -> None:
     :func:`synchronize`, settles every region's copies, active or finished.
     """
     runtime.poll()
-    if runtime._landed:  # the runtime's queue of landings (take_landed empties it): skip the call when empty
-        for entry, failure in runtime.take_landed():
-            entry.region._on_landed(entry, failure)
+    landed = runtime._landed  # the runtime's queue of landings (what take_landed empties), drained in order
+    while landed:
+        entry, failure = landed.popleft()
+        entry.region._on_landed(entry, failure)
 
 
 def synchronize(device: Any) -> None:
@@ -277,7 +288,15 @@ class OffloadHandle:
         self._formats = Capability.PRIVATE_FORMATS in capabilities
         self._sanitize = Capability.SANITIZER in capabilities
         self._host_pool: Any = None  # the runtime's pool for this policy, looked up once
+        self._host_tier = Tier.PINNED if policy.pinned else Tier.PAGEABLE
         self._tracing = policy.trace
+        self._record_schedule = policy.record
+        # the events ordering each copy after the compute stream, recorded again for every copy
+        # (Note [Ordering events are recorded again])
+        self._d2h_order: Any = None
+        self._h2d_order: Any = None
+        self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
+        self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
         self._d2h_copies = self._d2h_bytes = self._h2d_copies = self._h2d_bytes = 0
         self._flushed = (0, 0, 0, 0)
@@ -421,14 +440,23 @@ class OffloadHandle:
         return self._record(entry, tensor, key, meta)
 
     def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
-        fmt = self.device.format_of(tensor) if self._formats else None
-        item = Offloaded(entry, tensor, key, fmt, meta)
+        item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
         entry.items.append(weakref.ref(item))
         self._stats.offloaded_tensors += 1
         entry.live += 1
         if entry.state is EntryState.LANDED:
-            release_storage(item.keeper)
+            self._release_keeper(item)
         return item
+
+    def _release_keeper(self, item: Offloaded) -> None:
+        """:func:`release_storage` of ``item``'s keeper, with this region's empty tensor per dtype (no torch lookups)."""
+        dtype = item.meta.dtype
+        empty = self._empty.get(dtype)
+        if empty is None:
+            keeper = item.keeper
+            empty = self._empty[dtype] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+        with internal_ops():
+            item.keeper.data = empty
 
     def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
         """A further tensor on an already offloaded storage: share its copy (dedupe)."""
@@ -454,7 +482,7 @@ class OffloadHandle:
     def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
         """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
         pool = self._host_pool or self._pool()
-        tier = Tier.PINNED if self.policy.pinned else Tier.PAGEABLE
+        tier = self._host_tier
         try:
             with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
                 buffer = pool.acquire(nbytes)
@@ -491,14 +519,22 @@ class OffloadHandle:
             stream, count = runtime.d2h_stream, self._d2h_copies
             self._d2h_copies = count + 1
             self._d2h_bytes += nbytes
+            order = self._d2h_order
         else:
             stream, count = runtime.h2d_stream, self._h2d_copies
             self._h2d_copies = count + 1
             self._h2d_bytes += nbytes
+            order = self._h2d_order
         timed = runtime.timing and runtime.sample(direction, always=self._tracing or count < 2)
-        if timed or torch.autograd.profiler._is_profiler_enabled:
+        if timed or _profiler._is_profiler_enabled:
             return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
-        stream.wait_event(device.current_stream().record_event())
+        if order is None:  # Note [Ordering events are recorded again]
+            order = device.new_event()
+            if direction is Direction.D2H:
+                self._d2h_order = order
+            else:
+                self._h2d_order = order
+        stream.wait_event(device.current_stream().record_event(order))
         return device.copy_(dst, src, stream=stream)
 
     def _copy_timed(
@@ -542,12 +578,13 @@ class OffloadHandle:
         if host is None:
             return None
         buffer, host_view, tier = host
-        where = self._rules.where()
+        stack = self._rules.module_stack
+        where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         entry = Entry(self, key, where, meta, nbytes, skey)
         entry.storage_ref = storage_ref(storage, entry)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
-        entry.src = raw_bytes(storage, tensor.device)
+        entry.src = raw_bytes(storage, meta.device)
         try:
             done = self._copy(Direction.D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
         except BaseException as exc:
@@ -558,9 +595,7 @@ class OffloadHandle:
                 self._copy_failed(entry, exc, "device-to-host copy could not be submitted")
                 raise _CopyRefused from exc
             raise
-        sched = self._sched
-        entry.obj = sched.register(key, Kind.ACTIVATION, nbytes, name=f"#{key} {where}")
-        sched.offload_started(key, done, tier)
+        entry.obj = self._sched.register_offloading(key, Kind.ACTIVATION, nbytes, done, tier, name=f"#{key} {where}")
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
@@ -576,10 +611,22 @@ class OffloadHandle:
         """The device-to-host copy of ``entry`` landed (or failed): see :func:`poll`."""
         if entry.state is not EntryState.COPYING:  # disposed meanwhile
             return
-        if failure is None:
-            self._landed(entry)
-        else:
+        if failure is not None:
             self._d2h_failed(entry, failure)
+            return
+        entry.state = EntryState.LANDED
+        items = entry.live_items()
+        sched = self._sched
+        upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
+        needed = False  # does backward still read it this round (some record not unpacked yet)?
+        for item in items:
+            if item.keeper._version != item.version:
+                entry.modified_in_flight = True
+            if item.unpacked_round != upcoming:
+                needed = True
+        if sched.landed(entry.key, needed=needed).kind is ActionKind.HOLD:
+            return  # kept as a prefetch: backward needs it before the next trigger
+        self._release_device(entry, items)
 
     def _copy_failed(self, entry: Entry, exc: Exception, what: str) -> None:
         self._stats.copy_failures += 1
@@ -607,28 +654,15 @@ class OffloadHandle:
         self._kept["copy_failed"] += entry.live
         self._copy_failed(entry, exc, "device-to-host copy failed")
 
-    def _landed(self, entry: Entry) -> None:
-        entry.state = EntryState.LANDED
-        items = entry.live_items()
-        upcoming = self._sched.upcoming_round
-        needed = False  # does backward still read it this round (some record not unpacked yet)?
-        for item in items:
-            if item.keeper._version != item.version:
-                entry.modified_in_flight = True
-            if item.unpacked_round != upcoming:
-                needed = True
-        if self._sched.landed(entry.key, needed=needed).kind is ActionKind.HOLD:
-            return  # kept as a prefetch: backward needs it before the next trigger
-        self._release_device(entry, items)
-
     def _release_device(self, entry: Entry, items: list[Offloaded] | None = None) -> None:
         """Drop offcore's device references of a landed entry; count what that really freed."""
         if entry.obj.state is State.OFFLOADING:
             entry.obj.release_device_copy()  # refuses unless the D2H event completed
         for item in entry.live_items() if items is None else items:
-            release_storage(item.keeper)
+            self._release_keeper(item)
         entry.src = None
         if entry.storage_ref() is not None:
+            entry.alive_elsewhere = True
             self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
             if entry.fate is DeviceFate.UNKNOWN and not entry.used:
                 # still alive although backward has not used it: something else references it
@@ -639,7 +673,8 @@ class OffloadHandle:
         with self._lock:
             if self._by_storage.get(entry.skey) is entry:
                 del self._by_storage[entry.skey]
-        if entry.obj is not None:
+        if entry.alive_elsewhere:  # only a copy the scheduler was told lives on can die for it
+            entry.alive_elsewhere = False
             self._sched.device_copy_died(entry.key)
         if entry.state is EntryState.LANDED and entry.fate is not DeviceFate.FREED and not entry.used:
             if entry.fate is DeviceFate.HELD_ELSEWHERE:
@@ -663,7 +698,8 @@ class OffloadHandle:
 
     def _readers(self) -> dict[int, list[int]]:
         """Every save key reading each offloaded storage (an object is needed at the first of their uses)."""
-        return {e.key: e.keys for e in self._by_key.values() if e.state is not EntryState.DISPOSED}
+        # a storage read by its own save only is the plan's default: only shared storages are listed
+        return {e.key: e.keys for e in self._by_key.values() if len(e.keys) > 1 and e.state is not EntryState.DISPOSED}
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""
@@ -701,7 +737,9 @@ class OffloadHandle:
         if type(packed) is Kept:
             if packed.tensor._version != packed.version:
                 raise self._modified_error(packed.tensor, packed.version, packed.tensor._version, offloaded=False)
-            self._execute(self._sched.used(key, now))
+            actions = self._sched.used(key, now)
+            if actions is not NO_ACTIONS:
+                self._execute(actions)
             return packed.tensor
         return self._restore(packed, key, now)
 
@@ -738,8 +776,17 @@ class OffloadHandle:
             raise self._modified_error(
                 packed.meta, packed.version, current, offloaded=True, in_flight=entry.modified_in_flight
             )
-        round_ = self._sched.round
-        storage = self._device_storage(entry, key, now, entry.used_round != round_)
+        sched = self._sched
+        round_ = sched.round
+        if entry.restored is not None:  # prefetched (the common case): _device_storage's first branch, inlined
+            if entry.used_round != round_ and sched.is_outstanding(entry.key):
+                self._stats.prefetch_hits += 1
+            actions = sched.used(key, now, managed_key=entry.key)
+            if actions is not NO_ACTIONS:
+                self._execute(actions)
+            storage = self._await_prefetch(entry)
+        else:
+            storage = self._device_storage(entry, key, now, entry.used_round != round_)
         out = packed.meta.restore(packed.keeper, storage)
         entry.keepers_pointed = True
         if packed.fmt is not None:
@@ -758,7 +805,9 @@ class OffloadHandle:
         if entry.restored is not None:
             if first_use and sched.is_outstanding(entry.key):
                 self._stats.prefetch_hits += 1
-            self._execute(sched.used(key, now, managed_key=entry.key))
+            actions = sched.used(key, now, managed_key=entry.key)
+            if actions is not NO_ACTIONS:
+                self._execute(actions)
             return self._await_prefetch(entry)
         live = entry.storage_ref()
         if live is None and entry.restored_ref is not None:
@@ -815,7 +864,11 @@ class OffloadHandle:
 
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
         dst = self.device.allocate(nbytes, Tier.DEVICE)
-        if dst.storage_offset() != 0 or dst.untyped_storage().nbytes() != nbytes:
+        if self._checked_allocation:  # a backend's buffers are all alike: checked on the first one
+            return dst
+        if dst.storage_offset() == 0 and dst.untyped_storage().nbytes() == nbytes:
+            self._checked_allocation = True
+        else:
             raise ConfigurationError(
                 f"the backend's allocate({nbytes}, DEVICE) returned a view into a larger storage; offcore restores "
                 "saved tensors storage-exactly and needs a buffer that owns exactly its storage"
@@ -826,9 +879,10 @@ class OffloadHandle:
         """The prefetched storage of ``entry``, with the compute stream ordered after its copy."""
         restored = entry.restored
         assert restored is not None
-        if entry.obj.state is not State.PREFETCHING:
+        obj = entry.obj
+        if obj.state is not State.PREFETCHING:
             return restored
-        event = entry.obj.h2d_event
+        event = obj.h2d_event
         try:
             if not event.query():
                 device, runtime = self.device, self.runtime
@@ -866,6 +920,16 @@ class OffloadHandle:
 
     def _consumed(self, entry: Entry) -> None:
         """Every live record of ``entry`` was unpacked this round: autograd owns the storage now."""
+        if entry.restored is not None and entry.obj.state is State.RESTORED:
+            # the common case (a copy restored and awaited): consumed and dropped in one call
+            if self._sched.consumed(entry.key, dropped=True):  # it was held on landing
+                self._release_device(entry)
+            if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
+                entry.keepers_pointed = False
+                for item in entry.live_items():
+                    self._release_keeper(item)
+            entry.restored = None
+            return
         if self._sched.consumed(entry.key):  # it was held on landing: offcore's device copy goes
             self._release_device(entry)
         self._drop_restored(entry)
@@ -876,7 +940,7 @@ class OffloadHandle:
         if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
             entry.keepers_pointed = False
             for item in entry.live_items():
-                release_storage(item.keeper)
+                self._release_keeper(item)
         if storage is None:
             self._sched.dropped(entry.key)  # no copy held: only the budget count goes
             return
@@ -962,18 +1026,25 @@ class OffloadHandle:
                 del self._by_key[entry.key]
         self._sched.released(entry.key)
         obj = entry.obj
+        state = obj.state
+        host, host_view = entry.host, entry.host_view
+        pool = (self._host_pool or self._pool()) if host is not None else None
+        poison = self.device if self._sanitize else None
+        if state is not State.PREFETCHING and state is not State.OFFLOADING:
+            # nothing in flight touches its buffers (the common case, after backward)
+            entry.host = entry.host_view = entry.src = entry.restored = None
+            _release_buffers(pool, host, host_view, poison, self._ledger, obj)
+            return
         runtime = self.runtime
-        pending, stream = (obj.h2d_event, runtime.h2d_stream) if obj.state is State.PREFETCHING else (None, None)
-        if obj.state is State.OFFLOADING:
+        if state is State.PREFETCHING:
+            pending, stream = obj.h2d_event, runtime.h2d_stream
+        else:
             pending, stream = obj.d2h_event, runtime.d2h_stream
-        host, host_view, src, restored = entry.host, entry.host_view, entry.src, entry.restored
+        src, restored = entry.src, entry.restored
         entry.host = entry.host_view = entry.src = entry.restored = None
-        pool = self._pool() if host is not None else None
-        args = (pool, host, host_view, self.device if self._sanitize else None, self._ledger, obj)
-        if pending is None:  # nothing in flight touches its buffers (the common case, after backward)
-            _release_buffers(*args)
-        else:  # the copy in flight reads ``src`` / writes ``restored``: both live until it landed
-            runtime.defer(pending, functools.partial(_release_buffers, *args, src, restored), stream=stream)
+        # the copy in flight reads ``src`` / writes ``restored``: both live until it landed
+        release = functools.partial(_release_buffers, pool, host, host_view, poison, self._ledger, obj, src, restored)
+        runtime.defer(pending, release, stream=stream)
 
     # -- figures -------------------------------------------------------------------------
     def _peak_now(self) -> int:

@@ -129,6 +129,7 @@ class Entry:
         "keys",
         "modified_in_flight",
         "keepers_pointed",
+        "alive_elsewhere",
         "__weakref__",
     )
 
@@ -159,6 +160,8 @@ class Entry:
         self.modified_in_flight = False
         # the records' version keepers point at ``restored`` (storage.py Note [Restore through the version keeper])
         self.keepers_pointed = False
+        # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
+        self.alive_elsewhere = False
 
     @property
     def name(self) -> str:

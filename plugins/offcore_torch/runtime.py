@@ -139,7 +139,7 @@ class DeviceRuntime:
         self._d2h_in_flight: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, token)
         # (token, failure) of the D2H copies that landed, until the binding takes them
         self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()
-        self._sampled = {Direction.D2H: 0, Direction.H2D: 0}
+        self._sampled_d2h = self._sampled_h2d = 0  # copies asked about per direction (sample)
 
     # -- host pools --------------------------------------------------------------------
     def pool(self, device: Any, budget: int, pinned: bool) -> HostBufferPool:
@@ -236,8 +236,7 @@ class DeviceRuntime:
     # -- device-to-host copies in flight (Note [Landings are returned, not called back]) --
     def track_d2h(self, event: Any, token: Any) -> None:
         """Watch the device-to-host copy that completes with ``event``; ``token`` comes back when it landed."""
-        with self.lock:
-            self._d2h_in_flight.append((event, token))
+        self._d2h_in_flight.append((event, token))  # deque.append is atomic: no lock (pollers pop under it)
 
     def _poll_d2h(self) -> None:
         with self.lock:
@@ -306,9 +305,13 @@ class DeviceRuntime:
         Timing costs two events per copy; the link estimate and the per-region
         bandwidth figures need a sample, not every copy.
         """
-        count = self._sampled[direction]
-        self._sampled[direction] = count + 1
-        return always or count < 16 or count % 16 == 0
+        if direction is Direction.D2H:
+            count = self._sampled_d2h
+            self._sampled_d2h = count + 1
+        else:
+            count = self._sampled_h2d
+            self._sampled_h2d = count + 1
+        return always or count < 16 or not count & 15
 
     def begin_timing(self, device: Any, stream: Any, *, record: bool = True) -> tuple[Any, float]:
         """A timing start event (None without event timing) and the host time.

@@ -152,8 +152,11 @@ class TensorMeta:
         the result is a ``detach()`` alias of it with this metadata and conj/neg bits.
         """
         with internal_ops():
-            keeper.data = self._plain(storage)
-            return self._with_bits(keeper.detach())
+            keeper.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                storage, self.offset, self.shape, self.stride
+            )  # _plain, inlined (once per unpack)
+            out = keeper.detach()
+            return self._with_bits(out) if self.neg or self.conj else out
 
     def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
