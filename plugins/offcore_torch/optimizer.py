@@ -69,6 +69,22 @@ next forward waiting per parameter on its own event.
 # (it writes the parameter's own storage): the copy stays and is not repeated. The device
 # capacity check is off (``device_capacity=0``): an upload allocates no device memory.
 #
+# Note [Parameters on the host with offload_parameters]
+# When the parameters are offloaded by offcore_torch.offload_parameters (``params_on_host=handle``,
+# or found on the parameters: the default), their host copy (``handle.host_tensor(param)``) is the
+# data between uses, so the optimizer works on it directly instead of round-tripping through the
+# device: with the master dtype equal to the parameter's, the master *is* the handle's host copy
+# (no read from the device, no master buffer); with ``master_weights=True`` and bf16/fp16
+# parameters, an fp32 master is made from the host copy and the host copy is the cast stage the
+# step writes. Such parameters are not objects of the optimizer's rounds: no upload after the
+# step, no wait in the forward pre-hook, no version-based refresh (the device copy is a transient
+# copy of the host one). Each round's end (``step()``, a skipped step, ``load_state_dict``) calls
+# ``handle.host_updated(params)``: device copies still held are dropped without being written back
+# and the next forward streams the new values in by deadline. The handle ignores these optimizers'
+# step hooks (they are not foreign steps that wrote device copies) and keeps nothing at the end of
+# backward for the next forward (Note [The next step starts early] in parameters.py): the values
+# change in the step. Gradients still leave the device by the optimizer's hooks, as before.
+#
 # Note [Failed copies in the optimizer]
 # A copy can fail at submission (``copy_`` raises) or on its stream (its event raises).
 # Gradients: the device gradient is held until its D2H landed, so a failed D2H is made
@@ -159,6 +175,7 @@ class _Slot:
         "layout",
         "state_nbytes",
         "state_buf",
+        "host_param",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -181,6 +198,9 @@ class _Slot:
         self.layout: list[tuple[str, torch.dtype, torch.Size, int]] | None = None
         self.state_nbytes = 0
         self.state_buf: HostBuffer | None = None
+        # Note [Parameters on the host with offload_parameters]: the handle's host copy of the parameter
+        # (None: the parameter lives on the device and the step is uploaded into it)
+        self.host_param: torch.Tensor | None = None
 
 
 class _AllOf:
@@ -223,6 +243,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
       in the next forward; the rest is uploaded at the forward's triggers, in the core's need
       order (Note [The optimizer's moves go through the core]).
+    - ``params_on_host`` (None): the :func:`offcore_torch.offload_parameters` handle of these
+      parameters; None finds it on the parameters, False ignores it (then the step is uploaded
+      into the device parameters, which the handle writes back). With a handle, the host step
+      updates the handle's host copies in place and the next forward streams them in (Note
+      [Parameters on the host with offload_parameters]).
     - ``tier`` (``"host"``): ``"nvme"`` keeps the optimizer states in files under ``nvme_path``
       (an :class:`offcore.nvme.NvmeTier` of ``nvme_budget`` bytes, default: the free space there;
       ``verify``: CRC-checked reads), stepped with :func:`offcore.nvme.pipelined`
@@ -251,6 +276,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nvme_budget: int | str | None = None,
         verify: bool = False,
         trace: TraceRecorder | None = None,
+        params_on_host: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -282,6 +308,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device = device
         self._runtime = runtime_for(device)
         self._master_weights = master_weights
+        self._params_handle = self._find_handle(groups, params_on_host)
         self._offload_gradients = offload_gradients
         self._accumulation_steps = accumulation_steps
         self._pin_memory = pin_memory
@@ -291,6 +318,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.trace = trace
         self._slots: list[_Slot] = []
         self._by_param: dict[int, _Slot] = {}
+        self._device_params: dict[int, _Slot] = {}  # the forward pre-hook's: parameters not on the host
         self._lock = threading.Lock()
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
@@ -314,7 +342,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         flat = [
             p for g in groups for p in (g["params"] if not isinstance(g["params"], torch.Tensor) else [g["params"]])
         ]
-        need = sum(self._persistent_bytes(p) for p in flat)
+        need = sum(self._persistent_bytes(p) for p in flat if isinstance(p, torch.Tensor))
         if host_budget is None:
             largest = max((p.numel() * p.element_size() for p in flat), default=0)
             budget = need + max(4 * largest, min(need, 64 * 1024**2)) + 512 * (4 * len(flat) + 8)
@@ -351,6 +379,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._release_everything()
             raise
         self._regroup()
+        if self._params_handle is not None:
+            self._params_handle._attach_host_optimizer(self)
         self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle, self._nvme)
 
@@ -360,10 +390,50 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return torch.float32
         return param.dtype
 
+    def _find_handle(self, groups: list[Any], given: Any) -> Any:
+        """The ``offload_parameters`` handle whose host copies the masters are (Note [Parameters on the
+        host with offload_parameters]): ``given``, or found on the parameters when None; False: none."""
+        if given is False:
+            return None
+        handles = set()
+        for group in groups:
+            params = group["params"] if isinstance(group, dict) else group
+            for param in [params] if isinstance(params, torch.Tensor) else list(params):
+                slot = getattr(param, "_offcore_slot", None)
+                if slot is not None and not slot.is_buffer:
+                    handles.add(slot.handle)
+        if given is None or given is True:
+            if len(handles) > 1:
+                raise ConfigurationError(
+                    "OffloadOptimizer: the parameters are offloaded by more than one offload_parameters handle; "
+                    "use one OffloadOptimizer per handle (params_on_host=handle)"
+                )
+            if not handles:
+                if given is True:
+                    raise ConfigurationError("params_on_host=True: no parameter is offloaded by offload_parameters")
+                return None
+            return next(iter(handles))
+        if not hasattr(given, "host_tensor") or not hasattr(given, "host_updated"):
+            raise ConfigurationError(
+                f"params_on_host must be an offload_parameters handle, None (find it) or False, got {given!r}"
+            )
+        if handles - {given}:
+            raise ConfigurationError("OffloadOptimizer: some parameters are offloaded by another handle")
+        return given
+
+    def _host_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        handle = self._params_handle
+        slot = getattr(param, "_offcore_slot", None)
+        if handle is None or slot is None or slot.handle is not handle or slot.is_buffer:
+            return None
+        return handle.host_tensor(param)
+
     def _persistent_bytes(self, param: torch.Tensor) -> int:
         n = param.numel()
         master = n * torch.empty((), dtype=self._master_dtype(param)).element_size()
         stage = n * param.element_size() if self._master_dtype(param) != param.dtype else 0
+        if self._host_param(param) is not None:  # the handle's host copy is the master (same dtype) or the stage
+            return 2 * master if stage else master
         return 2 * master + stage
 
     def _acquire(self, nbytes: int, what: str) -> HostBuffer:
@@ -392,21 +462,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot = _Slot(len(self._slots), param, group)
             dtype = self._master_dtype(param)
             nbytes = param.numel() * torch.empty((), dtype=dtype).element_size()
-            master_buf = self._acquire(nbytes, "a master copy")
-            slot.buffers.append(master_buf)
+            slot.host_param = self._host_param(param)
+            if slot.host_param is not None and dtype == param.dtype:
+                slot.master = slot.host_param  # the handle's host copy is the master: no copy of it
+            else:
+                master_buf = self._acquire(nbytes, "a master copy")
+                slot.buffers.append(master_buf)
+                slot.master = _typed(master_buf, dtype, param.shape)
+                self.ledger.add(self._host_tier, Kind.PARAMETER, nbytes)
             grad_buf = self._acquire(nbytes, "a host gradient")
             slot.buffers.append(grad_buf)
-            slot.master = _typed(master_buf, dtype, param.shape)
             slot.grad = _typed(grad_buf, dtype, param.shape)
-            self.ledger.add(self._host_tier, Kind.PARAMETER, nbytes)
             self.ledger.add(self._host_tier, Kind.GRADIENT, nbytes)
-            if dtype != param.dtype:
+            if slot.host_param is not None:
+                slot.stage = None if dtype == param.dtype else slot.host_param  # the step writes the host copy
+            elif dtype != param.dtype:
                 stage_buf = self._acquire(param.numel() * param.element_size(), "a cast stage")
                 slot.buffers.append(stage_buf)
                 slot.stage = _typed(stage_buf, param.dtype, param.shape)
                 self.ledger.add(self._host_tier, Kind.PARAMETER, stage_buf.nbytes)
             self._slots.append(slot)
             self._by_param[id(param)] = slot
+            if slot.host_param is None:
+                self._device_params[id(param)] = slot
             self._load_master(slot)
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
@@ -415,6 +493,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _load_master(self, slot: _Slot) -> None:
         """Copy the device parameter into its master (synchronously: construction, refresh, load)."""
+        if slot.host_param is not None:  # read from the handle's host copy: nothing from the device
+            self._params_handle.release()  # a device copy changed meanwhile (load_state_dict) is written back
+            if slot.stage is not None:
+                slot.master.copy_(slot.stage)
+            return
         dev, rt = self._device, self._runtime
         param = slot.param.detach()
         produced = dev.new_event()
@@ -776,6 +859,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         )
         rs.forward_began(time.perf_counter())
         for slot in self._slots:
+            if slot.host_param is not None:
+                continue  # streamed in by offload_parameters, never uploaded here
             rs.register(slot.index, Kind.PARAMETER, slot.param.numel() * slot.param.element_size())
             rs.awaiting_host(slot.index)
         rs.make_plan()
@@ -816,7 +901,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """The host steps of ``slots`` finished: the core returns the uploads due now."""
         with self._sched_lock:
             for slot in slots:
-                self._execute(rs, rs.host_updated(slot.index))
+                if slot.host_param is None:
+                    self._execute(rs, rs.host_updated(slot.index))
 
     def _make_current(self, slot: _Slot) -> None:
         """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
@@ -902,6 +988,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _check_fresh(self, slot: _Slot) -> None:
         """Note [Masters are refreshed when the device parameter changed] (main thread)."""
+        if slot.host_param is not None:
+            return  # the host copy is the data (Note [Parameters on the host with offload_parameters])
         if self._observe(slot) and slot.param._version != slot.synced_version:
             self._drain()
             self._load_master(slot)
@@ -1138,6 +1226,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in self._slots:
             slot.stepped = False
             slot.arrivals = 0
+        if self._params_handle is not None and not self._closed:
+            # the host copies are the data now: the next forward streams them in, no upload here
+            self._params_handle.host_updated([s.param for s in self._slots if s.host_param is not None])
         with self._sched_lock:
             if self._rs is not None and self._phase == _COLLECT:
                 self._phase = _STEPPED  # the next forward's first uses are this round's uses
@@ -1314,7 +1405,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._close_round()
         for slot in self._slots:
             master = masters.get(slot.index, masters.get(str(slot.index)))
-            if master is not None and slot.stage is not None:
+            if master is not None and slot.host_param is not None:
+                self.run_on_host(slot.master.copy_, master)
+                if slot.stage is not None:
+                    self.run_on_host(slot.stage.copy_, slot.master)
+            elif master is not None and slot.stage is not None:
                 self.run_on_host(slot.master.copy_, master)
                 self._h2d_after_compute()
                 self.run_on_host(slot.stage.copy_, slot.master)
@@ -1324,6 +1419,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.synced_version = slot.param._version
             else:
                 self._load_master(slot)
+        if self._params_handle is not None:
+            self._params_handle.host_updated([s.param for s in self._slots if s.host_param is not None])
         self._count_state()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -1351,6 +1448,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         handle = getattr(self, "_wait_handle", None)
         if handle is not None:
             handle.remove()
+        params_handle = getattr(self, "_params_handle", None)
+        if params_handle is not None:
+            params_handle._detach_host_optimizer(self)
         host = self._host
         if host is not None:
             host.state.clear()
@@ -1410,7 +1510,7 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
         optimizer = ref()
         if optimizer is None:
             return
-        by_param = optimizer._by_param
+        by_param = optimizer._device_params
         for param in module._parameters.values():
             if param is None:
                 continue

@@ -353,6 +353,7 @@ class ParameterOffloadHandle:
         self._foreign_step = False  # an optimizer stepped since the last release point
         self._early: frozenset[int] = frozenset()  # Note [The next step starts early]
         self._thread = threading.current_thread()
+        self._host_optimizers: set[int] = set()  # ids of optimizers stepping the host copies (and their host ones)
 
         self._collect(model)
         self._param_ids = {id(s.tensor) for s in self._slots}
@@ -829,7 +830,7 @@ class ParameterOffloadHandle:
         if slot is None:
             return
         slot.bwd_tasks.discard(_graph_task_id())
-        if slot.index in self._early and not self._frames and len(self._tasks) <= 1:
+        if slot.index in self._early and not self._frames and len(self._tasks) <= 1 and not self._host_optimizers:
             return  # needed first by the next forward: kept for the next round (Note [The next step starts early])
         self._maybe_free(slot)
 
@@ -840,7 +841,7 @@ class ParameterOffloadHandle:
             slot.bwd_tasks.discard(task)
         if last:
             self._release_outside()
-            if not self._frames and self._step is not None and not self._removed:
+            if not self._frames and self._step is not None and not self._removed and not self._host_optimizers:
                 # Note [The next step starts early]: its first copies of what is still on the device cost nothing
                 step = self._begin_step(time.perf_counter())
                 step.prestarted = True
@@ -864,6 +865,8 @@ class ParameterOffloadHandle:
         on a worker). One that steps these parameters: write back what it fetched and changed, free it.
         Any other (a host optimizer whose step is uploaded into these parameters by its owner, as
         OffloadOptimizer does): only noted; the next release point writes back what was fetched."""
+        if id(optimizer) in self._host_optimizers:
+            return  # steps the host copies (Note [Parameters on the host with offload_parameters])
         ours = self._param_ids
         if any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
             if self._frames or threading.current_thread() is not self._thread:
@@ -946,9 +949,26 @@ class ParameterOffloadHandle:
         assert slot.host_view is not None
         return slot.host_view.view(tensor.dtype).view(tensor.shape)
 
-    def host_updated(self) -> None:
+    def host_updated(self, tensors: Any = None) -> None:
         """The host copies were changed (a host optimizer step): device copies still held are dropped, so
-        the next use streams the new values in; no copy goes to the device now."""
+        the next use streams the new values in; no copy goes to the device now.
+
+        ``tensors`` (default: every parameter) are the ones whose host copy is the data now: their
+        device copies are dropped *without* being written back (a copy fetched before the step holds
+        the old values)."""
+        if tensors is None:
+            updated = [s for s in self._slots if not s.is_buffer]
+        else:
+            updated = []
+            for tensor in tensors:
+                slot = getattr(tensor, "_offcore_slot", None)
+                if slot is None or slot.handle is not self:
+                    raise ConfigurationError("host_updated: a tensor is not offloaded by this handle")
+                updated.append(slot)
+        for slot in updated:
+            slot.outside = False
+            slot.dirty = False
+            slot.version = slot.tensor._version
         self.release()
         for slot in self._slots:
             if slot.resident and not (slot.pins or slot.bwd_tasks):
@@ -957,6 +977,22 @@ class ParameterOffloadHandle:
                     slot.event = None
                 self._resize(slot, 0)
                 slot.resident = False
+
+    def _attach_host_optimizer(self, optimizer: Any) -> None:
+        """An OffloadOptimizer steps these host copies in place (Note [Parameters on the host with
+        offload_parameters] in optimizer.py): its steps are not foreign steps, and nothing is kept or
+        copied in at the end of backward (the values change in the step)."""
+        self._host_optimizers.add(id(optimizer))
+        host = getattr(optimizer, "host_optimizer", None)
+        if host is not None:
+            self._host_optimizers.add(id(host))
+        self._early = frozenset()
+
+    def _detach_host_optimizer(self, optimizer: Any) -> None:
+        self._host_optimizers.discard(id(optimizer))
+        host = getattr(optimizer, "_host", None)
+        if host is not None:
+            self._host_optimizers.discard(id(host))
 
     def stats(self, *, reset: bool = False) -> ParameterOffloadStats:
         """Bytes, copies and waits so far (see :class:`ParameterOffloadStats`)."""

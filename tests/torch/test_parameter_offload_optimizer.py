@@ -1,14 +1,15 @@
 """offload_parameters with OffloadOptimizer: parameters streamed, optimizer on the host, bit-identical.
 
-Today the two compose through their public APIs only: the optimizer reads each parameter
-once to build its host master (a fetch outside a module), uploads the stepped values into
-the device parameters, and offload_parameters writes those back to its host copies at the
-next forward (or ``handle.release()``). Correct, with one extra upload and write-back per parameter and step (see
-docs/parameter-offload.md, "With OffloadOptimizer").
+By default the optimizer finds the handle on the parameters (``params_on_host=None``) and works on
+its host copies (Note [Parameters on the host with offload_parameters] in optimizer.py): the masters
+are the handle's host copies (no read from the device), the host step updates them in place, no
+upload after the step, and the next forward streams them in. ``params_on_host=False`` keeps the
+public-API composition (one upload and one write-back per parameter per step), still bit-identical.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,32 +20,182 @@ import offcore_torch  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
 
+from offcore.errors import ConfigurationError  # noqa: E402
 
-def _train(dev: Any, offload: bool) -> list[torch.Tensor]:
+transformers: Any = None
+try:  # the `test` extra installs it
+    import transformers
+except ImportError:  # pragma: no cover
+    pass
+
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2}),
+    "adamw-fused": (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 1e-1, "momentum": 0.9, "nesterov": True}),
+}
+
+
+def _tiny_gpt() -> torch.nn.Module:
+    return TinyGPT(GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, dropout=0.0), seed=0)
+
+
+def _gpt2() -> torch.nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    tokens = _tokens(step)
+    if isinstance(model, TinyGPT):
+        return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    idx = tokens[:, :-1]
+    return model(input_ids=idx, labels=idx, use_cache=False).loss
+
+
+def _train(
+    dev: Any,
+    build: Callable[[], torch.nn.Module],
+    *,
+    offload: bool,
+    optimizer: str = "adamw",
+    activations: bool = False,
+    bf16: bool = False,
+    params_on_host: Any = None,
+    steps: int = 4,
+) -> list[torch.Tensor]:
+    cls, kwargs = OPTIMIZERS[optimizer]
     with dev:
         torch.manual_seed(0)
-        model = TinyGPT(GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, dropout=0.0), seed=0)
+        model = build()
+        if bf16:
+            model = model.to(torch.bfloat16)
         handle = offload_parameters(model, dev) if offload else None
-        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), cls, device=dev, master_weights=bf16, params_on_host=params_on_host, **kwargs
+        )
         out = []
-        for step in range(3):
-            tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
-            loss = next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        for step in range(steps):
+            if activations:
+                with offcore_torch.offload_activations(dev, min_bytes="1KiB"):
+                    loss = _loss(model, step)
+            else:
+                loss = _loss(model, step)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            out.append(loss.detach().clone())
-            if handle is not None and step == 1:
-                # what the optimizer uploaded stays until the next forward, or until release()
-                handle.release()
+            out.append(loss.detach().float().clone())
+            if handle is not None and params_on_host is None:
+                # nothing uploaded after the step: no parameter on the device between steps, none written back
                 assert handle.stats().device_bytes == 0
+                assert handle.stats().d2h_copies == 0
+        masters = [opt.master(p).clone() for p in model.parameters()]
+        states = [
+            v.clone()
+            for p in model.parameters()
+            for _, v in sorted(opt.state[opt.master(p)].items())
+            if isinstance(v, torch.Tensor)
+        ]
         if handle is not None:
             handle.remove()
         opt.close()
-        return out + [p.detach().clone() for p in model.parameters()]
+        return out + [p.detach().clone() for p in model.parameters()] + masters + states
 
 
-def test_bit_identical_with_offload_optimizer(make_fake_device: Any) -> None:
-    want = _train(make_fake_device(), False)
-    got = _train(make_fake_device(link="slow"), True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("activations", [False, True], ids=["params", "params+activations"])
+def test_bit_identical_tiny_gpt(make_fake_device: Any, optimizer: str, activations: bool) -> None:
+    want = _train(make_fake_device(), _tiny_gpt, offload=False, optimizer=optimizer)
+    got = _train(make_fake_device(link="slow"), _tiny_gpt, offload=True, optimizer=optimizer, activations=activations)
+    _same(got, want)
+
+
+def test_bit_identical_bf16_master_weights(make_fake_device: Any) -> None:
+    """bf16 device parameters, fp32 masters: the master is stepped and the bf16 host copy written from it."""
+    want = _train(make_fake_device(), _tiny_gpt, offload=False, bf16=True)
+    got = _train(make_fake_device(link="slow"), _tiny_gpt, offload=True, bf16=True, activations=True)
+    _same(got, want)
+
+
+def test_public_api_composition_still_bit_identical(make_fake_device: Any) -> None:
+    want = _train(make_fake_device(), _tiny_gpt, offload=False, steps=3)
+    got = _train(make_fake_device(link="slow"), _tiny_gpt, offload=True, params_on_host=False, steps=3)
+    _same(got, want)
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-momentum"])
+def test_bit_identical_hf_gpt2(make_fake_device: Any, optimizer: str) -> None:
+    want = _train(make_fake_device(), _gpt2, offload=False, optimizer=optimizer, steps=3)
+    got = _train(make_fake_device(link="slow"), _gpt2, offload=True, optimizer=optimizer, activations=True, steps=3)
+    _same(got, want)
+
+
+def test_step_holds_no_parameter_on_the_device(make_fake_device: Any) -> None:
+    """Device peak, measured by the backend: the step allocates nothing (no upload); the public-API
+    composition's step brings every parameter in at once."""
+
+    def peak_of_steps(params_on_host: Any) -> tuple[int, int, int]:
+        dev = make_fake_device(link="slow")
+        with dev:
+            torch.manual_seed(0)
+            model = _tiny_gpt()
+            handle = offload_parameters(model, dev)
+            opt = offcore_torch.OffloadOptimizer(
+                model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2, params_on_host=params_on_host
+            )
+            step_growth = 0
+            for step in range(3):
+                _loss(model, step).backward()
+                opt.synchronize()
+                before = dev.memory_stats().allocated_bytes
+                dev.reset_peak_memory_stats()
+                opt.step()
+                opt.zero_grad()
+                step_growth = max(step_growth, dev.memory_stats().peak_allocated_bytes - before)
+            peak = handle.stats().peak_device_bytes
+            budget_bound = handle.budget + 2 * handle.largest_module_bytes  # nested modules: two in use
+            handle.remove()
+            opt.close()
+            return step_growth, peak, budget_bound
+
+    growth, peak, bound = peak_of_steps(None)
+    assert growth <= 0
+    assert peak <= bound
+    growth_public, _, _ = peak_of_steps(False)
+    params = sum(p.numel() * p.element_size() for p in _tiny_gpt().parameters())
+    assert growth_public >= params // 2  # the public-API path uploads every parameter into the device
+
+
+def test_params_on_host_misuse(make_fake_device: Any) -> None:
+    dev = make_fake_device()
+    with dev:
+        model = _tiny_gpt()
+        other = _tiny_gpt()
+        with pytest.raises(ConfigurationError, match="params_on_host"):
+            offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=0.1, params_on_host=1)
+        with pytest.raises(ConfigurationError, match="no parameter is offloaded"):
+            offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=0.1, params_on_host=True)
+        handle = offload_parameters(model, dev)
+        handle2 = offload_parameters(other, dev)
+        with pytest.raises(ConfigurationError, match="another handle"):
+            offcore_torch.OffloadOptimizer(
+                list(model.parameters()) + list(other.parameters()),
+                torch.optim.SGD,
+                device=dev,
+                lr=0.1,
+                params_on_host=handle,
+            )
+        handle2.remove()
+        handle.remove()
