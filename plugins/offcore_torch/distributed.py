@@ -56,6 +56,24 @@ __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"
 # ----------------------------------------------------------------------------- DDP
 
 
+def _wait_before_state_dict(ref: weakref.ref[OffloadOptimizer]) -> Any:
+    """A state-dict pre-hook: the parameters' H2D copies from the last step land before anyone reads them.
+
+    Note [Checkpoints read landed parameters]: ``opt.step()`` returns with the updated parameters still
+    on the H2D stream; a forward waits for them, but ``model.state_dict()`` handed to
+    ``torch.distributed.checkpoint.save`` is read directly (on the fake device with the sanitizer, a
+    save right after ``step()`` wrote NaN into the checkpoint). So the model's state dict orders the
+    current stream after them first.
+    """
+
+    def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        optimizer = ref()
+        if optimizer is not None and not optimizer._closed:
+            optimizer.wait_for_parameters()
+
+    return hook
+
+
 class DDPHandoff:
     """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`.
 
@@ -81,6 +99,7 @@ class DDPHandoff:
         self._handed: list[torch.Tensor] = []
         self.buckets_handed = 0
         self._forward_handle = model.register_forward_pre_hook(self._before_forward)
+        self._state_dict_handle = model.register_state_dict_pre_hook(_wait_before_state_dict(self._optimizer))
 
     # the communication hook (main thread, inside backward)
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -140,8 +159,9 @@ class DDPHandoff:
             optimizer._device.current_stream().wait_event(last)  # the next backward rewrites the buckets
 
     def close(self) -> None:
-        """Remove the forward pre-hook (DDP cannot unregister a communication hook: keep the module or rebuild it)."""
+        """Remove the module hooks (DDP cannot unregister a communication hook: keep the module or rebuild it)."""
         self._forward_handle.remove()
+        self._state_dict_handle.remove()
 
 
 def attach_ddp(
@@ -215,6 +235,9 @@ class FSDPOffloadOptimizer:
         ref = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(_shard_hook(ref, i)) for i, p in enumerate(self.params)]
         self._forward_handle = model.register_forward_pre_hook(_root_pre_forward(ref), prepend=True)
+        self._state_dict_handle = model.register_state_dict_pre_hook(
+            _wait_before_state_dict(weakref.ref(self.optimizer))
+        )
         self._closed = False
 
     # -- gradients and waits ------------------------------------------------------------
@@ -303,36 +326,39 @@ class FSDPOffloadOptimizer:
         return out
 
     def _template(self) -> dict[str, Any]:
+        """The state dict with every parameter's state: the missing ones made by a zero-lr step on copies."""
         host = self.optimizer.host_optimizer
         masters = [m for g in host.param_groups for m in g["params"]]
 
-        def build() -> dict[str, Any]:
-            saved = [m.detach().clone() for m in masters]
-            grads = [m.grad for m in masters]
-            lrs = [g["lr"] for g in host.param_groups]
+        def build() -> dict[int, dict[str, Any]]:
+            missing = [m for m in masters if m not in host.state]  # only these step: the others' state is kept
+            chosen = {id(m) for m in missing}
+            saved = [(m, m.detach().clone(), m.grad) for m in missing]
+            groups = [(g, g["params"], g["lr"]) for g in host.param_groups]
             try:
-                for m in masters:
-                    if m.grad is None:
-                        m.grad = torch.zeros_like(m)
-                for g in host.param_groups:
-                    g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+                for m in missing:
+                    m.grad = torch.zeros_like(m)
+                for g, params, lr in groups:
+                    g["params"] = [m for m in params if id(m) in chosen]
+                    g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
                 host.step()
-                return {"state": {i: dict(host.state[m]) for i, m in enumerate(masters)}}
+                return {
+                    i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in host.state[m].items()}
+                    for i, m in enumerate(masters)
+                    if id(m) in chosen
+                }
             finally:
-                for g, lr in zip(host.param_groups, lrs, strict=True):
-                    g["lr"] = lr
+                for g, params, lr in groups:
+                    g["params"], g["lr"] = params, lr
                 with torch.no_grad():
-                    for m, s, grad in zip(masters, saved, grads, strict=True):
-                        m.copy_(s)
+                    for m, value, grad in saved:
+                        m.copy_(value)
                         m.grad = grad
-                host.state.clear()
+                        host.state.pop(m, None)
 
-        template = self.optimizer.run_on_host(build)
-        template["state"] = {i: {k: v.clone() for k, v in s.items()} for i, s in template["state"].items()}
-        template["param_groups"] = self.optimizer.state_dict()["param_groups"]
-        masters_sd = self.optimizer.state_dict().get(MASTER_WEIGHTS_KEY)
-        if masters_sd:
-            template[MASTER_WEIGHTS_KEY] = masters_sd
+        made = self.optimizer.run_on_host(build)
+        template = self.optimizer.state_dict()
+        template["state"] = {**template["state"], **made}
         return template
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,6 +390,7 @@ class FSDPOffloadOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._forward_handle.remove()
+        self._state_dict_handle.remove()
         self.optimizer.close()
 
     def __enter__(self) -> FSDPOffloadOptimizer:
