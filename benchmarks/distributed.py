@@ -22,7 +22,7 @@ are against the same engine's ``none`` variant.
 
 Run::
 
-    .venv/bin/python benchmarks/distributed.py                       # ~1 min on 2 cores
+    .venv/bin/python benchmarks/distributed.py                       # a few minutes on 2 busy cores
     .venv/bin/python benchmarks/distributed.py --small --rounds 3     # a quick look
     .venv/bin/python benchmarks/distributed.py --json /tmp/dist.json
 """
