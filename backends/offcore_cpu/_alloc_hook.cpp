@@ -315,6 +315,43 @@ bool owns(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
   return it != g_live.end() && it->second.ledger == ledger && it->second.kind != Kind::Scalar;
 }
 
+// dev.adopt(..) of a storage torch's allocator made before (a model built on the host): from now
+// on its memory is counted like a hooked allocation of ``ledger`` -- its DataPtr is swapped for
+// one with the tracking deleter, so the ledger is credited when the memory is really freed (the
+// storage dies, or ``resize_`` replaces or frees it), and its allocator becomes the hook, so a
+// ``resize_`` that grows it inside ``with dev:`` is counted. The caller has already charged the
+// ledger for ``nbytes`` (one allocation). False (nothing changed) for memory torch did not
+// allocate (not resizable: from_numpy, frombuffer, DLPack), an empty storage or one the hook
+// already tracks: the arena counts those by weak reference, as before.
+bool adopt(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  if (impl == nullptr || !impl->resizable() || impl->nbytes() == 0 ||
+      impl->device_type() != c10::DeviceType::CPU) {
+    return false;
+  }
+  const c10::DataPtr& current = impl->data_ptr();
+  void* data = current.get();
+  if (data == nullptr || data != current.get_context() || current.get_deleter() == &tracked_delete) {
+    return false;
+  }
+  size_t nbytes = impl->nbytes();
+  c10::Device device = current.device();
+  {
+    std::lock_guard<std::mutex> guard(g_mu);
+    if (g_live.count(data) != 0) {
+      return false;
+    }
+    // Registered before the swap: the storage (held by the caller) cannot be freed meanwhile.
+    g_live[data] = Entry{ledger, nbytes, Kind::Counted, -1, nullptr, 0, current.get_deleter()};
+  }
+  c10::DataPtr previous = impl->set_data_ptr(c10::DataPtr(data, data, &tracked_delete, device));
+  previous.release_context();  // the memory now belongs to the tracked DataPtr
+  if (impl->allocator() == g_previous) {
+    impl->set_allocator(&g_hook);
+  }
+  return true;
+}
+
 int64_t locked(Ledger& ledger, int64_t Ledger::*field) {
   std::lock_guard<std::mutex> guard(ledger.mu);
   return ledger.*field;
@@ -345,4 +382,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_current", &set_current, py::arg("ledger").none(true));
   m.def("get_current", &get_current);
   m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
+  m.def("adopt", &adopt, py::arg("ledger"), py::arg("storage"));
 }

@@ -39,6 +39,7 @@ class _Allocation:
     tier: Tier
     nbytes: int
     ref: weakref.ref  # type: ignore[type-arg]
+    count: int  # 1 while it holds memory, 0 while empty (resized to 0): device_allocations counts it
 
 
 class MemoryArena:
@@ -71,15 +72,22 @@ class MemoryArena:
         # device tier's bytes, peak and count live in the hook's ledger, shared with allocations the hook counts
         self._ledger: Any = None
         self._probe: Callable[[Any], bool] | None = None
+        self._take_over: Callable[[Any], bool] | None = None
 
-    def use_ledger(self, ledger: Any, probe: Callable[[Any], bool]) -> None:
+    def use_ledger(
+        self, ledger: Any, probe: Callable[[Any], bool], take_over: Callable[[Any], bool] | None = None
+    ) -> None:
         """Keep the device tier's figures in ``ledger`` (the allocator hook's); ``probe(owner)`` tells
-        whether the hook counts ``owner`` on this device. Only before anything is counted on the device."""
+        whether the hook counts ``owner`` on this device; ``take_over(owner)`` hands a newly registered
+        device owner, already charged to the ledger, to the hook (True) so that its frees and resizes
+        are counted where they happen (Note [Adopted storages are the hook's]). Only before anything
+        is counted on the device."""
         with self._lock:
             if self._current[Tier.DEVICE] or self._counts[Tier.DEVICE]:
                 raise ConfigurationError("the fake device's ledger can only be replaced before any device allocation")
             self._ledger = ledger
             self._probe = probe
+            self._take_over = take_over
 
     # -- registration -------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -122,8 +130,16 @@ class MemoryArena:
                 if known is None or known.tier is not tier:
                     self.register_many([(owner, nbytes)], tier)  # raises the mismatch error, if any
                 return
-            self._charge(tier, nbytes, 1)
-            self._allocations[key] = _Allocation(tier, nbytes, weakref.ref(owner, functools.partial(self._forget, key)))
+            count = 1 if nbytes > 0 else 0
+            self._charge(tier, nbytes, count)
+            self._track(key, owner, nbytes, count, tier)
+
+    def _track(self, key: int, owner: Any, nbytes: int, count: int, tier: Tier) -> None:
+        """Remember a newly charged owner until it dies -- or hand it to the allocator hook."""
+        if tier is Tier.DEVICE and count and self._take_over is not None and self._take_over(owner):
+            return  # the hook credits the ledger when the memory is freed
+        ref = weakref.ref(owner, functools.partial(self._forget, key))
+        self._allocations[key] = _Allocation(tier, nbytes, ref, count)
 
     def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
         """Register several owners at once: all fit on the device, or none is counted.
@@ -146,10 +162,9 @@ class MemoryArena:
                     continue
                 new[id(owner)] = (owner, nbytes)
             total = sum(nbytes for _, nbytes in new.values())
-            self._charge(tier, total, len(new))
+            self._charge(tier, total, sum(1 for _, nbytes in new.values() if nbytes > 0))
             for key, (owner, nbytes) in new.items():
-                ref = weakref.ref(owner, functools.partial(self._forget, key))
-                self._allocations[key] = _Allocation(tier, nbytes, ref)
+                self._track(key, owner, nbytes, 1 if nbytes > 0 else 0, tier)
             return total
 
     def resize(self, owner: Any, nbytes: int) -> None:
@@ -159,8 +174,10 @@ class MemoryArena:
             if allocation is None or allocation.nbytes == nbytes:
                 return
             growth = nbytes - allocation.nbytes
-            self._charge(allocation.tier, growth, 0)
+            count = 1 if nbytes > 0 else 0  # an emptied storage holds no allocation (as CUDA's allocator)
+            self._charge(allocation.tier, growth, count - allocation.count)
             allocation.nbytes = nbytes
+            allocation.count = count
 
     def _add(self, tier: Tier, nbytes: int) -> None:
         self._current[tier] += nbytes
@@ -175,10 +192,10 @@ class MemoryArena:
             if allocation is not None and allocation.ref is _ref:
                 del self._allocations[key]
                 if allocation.tier is Tier.DEVICE and self._ledger is not None:
-                    self._ledger.sub(allocation.nbytes, 1)
+                    self._ledger.sub(allocation.nbytes, allocation.count)
                     return
                 self._current[allocation.tier] -= allocation.nbytes
-                self._counts[allocation.tier] -= 1
+                self._counts[allocation.tier] -= allocation.count
 
     # -- queries --------------------------------------------------------------------------
     def tier_of(self, owner: Any) -> Tier | None:

@@ -45,10 +45,28 @@ Two implementations with the same figures (``offcore.device("cpu", accounting=..
 #   between its operator and the next commit (at most 16 bytes per such tensor).
 # Differences from the reference, each closer to CUDA's allocator: an operator's internal
 # temporaries (a workspace, a contiguous copy) count towards the peak while they live;
-# an ``UntypedStorage.resize_`` inside an operator is seen; zero-byte tensors are not
-# allocations (the reference counts them in ``device_allocations``). Work on threads where
-# no fake device is active (the device's copy workers, torch's intra-op pool) is not counted,
-# as in the reference. tests/backends/test_cpu_accounting.py compares the two.
+# an ``UntypedStorage.resize_`` inside an operator is seen. Work on threads where no fake
+# device is active (the device's copy workers, torch's intra-op pool) is not counted, as in the
+# reference. ``UntypedStorage.resize_`` called directly from Python (not an operator; the
+# reference sees only operators): a shrink frees the memory, which the hook credits at once and
+# the reference when an operator next outputs the storage (``alias.set_(storage)``); a growth
+# is made holding the GIL outside operators, so the hook leaves it on the host while the
+# reference counts it when an operator next outputs the storage. Grow device storages with an
+# operator (``alias.resize_(n)``, as offload_parameters does). Pinned by
+# tests/backends/test_cpu_accounting.py, which compares the two.
+
+# Note [Adopted storages are the hook's]
+# ``dev.adopt(model)`` counts memory torch allocated before (a model built on the host). With the
+# allocator accounting the arena charges the ledger and hands each storage to the hook
+# (``_alloc_hook.cpp`` ``adopt``): its DataPtr gets the tracking deleter and its allocator becomes
+# the hook, exactly as if it had been allocated inside ``with dev:``. So ``resize_(0)`` (FSDP-style
+# parameter streaming) credits the ledger when the memory is really freed and an operator's
+# ``resize_`` that grows it again inside ``with dev:`` is counted -- a weak reference to the
+# storage (the reference's way) would keep its adoption-time size until the storage dies. Memory
+# torch did not allocate (not resizable: ``from_numpy``, DLPack) stays with the arena's weak
+# reference. An emptied storage holds no allocation in either accounting (``device_allocations``
+# drops, as CUDA's allocator's count); only ``holds()`` differs: the hook does not know an empty
+# storage (no memory), the reference still counts it as the device's.
 
 # Note [Counting device memory with storages]
 # (The ``"dispatch"`` reference accounting.) On CUDA, ``torch.cuda.memory_allocated`` counts the live bytes of every tensor on the
@@ -94,6 +112,8 @@ import functools
 import logging
 import os
 import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,8 +130,11 @@ __all__ = ["StorageTracker", "Accounting", "allocator_hook", "resolve_accounting
 
 Accounting = Literal["allocator", "dispatch"]
 ACCOUNTING_ENV = "OFFCORE_CPU_ACCOUNTING"  # "allocator" / "dispatch": what accounting="auto" picks
+BUILD_TIMEOUT_ENV = "OFFCORE_CPU_HOOK_BUILD_TIMEOUT"  # seconds the hook's build (or its lock) may take
+BUILD_TIMEOUT_S = 300.0
 
 _log = logging.getLogger(__name__)
+_HOOK_NAME = "offcore_cpu_alloc_hook"
 _HOOK_SOURCE = Path(__file__).with_name("_alloc_hook.cpp")
 _hook_lock = threading.Lock()
 _hook: Any = None
@@ -122,7 +145,10 @@ def allocator_hook() -> Any:
     """The allocator hook's extension module, built on first use and installed; None where it cannot be built.
 
     Note [Counting device memory with allocations]. The reason it could not be built is
-    :func:`allocator_hook_error`.
+    :func:`allocator_hook_error`; the first failure in a process warns once (``RuntimeWarning``)
+    and ``accounting="auto"`` uses the dispatch reference. The build (or a wait for another
+    process's build) is given up after ``$OFFCORE_CPU_HOOK_BUILD_TIMEOUT`` seconds (300);
+    Note [Building the allocator hook].
 
         >>> hook = allocator_hook()
         >>> hook is None or hook.installed()
@@ -132,20 +158,89 @@ def allocator_hook() -> Any:
     with _hook_lock:
         if _hook is None and _hook_error is None:
             try:
-                from torch.utils import cpp_extension
-
-                module = cpp_extension.load(
-                    name="offcore_cpu_alloc_hook",
-                    sources=[str(_HOOK_SOURCE)],
-                    extra_cflags=["-O2"],
-                    verbose=False,
-                )
+                module = _build_within(_build_timeout())
                 module.install()
                 _hook = module
-            except Exception as exc:  # no compiler, no headers, a torch without the C++ API: use the reference
+            except Exception as exc:  # no compiler, no ninja, no headers, a stuck build lock: use the reference
                 _hook_error = f"{type(exc).__name__}: {exc}".strip()
                 _log.info("offcore: the fake device's allocator hook is unavailable (%s)", _hook_error)
+                warnings.warn(
+                    f"offcore: the CPU fake device's allocator hook is unavailable ({_hook_error}); "
+                    "accounting='auto' counts device memory with the dispatch-mode reference (slower). "
+                    f"Set {ACCOUNTING_ENV}=dispatch to skip the build.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return _hook
+
+
+# Note [Building the allocator hook]
+# ``torch.utils.cpp_extension.load`` compiles ``_alloc_hook.cpp`` once per machine (~40 s; later
+# processes, the spawned ranks of distributed tests included, find the build in
+# ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and only run a no-op ninja) under a
+# lock file in the build directory. A build that crashed (killed, out of memory) leaves the
+# lock behind and every later ``load`` waits on it forever. So the load runs on a daemon thread
+# and the caller waits for it at most ``$OFFCORE_CPU_HOOK_BUILD_TIMEOUT`` seconds (300); a
+# lock older than that is stale and removed first (no build takes that long). Past the
+# deadline the hook is unavailable (one warning, ``"auto"`` uses the reference); the abandoned
+# thread may still finish loading the module, which is never installed. The pytest plugin
+# (``plugins/pytest_offcore``) loads it once at session start with a progress message, so no
+# test's own timeout absorbs the first build.
+def _build_timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "")
+    try:
+        timeout = float(raw) if raw else BUILD_TIMEOUT_S
+    except ValueError:
+        raise ConfigurationError(f"${BUILD_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if timeout <= 0:
+        raise ConfigurationError(f"${BUILD_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return timeout
+
+
+def _load_hook() -> Any:
+    """Compile (or find the cached build of) ``_alloc_hook.cpp`` and import it."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=_HOOK_NAME, sources=[str(_HOOK_SOURCE)], extra_cflags=["-O2"], verbose=False)
+
+
+def _build_lock() -> Path | None:
+    """torch's lock file for the hook's build directory (None when torch does not say where it is)."""
+    try:
+        from torch.utils import cpp_extension
+
+        return Path(cpp_extension._get_build_directory(_HOOK_NAME, verbose=False)) / "lock"
+    except Exception:  # a private helper: a torch without it just skips the stale-lock check
+        return None
+
+
+def _build_within(timeout: float) -> Any:
+    """:func:`_load_hook` on a daemon thread, given up after ``timeout`` seconds (Note [Building the allocator hook])."""
+    lock = _build_lock()
+    if lock is not None:
+        with contextlib.suppress(OSError):
+            age = time.time() - lock.stat().st_mtime
+            if age > timeout:
+                _log.warning("offcore: removing a stale build lock of the allocator hook (%.0f s old): %s", age, lock)
+                lock.unlink()
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            result["module"] = _load_hook()
+        except BaseException as exc:  # handed to the waiting caller
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name="offcore-alloc-hook-build", daemon=True).start()
+    if not done.wait(timeout):
+        where = f" (or for torch's build lock {lock}, which a crashed build leaves behind: delete it)" if lock else ""
+        raise TimeoutError(f"gave up after {timeout:g} s waiting for the build{where}")
+    if "error" in result:
+        raise result["error"]
+    return result["module"]
 
 
 def allocator_hook_error() -> str | None:
@@ -254,7 +349,11 @@ class StorageTracker:
             # No reference to the arena or the ledger in the callable: the ledger (C++) holds it.
             oom = functools.partial(_hook_out_of_memory, arena.device_name, arena.capacity, arena.error_class)
             self.ledger = hook.Ledger(arena.capacity, poison_uninitialised, oom)
-            arena.use_ledger(self.ledger, functools.partial(_hooked_storage, hook.owns, self.ledger))
+            arena.use_ledger(
+                self.ledger,
+                functools.partial(_hooked_storage, hook.owns, self.ledger),
+                functools.partial(_take_over_storage, hook.adopt, self.ledger),
+            )
 
     # -- activation (re-entrant, per thread) -----------------------------------------------
     def activate(self) -> None:
@@ -385,6 +484,18 @@ def _hooked_storage(owns: Any, ledger: Any, owner: Any) -> bool:
     try:
         return bool(owns(ledger, owner.data_ptr()))
     except (RuntimeError, NotImplementedError):  # meta storages and the like
+        return False
+
+
+def _take_over_storage(adopt: Any, ledger: Any, owner: Any) -> bool:
+    """``MemoryArena`` hand-over: the hook counts ``owner`` (an adopted storage) from now on.
+
+    Note [Adopted storages are the hook's]."""
+    if not isinstance(owner, torch.UntypedStorage):
+        return False
+    try:
+        return bool(adopt(ledger, owner))
+    except (RuntimeError, NotImplementedError, TypeError):  # meta storages and the like: the arena's weakref
         return False
 
 

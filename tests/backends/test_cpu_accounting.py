@@ -352,6 +352,177 @@ def test_accounting_option_is_checked_and_falls_back(monkeypatch: pytest.MonkeyP
         offcore.device("cpu", accounting="allocator")
 
 
+# -- adopted storages freed and re-allocated under them (FSDP-style parameter streaming) -------
+def _adopted_streaming(dev: FakeDevice, t: dict[str, Any], snap: Callable[[], None]) -> None:
+    module = dev.adopt(torch.nn.Linear(32, 16))  # built on the host: 2048 + 64 bytes
+    weight = module.weight
+    storage = weight.untyped_storage()
+    alias = torch.empty(0, dtype=torch.uint8).set_(storage)
+    host = weight.detach().clone()
+    t["weight"], t["bias"] = weight, module.bias
+    snap()
+    for _ in range(2):
+        with dev:  # what offload_parameters does: free under the storage, then allocate again
+            storage.resize_(0)
+            alias.set_(storage)  # an operator on the storage: the reference sees the new size
+        snap()
+        with dev:
+            alias.resize_(host.nbytes)
+            weight.detach().copy_(host)
+        snap()
+    t["vec"] = dev.adopt(torch.randn(100))
+    snap()
+    with dev:
+        t["vec"].resize_(0)  # aten resize_ of a tensor never shrinks its storage (nor on CUDA)
+    snap()
+    with dev:
+        t["vec"].resize_(50)
+    snap()
+    t["grown"] = t["vec"]
+    with dev:
+        t["grown"].resize_(400)  # 1600 bytes: the hook holds the old 400 bytes during the copy
+    snap()
+
+
+def _figures(snaps: list[Snapshot]) -> list[tuple[int, int, int]]:
+    return [s[:3] for s in snaps]
+
+
+@needs_hook
+def test_adopted_storages_are_credited_when_freed_and_counted_when_regrown() -> None:
+    hooked, reference = _run("allocator", _adopted_streaming), _run("dispatch", _adopted_streaming)
+    bias = 64
+    assert [s[0] for s in hooked] == [s[0] for s in reference]
+    assert [s[0] for s in hooked] == [2112, bias, 2112, bias, 2112, 2512, 2512, 2512, 3712, 0]
+    assert [s[2] for s in hooked] == [s[2] for s in reference] == [2, 1, 2, 1, 2, 3, 3, 3, 3, 0]
+    # peaks agree except while a storage grows (the hook holds the old 400 bytes during the copy)
+    assert [s[1] for s in reference] == [2112, 2112, 2112, 2112, 2112, 2512, 2512, 2512, 3712, 3712]
+    assert [s[1] for s in hooked] == [2112, 2112, 2112, 2112, 2112, 2512, 2512, 2512, 4112, 4112]
+    # holds() (bias, weight): an emptied storage is still the reference's; the hook knows no memory under it
+    assert [s[3] for s in hooked][1] == (True, False) and [s[3] for s in reference][1] == (True, True)
+    assert [s[3] for s in hooked][2] == [s[3] for s in reference][2] == (True, True)
+
+
+def test_adopted_storages_are_credited_under_the_dispatch_reference_without_the_hook() -> None:
+    snaps = _run("dispatch", _adopted_streaming)
+    assert _figures(snaps)[1] == (64, 2112, 1) and _figures(snaps)[-1] == (0, 3712, 0)
+
+
+@needs_hook
+def test_adopted_foreign_memory_stays_counted_until_it_dies() -> None:
+    import numpy as np
+
+    dev = offcore.device("cpu", accounting="allocator")
+    try:
+        array = torch.from_numpy(np.ones(256, np.float32))  # not torch's memory: the arena's weak reference
+        dev.adopt(array)
+        assert dev.holds(array) and dev.memory_stats().allocated_bytes == 1024
+        del array
+        gc.collect()
+        assert dev.memory_stats().allocated_bytes == 0 and dev.memory_stats()["device_allocations"] == 0
+    finally:
+        dev.close()
+
+
+# ``UntypedStorage.resize_`` called from Python (no operator): a known, pinned difference
+# (Note [Counting device memory with allocations]).
+def _direct_storage_resize(dev: FakeDevice, t: dict[str, Any], snap: Callable[[], None]) -> None:
+    with dev:
+        t["x"] = torch.zeros(256)  # 1024 bytes
+    storage = t["x"].untyped_storage()
+    snap()
+    with dev:
+        storage.resize_(0)  # frees the memory
+    snap()
+    with dev:
+        t["x"].set_(storage)  # an operator outputs the storage
+    snap()
+    with dev:
+        storage.resize_(2048)  # allocates outside any operator, holding the GIL
+    snap()
+    with dev:
+        t["x"].set_(storage, 0, (512,))
+    snap()
+
+
+@needs_hook
+def test_direct_storage_resize_is_a_pinned_difference() -> None:
+    hooked, reference = _run("allocator", _direct_storage_resize), _run("dispatch", _direct_storage_resize)
+    # a shrink: the hook credits the freed memory at once, the reference at the next operator
+    assert [s[0] for s in hooked][:3] == [1024, 0, 0] and [s[0] for s in reference][:3] == [1024, 1024, 0]
+    # a growth: the hook leaves it on the host, the reference counts it at the next operator
+    assert [s[0] for s in hooked][3:] == [0, 0, 0] and [s[0] for s in reference][3:] == [0, 2048, 0]
+
+
+# -- building the hook: failures fall back to the reference with one warning --------------------
+@pytest.fixture
+def _unbuilt_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's hook forgotten (restored after the test); the next allocator_hook() builds again."""
+    monkeypatch.setattr(tracking, "_hook", None)
+    monkeypatch.setattr(tracking, "_hook_error", None)
+    monkeypatch.delenv(tracking.ACCOUNTING_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("_unbuilt_hook")
+def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_ninja() -> Any:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(tracking, "_load_hook", no_ninja)
+    with pytest.warns(RuntimeWarning, match="Ninja is required") as caught:
+        dev = offcore.device("cpu")
+        other = offcore.device("cpu")
+    try:
+        assert len([w for w in caught if "allocator hook" in str(w.message)]) == 1
+        assert dev.accounting == other.accounting == "dispatch"
+        with dev:
+            x = torch.zeros(100)
+        assert dev.holds(x) and dev.memory_stats().allocated_bytes == 400
+        with pytest.raises(ConfigurationError, match="Ninja is required"):
+            offcore.device("cpu", accounting="allocator")
+    finally:
+        dev.close()
+        other.close()
+
+
+@pytest.mark.usefixtures("_unbuilt_hook")
+def test_a_stuck_build_is_given_up_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    monkeypatch.setattr(tracking, "_load_hook", release.wait)  # a build waiting on a lock nobody releases
+    monkeypatch.setenv(tracking.BUILD_TIMEOUT_ENV, "0.05")
+    try:
+        with pytest.warns(RuntimeWarning, match="gave up after 0.05 s"):
+            dev = offcore.device("cpu")
+        assert dev.accounting == "dispatch"
+        dev.close()
+    finally:
+        release.set()  # the abandoned build thread ends
+
+
+@pytest.mark.usefixtures("_unbuilt_hook")
+def test_a_stale_build_lock_is_removed(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import os
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (1.0, 1.0))  # left behind by a build that crashed long ago
+    monkeypatch.setattr(tracking, "_build_lock", lambda: lock)
+
+    class Built:
+        def install(self) -> None:
+            pass
+
+    built = Built()
+    monkeypatch.setattr(tracking, "_load_hook", lambda: None if lock.exists() else built)
+    assert tracking.allocator_hook() is built and not lock.exists()
+
+
+def test_a_bad_build_timeout_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tracking.BUILD_TIMEOUT_ENV, "soon")
+    with pytest.raises(ConfigurationError, match="OFFCORE_CPU_HOOK_BUILD_TIMEOUT"):
+        tracking._build_timeout()
+
+
 # -- random programs: the two accountings agree after every operation -------------------------
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
