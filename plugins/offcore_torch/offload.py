@@ -108,6 +108,7 @@ from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
+    dispatch_modes,
     internal_ops,
     raw_bytes,
 )
@@ -454,9 +455,9 @@ class OffloadHandle:
         empty = self._empty.get(dtype)
         if empty is None:
             keeper = item.keeper
-            empty = self._empty[dtype] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
-        with internal_ops():
-            item.keeper.data = empty
+            with internal_ops():
+                empty = self._empty[dtype] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+        item.keeper.data = empty  # no op: no dispatch mode sees it (Note [Metadata ops bypass dispatch modes])
 
     def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
         """A further tensor on an already offloaded storage: share its copy (dedupe)."""
@@ -484,7 +485,10 @@ class OffloadHandle:
         pool = self._host_pool or self._pool()
         tier = self._host_tier
         try:
-            with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
+            if dispatch_modes():  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
+                with internal_ops():
+                    buffer = pool.acquire(nbytes)
+            else:
                 buffer = pool.acquire(nbytes)
             return buffer, buffer.view, tier
         except CapacityExceededError:

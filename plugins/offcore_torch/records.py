@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offcore.objects import ManagedObject
-from offcore_torch.storage import TensorMeta, internal_ops, is_offloadable_kind
+from offcore_torch.storage import TensorMeta, dispatch_modes, internal_ops, is_offloadable_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from offcore_torch.offload import OffloadHandle
@@ -68,7 +68,7 @@ class Kept:
         # autograd cannot collect. The alias shares the version counter.
         if tensor.grad_fn is None:
             self.tensor = tensor  # a leaf: holding it forms no cycle
-        elif is_offloadable_kind(tensor):
+        elif is_offloadable_kind(tensor) and dispatch_modes():
             with internal_ops():
                 self.tensor = tensor.detach()
         else:
@@ -84,7 +84,10 @@ class Offloaded:
 
     def __init__(self, entry: Entry, tensor: torch.Tensor, key: int, fmt: Any, meta: TensorMeta) -> None:
         self.entry = entry
-        with internal_ops():  # storage.version_keeper, inlined: once per saved tensor
+        if dispatch_modes():  # storage.version_keeper, inlined: once per saved tensor
+            with internal_ops():
+                self.keeper = tensor.detach()
+        else:  # Note [Metadata ops bypass dispatch modes]: no mode to bypass
             self.keeper = tensor.detach()
         self.version = tensor._version
         self.meta = meta

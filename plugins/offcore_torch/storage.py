@@ -54,6 +54,10 @@ storage offset and dtype.
 # one such op costs tens of microseconds, and pack/unpack run once per saved tensor.
 # Memory offcore really allocates goes through ``Backend.allocate``, which accounts for
 # it itself. Never run an op that allocates or computes under ``internal_ops()``.
+# Entering the guard costs more than the op it guards (~0.7 µs), so the hot path enters it
+# only while a dispatch mode is active (``dispatch_modes()``, one C call: the fake device's
+# default allocator-hook accounting installs none), and ``.data`` assignment, which is no
+# op (no dispatch mode ever sees it), runs without it.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ import torch
 
 __all__ = [
     "internal_ops",
+    "dispatch_modes",
     "TensorMeta",
     "storage_key",
     "raw_bytes",
@@ -91,6 +96,12 @@ it runs several times per saved tensor), else a no-op context.
 """
 
 
+_DISPATCH_STACK = getattr(torch._C, "_len_torch_dispatch_stack", None)
+dispatch_modes: Callable[[], int] = _DISPATCH_STACK if _DISPATCH_STACK is not None else (lambda: 1)
+"""How many dispatch modes are active on this thread (infra modes included); a hot path enters
+:func:`internal_ops` only when this is non-zero (Note [Metadata ops bypass dispatch modes])."""
+
+
 MARK_ATTRIBUTE = "_offcore_offload"
 """Attribute set on a storage's Python object by :func:`offcore_torch.mark` (True/False)."""
 
@@ -106,6 +117,8 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A one-dimensional ``uint8`` tensor over every byte of ``storage`` (no copy)."""
+    if not dispatch_modes():
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     with internal_ops():
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -151,12 +164,15 @@ class TensorMeta:
         Note [Restore through the version keeper]: ``keeper`` is pointed at ``storage``, and
         the result is a ``detach()`` alias of it with this metadata and conj/neg bits.
         """
-        with internal_ops():
-            keeper.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                storage, self.offset, self.shape, self.stride
-            )  # _plain, inlined (once per unpack)
-            out = keeper.detach()
-            return self._with_bits(out) if self.neg or self.conj else out
+        if dispatch_modes():
+            with internal_ops():
+                keeper.data = self._plain(storage)
+                return self._with_bits(keeper.detach())
+        keeper.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            storage, self.offset, self.shape, self.stride
+        )  # _plain, inlined (once per unpack)
+        out = keeper.detach()
+        return self._with_bits(out) if self.neg or self.conj else out
 
     def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
@@ -182,11 +198,11 @@ def version_keeper(tensor: torch.Tensor) -> torch.Tensor:
 def release_storage(keeper: torch.Tensor) -> None:
     """Let ``keeper`` stop holding its storage while keeping its version counter (Note [Version keepers])."""
     key = (keeper.dtype, keeper.device)
-    with internal_ops():
-        empty = _EMPTY.get(key)
-        if empty is None:
+    empty = _EMPTY.get(key)
+    if empty is None:
+        with internal_ops():
             empty = _EMPTY[key] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
-        keeper.data = empty
+    keeper.data = empty  # no op: no dispatch mode sees it (Note [Metadata ops bypass dispatch modes])
 
 
 def is_offloadable_kind(tensor: torch.Tensor) -> bool:
