@@ -198,6 +198,7 @@ class ResidencyScheduler:
         device_capacity: int = 0,
         device_in_use: Callable[[], int] | None = None,
         record: bool = False,
+        shared_budget: Any = None,
     ) -> None:
         if prefetch not in _MODES:
             raise ConfigurationError(f"prefetch must be one of {_MODES}, got {prefetch!r}")
@@ -231,6 +232,12 @@ class ResidencyScheduler:
         self.record = record
         self.log: list[tuple[Any, ...]] = []
         self.actions: list[Action] = []
+        # Note [One device budget across kinds] in offcore/budget.py: an offcore.budget.DeviceBudget
+        # shared by the device's schedulers (None: this scheduler's own ``budget`` only, as before)
+        self.shared_budget = shared_budget
+        self._budget_evictions: list[Action] = []  # copies the shared budget evicted, for the next trigger
+        if shared_budget is not None:
+            shared_budget.attach(self, self._budget_evict)
 
     # -- bookkeeping -------------------------------------------------------------------
     def _log(self, name: str, *args: Any, **kwargs: Any) -> None:
@@ -272,6 +279,50 @@ class ResidencyScheduler:
         if key in self._counted:
             self._counted.remove(key)
             self.outstanding -= self.objects[key].nbytes
+            if self.shared_budget is not None:
+                self.shared_budget.release(self, key)
+
+    # -- the shared device budget (Note [One device budget across kinds] in offcore/budget.py) --------
+    def _next_use(self, key: int) -> float:
+        """``key``'s predicted next use on the bindings' clock (seconds), for the shared budget."""
+        plan = self.plan
+        need = plan.need.get(key, math.inf) if plan is not None else math.inf
+        base = self._t_backward if self.in_backward else self._t_forward + self.observation.forward_seconds
+        return base + need
+
+    def _admit_shared(self, key: int, nbytes: int) -> bool:
+        return self.shared_budget.admit(self, self.objects[key].kind, key, nbytes, next_use=self._next_use(key))
+
+    def _budget_evict(self, key: int) -> None:
+        """The shared budget evicted ``key``'s copy for another request (maybe another owner's): the
+        same bookkeeping as :meth:`_evict_for`; the EVICT goes to the binding at its next trigger."""
+        if key not in self._counted:
+            return
+        self._counted.remove(key)
+        obj = self.objects[key]
+        self.outstanding -= obj.nbytes
+        if self._unhold(key):
+            self._free_held(key)
+        if self.plan is not None:
+            self.plan.reopen(key)
+        self.counters["evicted_shared"] += 1
+        self._budget_evictions.append(Action(ActionKind.EVICT, key, obj.nbytes))
+
+    def _with_evictions_list(self, evictions: list[Action], actions: Iterator[Action]) -> Iterator[Action]:
+        for action in evictions:
+            yield self._emit(action)
+        yield from actions
+
+    def _with_evictions(self, actions: Iterator[Action]) -> Iterator[Action]:
+        while self._budget_evictions:
+            yield self._emit(self._budget_evictions.pop(0))
+        yield from actions
+
+    def detach_budget(self) -> None:
+        """Give back this scheduler's reservations in the shared budget (its round is over)."""
+        if self.shared_budget is not None:
+            self.shared_budget.detach(self)
+            self._budget_evictions.clear()
 
     def is_outstanding(self, key: int) -> bool:
         """Whether ``key``'s device copy counts against the budget now: prefetched (or held)
@@ -375,6 +426,7 @@ class ResidencyScheduler:
             and plan is not None
             and plan.latest_start.get(key, math.inf) <= plan.horizon(self.vtime)
             and self.within_budget(obj.nbytes)
+            and (self.shared_budget is None or self._admit_shared(key, obj.nbytes))
         ):
             self._count(key, obj.nbytes)
             self._held[key] = None
@@ -514,6 +566,8 @@ class ResidencyScheduler:
         vtime = self.vtime = plan.virtual_time(key, now)  # _offer, inlined (once per unpack)
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         actions = self._prefetches(plan, due) if due else NO_ACTIONS
+        if self._budget_evictions:  # Note [One device budget across kinds]
+            actions = self._with_evictions(actions)
         return self._resumes_recorded(actions) if record else actions
 
     def reloaded(self, key: int, event: Any) -> None:
@@ -547,6 +601,9 @@ class ResidencyScheduler:
             obj.release_device_copy()  # its D2H landed when it was held
 
     def _offer(self, vtime: float) -> Iterator[Action]:
+        if self._budget_evictions:
+            evictions, self._budget_evictions = self._budget_evictions, []
+            return self._with_evictions_list(evictions, self._offer(vtime))
         plan = self.plan
         if plan is None or not len(plan):
             return NO_ACTIONS
@@ -582,12 +639,23 @@ class ResidencyScheduler:
                     return
                 for victim in victims:
                     yield self._emit(Action(ActionKind.EVICT, victim, objects[victim].nbytes))
+            shared = self.shared_budget
+            if shared is not None:
+                if not self._admit_shared(key, nbytes):
+                    self.counters["shared_budget_full"] += 1  # copied on demand at its use, or offered again
+                    return
+                while self._budget_evictions:  # its own copies the shared budget evicted for it
+                    yield self._emit(self._budget_evictions.pop(0))
             if not self._device_has_room(nbytes):
                 self.counters["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
+                if shared is not None:
+                    shared.release(self, key)
                 return
             self._refused = False
             yield self._emit(Action(ActionKind.PREFETCH, key, nbytes))
             if self._refused:
+                if shared is not None and key not in self._counted:
+                    shared.release(self, key)
                 return
             plan.issued(key)
 
@@ -662,6 +730,8 @@ class ResidencyScheduler:
         if key in self._counted:  # _uncount, inlined
             self._counted.remove(key)
             self.outstanding -= self.objects[key].nbytes
+            if self.shared_budget is not None:
+                self.shared_budget.release(self, key)
         held = key in self._held
         if held:
             del self._held[key]
@@ -707,6 +777,8 @@ class ResidencyScheduler:
         if key in self._counted:  # _uncount, inlined
             self._counted.remove(key)
             self.outstanding -= self.objects[key].nbytes
+            if self.shared_budget is not None:
+                self.shared_budget.release(self, key)
         self._alive_elsewhere.discard(key)
         self._released.add(key)
         if key in self._held:  # _unhold, inlined

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -136,3 +137,57 @@ def test_never_over_budget_and_victims_are_furthest(capacity: int, ops: list[tup
         assert budget.used_bytes <= capacity
         assert budget.used_bytes == sum(v["bytes"] for v in budget.stats().by_kind.values())
     assert math.isfinite(budget.peak_bytes)
+
+
+# ------------------------------------------------------------------ wired into ResidencyScheduler
+class _Done:
+    def query(self) -> bool:
+        return True
+
+
+def _scheduler(budget: DeviceBudget) -> Any:
+    from offcore.residency import ResidencyScheduler
+    from offcore.scheduler import Scheduler
+
+    return ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=1 << 40, shared_budget=budget)
+
+
+def _forward(rs: Any, sizes: list[int], t0: float, kind: Kind) -> list[Any]:
+    from offcore.residency import ActionKind
+
+    rs.forward_began(t0)
+    for key, nbytes in enumerate(sizes):
+        rs.produced(key, t0 + 0.001 * key)
+        rs.register(key, kind, nbytes)
+        rs.offload_started(key, _Done())
+        assert rs.landed(key).kind is ActionKind.FREE
+    out = []
+    for action in rs.forward_ended(t0 + 0.001 * len(sizes)):
+        out.append((action.kind.value, action.key))
+        if action.kind is ActionKind.PREFETCH:
+            rs.started(action.key, _Done())
+    return out
+
+
+def test_two_schedulers_share_one_budget() -> None:
+    """Each scheduler's own budget is unbounded; the shared one (3 objects) bounds both together, and
+    the copy needed furthest in the future (the other owner's) is evicted for one needed sooner."""
+    budget = DeviceBudget(300)
+    params, acts = _scheduler(budget), _scheduler(budget)
+    assert _forward(params, [100] * 3, 0.0, Kind.PARAMETER) == [("prefetch", 2), ("prefetch", 1), ("prefetch", 0)]
+    assert budget.used_bytes == 300 and budget.stats().by_kind["parameter"]["bytes"] == 300
+    # the activations' round comes much sooner than the parameters' later uses: it takes their room
+    params._t_backward, params.in_backward = 100.0, True  # the parameters' backward is far away
+    got = _forward(acts, [100] * 2, 0.0, Kind.ACTIVATION)
+    assert got == [("prefetch", 1), ("prefetch", 0)]
+    assert budget.used_bytes == 300
+    assert params.counters["evicted_shared"] == 2 and budget.stats().by_kind["parameter"]["evicted"] == 2
+    # the parameters' binding gets the EVICTs at its next trigger
+    from offcore.residency import ActionKind
+
+    params.backward_began(100.0)
+    actions = list(params.used(2, 100.0, managed_key=2))
+    assert [a.kind for a in actions[:2]] == [ActionKind.EVICT, ActionKind.EVICT]
+    params.detach_budget()
+    acts.detach_budget()
+    assert budget.used_bytes == 0
