@@ -70,7 +70,9 @@ How a saved tensor travels (every step uses the Backend protocol only):
 # the recording current when it is issued (torch's ``cudaStreamWaitEvent``; the fake device
 # keeps the marker it saw), so re-recording later never changes a wait issued before. The
 # D2H event is used by pack (the region's thread), the H2D one by prefetches (its end of
-# forward and its backward, which never run at once).
+# forward and its backward, which never run at once). The prefetches one trigger starts run
+# back to back with no compute work enqueued in between (only offcore's own allocations), so
+# the H2D stream waits once per trigger (``_execute``), before its first copy.
 """
 
 from __future__ import annotations
@@ -298,6 +300,7 @@ class OffloadHandle:
         self._h2d_order: Any = None
         self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
         self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
+        self._h2d_ordered = False  # the H2D stream waits on the compute stream as it is now (one trigger's copies)
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
         self._d2h_copies = self._d2h_bytes = self._h2d_copies = self._h2d_bytes = 0
         self._flushed = (0, 0, 0, 0)
@@ -538,7 +541,11 @@ class OffloadHandle:
                 self._d2h_order = order
             else:
                 self._h2d_order = order
-        stream.wait_event(device.current_stream().record_event(order))
+        if direction is Direction.D2H or not self._h2d_ordered:
+            stream.wait_event(device.current_stream().record_event(order))
+            # the prefetches of one trigger start back to back: nothing reaches the compute stream
+            # in between, so the first one's wait orders them all (Note [Ordering events are recorded again])
+            self._h2d_ordered = direction is not Direction.D2H
         return device.copy_(dst, src, stream=stream)
 
     def _copy_timed(
@@ -962,13 +969,17 @@ class OffloadHandle:
     # -- prefetch ------------------------------------------------------------------------
     def _execute(self, actions: Any) -> None:
         """Carry out the scheduler's actions (offered lazily: each outcome is reported before the next)."""
-        for action in actions:
-            entry = self._by_key.get(action.key)
-            if action.kind is ActionKind.PREFETCH:
-                assert entry is not None  # the scheduler offers only registered, unreleased objects
-                self._start_prefetch(entry)
-            elif action.kind is ActionKind.EVICT and entry is not None:
-                self._evict(entry)
+        by_key = self._by_key
+        try:
+            for action in actions:
+                entry = by_key.get(action.key)
+                if action.kind is ActionKind.PREFETCH:
+                    assert entry is not None  # the scheduler offers only registered, unreleased objects
+                    self._start_prefetch(entry)
+                elif action.kind is ActionKind.EVICT and entry is not None:
+                    self._evict(entry)
+        finally:
+            self._h2d_ordered = False  # the next trigger's copies order after compute again
 
     def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
@@ -1023,11 +1034,11 @@ class OffloadHandle:
     def _dispose(self, entry: Entry) -> None:
         """No record uses ``entry`` any more: return its host buffer and device references once copies landed."""
         entry.state = EntryState.DISPOSED
-        with self._lock:
-            if self._by_storage.get(entry.skey) is entry:
-                del self._by_storage[entry.skey]
-            if self._by_key.get(entry.key) is entry:
-                del self._by_key[entry.key]
+        if self._by_storage.get(entry.skey) is entry:  # usually gone already: the storage died after its copy
+            with self._lock:
+                if self._by_storage.get(entry.skey) is entry:
+                    del self._by_storage[entry.skey]
+        self._by_key.pop(entry.key, None)  # keys are never reused: no check needed (pop is atomic)
         self._sched.released(entry.key)
         obj = entry.obj
         state = obj.state
