@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +91,7 @@ class DeviceBudget:
         self.name = name
         self._lock = threading.RLock()
         self._reservations: dict[tuple[int, int], _Reservation] = {}
-        self._owners: dict[int, Callable[[int], None]] = {}
+        self._owners: dict[int, Callable[[], Callable[[int], None] | None]] = {}  # weak: an owner may just go
         self._minimums: dict[int, tuple[int, str]] = {}
         self.used_bytes = 0
         self.peak_bytes = 0
@@ -109,8 +110,20 @@ class DeviceBudget:
         with self._lock:
             if minimum > 0:
                 self._minimums[id(owner)] = (minimum, what or "an object")
-            self._owners[id(owner)] = evict
-            self.check()
+            try:
+                self.check()
+            except ConfigurationError:
+                self._minimums.pop(id(owner), None)
+                raise
+            try:
+                ref: Callable[[], Callable[[int], None] | None] = weakref.WeakMethod(evict)  # type: ignore[arg-type]
+            except TypeError:
+                ref = lambda: evict  # noqa: E731 - a plain function: held as it is
+            self._owners[id(owner)] = ref
+            try:  # an owner dropped without detach gives its reservations back
+                weakref.finalize(owner, self._forget, id(owner))
+            except TypeError:
+                pass
 
     def detach(self, owner: Any) -> None:
         """``owner`` is done: its reservations are given back and it is never asked to evict again."""
@@ -118,6 +131,13 @@ class DeviceBudget:
             self.release_owner(owner)
             self._owners.pop(id(owner), None)
             self._minimums.pop(id(owner), None)
+
+    def _forget(self, ident: int) -> None:
+        with self._lock:
+            for key in [k for k in self._reservations if k[0] == ident]:
+                self._remove(key)
+            self._owners.pop(ident, None)
+            self._minimums.pop(ident, None)
 
     def smallest_working(self) -> int:
         """The smallest budget that can work for the owners attached now (their largest minimum)."""
@@ -185,7 +205,8 @@ class DeviceBudget:
                     victim = self._reservations[(victim_owner, victim_key)]
                     self._remove((victim_owner, victim_key))
                     self._counters[victim.kind]["evicted"] += 1
-                    evict = self._owners.get(victim_owner)
+                    ref = self._owners.get(victim_owner)
+                    evict = ref() if ref is not None else None
                     if evict is not None:
                         evict(victim_key)
             self._reservations[ident] = _Reservation(id(owner), kind, key, nbytes, next_use)
