@@ -419,6 +419,20 @@ class ResidencyScheduler:
         """
         if self.record:
             self._log("landed", key, needed=needed)
+        held = self._land(key, needed)
+        return self._emit(Action(ActionKind.HOLD if held else ActionKind.FREE, key, self.objects[key].nbytes))
+
+    def landed_held(self, key: int, *, needed: bool = True) -> bool:
+        """:meth:`landed`, answering only whether the copy is held (``HOLD``; otherwise it was freed).
+
+        A binding's landing path, once per saved tensor: no :class:`Action` is built unless
+        recording (then it is :meth:`landed` itself, so the log and the actions are the same).
+        """
+        if self.record:
+            return self.landed(key, needed=needed).kind is ActionKind.HOLD
+        return self._land(key, needed)
+
+    def _land(self, key: int, needed: bool) -> bool:
         obj = self.objects[key]
         plan = self.plan
         if (
@@ -431,10 +445,10 @@ class ResidencyScheduler:
             self._count(key, obj.nbytes)
             self._held[key] = None
             plan.issued(key)
-            return self._emit(Action(ActionKind.HOLD, key, obj.nbytes))
+            return True
         if obj.state is State.OFFLOADING:
             obj.release_device_copy()  # refuses unless the D2H event completed
-        return self._emit(Action(ActionKind.FREE, key, obj.nbytes))
+        return False
 
     def device_copy_alive(self, key: int) -> None:
         """The binding freed its device copy but the memory lives on (someone else holds it): no reload needed."""

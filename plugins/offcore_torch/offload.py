@@ -103,6 +103,7 @@ from offcore.residency import NO_ACTIONS, Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
+from offcore_torch.device_budget import shared_budget_for
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
 from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, storage_ref
 from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
@@ -276,6 +277,7 @@ class OffloadHandle:
             margin=policy.margin,
             device_in_use=_allocated_bytes_of(device),  # not a bound method: no region <-> scheduler cycle
             record=policy.record,
+            shared_budget=shared_budget_for(device),  # Note [One device budget across kinds] (offcore/budget.py)
         )
         self._graph_task = -1  # the autograd graph task of the current backward round
         # host bytes per tier, copies per direction, waits (the one byte ledger, offcore.ledger)
@@ -635,7 +637,7 @@ class OffloadHandle:
                 entry.modified_in_flight = True
             if item.unpacked_round != upcoming:
                 needed = True
-        if sched.landed(entry.key, needed=needed).kind is ActionKind.HOLD:
+        if sched.landed_held(entry.key, needed=needed):
             return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
 
@@ -725,6 +727,8 @@ class OffloadHandle:
             for entry in list(self._by_key.values()):
                 if entry.restored is not None and entry.state is not EntryState.DISPOSED:
                     self._drop_restored(entry)
+            if self._sched.shared_budget is not None:  # the round is over: its reservations go back
+                self._sched.shared_budget.release_owner(self._sched)
             self._sample_peak()
             self._peak_final = self._peak_now()
             poll(self.runtime)
