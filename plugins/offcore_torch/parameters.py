@@ -68,6 +68,7 @@ from offcore.objects import State
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.units import parse_size
+from offcore_torch.device_budget import shared_budget_for
 from offcore_torch.runtime import DeviceRuntime, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
@@ -105,6 +106,10 @@ _METADATA = frozenset(
         "_version",
     }
 )
+
+
+def _no_evict(key: int) -> None:
+    """The handle itself holds no reservation (its per-step schedulers do)."""
 
 
 def _graph_task_id() -> int:
@@ -368,6 +373,12 @@ class ParameterOffloadHandle:
         else:
             self.budget = parse_size(budget, what="parameter budget", allow_zero=True)
         self._capacity = capacity
+        # Note [One device budget across kinds] (offcore/budget.py): offcore_torch.device_budget's, if set
+        self._shared = shared_budget_for(device)
+        if self._shared is not None:
+            if budget is None:
+                self.budget = self._shared.capacity_bytes
+            self._shared.attach(self, _no_evict, minimum=largest, what="the largest module's parameters")
         try:
             self._offload_all()
             self._install()
@@ -628,6 +639,7 @@ class ParameterOffloadHandle:
             budget=self.budget,
             device_capacity=self._capacity,
             device_in_use=self._device_in_use if self._capacity else None,
+            shared_budget=self._shared,
         )
         ratio = history.predictor.backward_ratio
         rs.forward_began(t)
@@ -672,6 +684,7 @@ class ParameterOffloadHandle:
         rs.backward_ended(step.t_last)  # teaches the predictor; nothing is held on landing here
         for key, slots in list(step.held.items()):
             self._drop_hold(step, key, slots)
+        rs.detach_budget()
         step.history.sequence = step.actual
         self.runtime.resolve_timings()
 
@@ -1065,6 +1078,8 @@ class ParameterOffloadHandle:
 
     def _teardown(self, *, restore: bool = True) -> None:
         self._removed = True
+        if self._shared is not None:
+            self._shared.detach(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
