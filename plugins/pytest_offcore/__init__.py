@@ -27,11 +27,19 @@ Example::
     $ pytest --offcore-backend=cuda --offcore-require-backend
 
 The plugin imports neither torch nor any backend when pytest loads it; backends are
-imported when a test first asks for one.
+imported when a test first asks for one -- except that when the ``cpu`` backend is selected
+and torch is installed, the session starts by building (first run on a machine, ~40 s, with
+a progress line) or loading the CPU fake device's allocator hook, so no test's own timeout
+absorbs the build (Note [Building the allocator hook] in ``offcore_cpu/tracking.py``);
+``OFFCORE_CPU_ACCOUNTING=dispatch`` skips it.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +117,51 @@ def _check_selection(config: pytest.Config) -> None:
 
 def _base(spec: str) -> str:
     return spec.partition(":")[0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _prepare_cpu_accounting(session.config)
+
+
+def _prepare_cpu_accounting(config: pytest.Config) -> None:
+    """Build (or load the cached build of) the CPU fake device's allocator hook once, before any test.
+
+    Spawned ranks of distributed tests find the build in the extension cache and only load it.
+    """
+    if os.environ.get("OFFCORE_CPU_ACCOUNTING", "") == "dispatch":
+        return
+    # Not selection(config) when no backend is named: it would fix the list of registered backends
+    # before conftests and test modules register theirs.
+    if config.getoption("--offcore-backend"):
+        if not selection(config).allows("cpu"):
+            return
+    else:
+        import offcore
+
+        if "cpu" not in {info.name for info in offcore.backends()}:
+            return
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("offcore_cpu") is None:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            "offcore: loading the CPU fake device's allocator hook (the first run on a machine compiles it, ~40 s)"
+        )
+    started = time.perf_counter()
+    from offcore_cpu import tracking
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # reported below instead
+        hook = tracking.allocator_hook()
+    if reporter is not None:
+        took = time.perf_counter() - started
+        if hook is not None:
+            reporter.write_line(f"offcore: allocator hook ready ({took:.1f} s)")
+        else:
+            reporter.write_line(
+                f"offcore: allocator hook unavailable ({tracking.allocator_hook_error()}); "
+                "accounting='auto' uses the dispatch reference"
+            )
 
 
 @dataclass
