@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
+    from offcore_torch.budget import device_budget
     from offcore_torch.clip import clip_grad_norm_
     from offcore_torch.deepspeed_config import from_deepspeed_config
-    from offcore_torch.device_budget import device_budget
     from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
     from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
     from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
@@ -75,7 +75,7 @@ _EXPORTS = {
     "attach_ddp": "offcore_torch.distributed",
     "FSDPOffloadOptimizer": "offcore_torch.distributed",
     "offload_parameters": "offcore_torch.parameters",
-    "device_budget": "offcore_torch.device_budget",
+    "device_budget": "offcore_torch.budget",
     "ParameterOffloadHandle": "offcore_torch.parameters",
     "ParameterOffloadStats": "offcore_torch.parameters",
 }

@@ -103,7 +103,7 @@ from offcore.residency import NO_ACTIONS, Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
-from offcore_torch.device_budget import shared_budget_for
+from offcore_torch.budget import shared_budget_for
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
 from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, storage_ref
 from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of

@@ -68,7 +68,7 @@ from offcore.objects import State
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.units import parse_size
-from offcore_torch.device_budget import shared_budget_for
+from offcore_torch.budget import shared_budget_for
 from offcore_torch.runtime import DeviceRuntime, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
