@@ -197,13 +197,43 @@ class _CopyRefused(Exception):
     """A copy could not be submitted; the tensor stays on the device (internal to pack)."""
 
 
-def _allocated_bytes_of(device: Any) -> Any:
-    """A probe of the device bytes allocated now, by the backend's own accounting (the scheduler's device budget)."""
+class _AllocatedBytes:
+    """A probe of the device bytes allocated now, by the backend's own accounting (the scheduler's device budget).
 
-    def allocated_bytes() -> int:
-        return int(device.memory_stats().get("allocated_bytes", 0) or 0)
+    Note [One read of the device per trigger]: the prefetches one trigger starts run back to
+    back, and between two of them only offcore allocates (their device buffers; an eviction
+    only frees). So inside a trigger (``batch``) the backend is read once and each started
+    prefetch's bytes are added, rounded up to 512 (a caching allocator's granule: never an
+    underestimate); outside one every call reads the backend. The scheduler sees the same
+    figures a read per prefetch would give (a freed eviction aside, which only makes it more
+    careful), and a recorded step logs each figure it was given, so a replay is unchanged.
+    Holds the device only (no region <-> scheduler cycle).
+    """
 
-    return allocated_bytes
+    __slots__ = ("device", "batch", "value", "added")
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.batch = False
+        self.value: int | None = None
+        self.added = 0
+
+    def __call__(self) -> int:
+        if not self.batch:
+            return int(self.device.memory_stats().get("allocated_bytes", 0) or 0)
+        value = self.value
+        if value is None:
+            value = self.value = int(self.device.memory_stats().get("allocated_bytes", 0) or 0)
+        return value + self.added
+
+    def allocated(self, nbytes: int) -> None:
+        if self.batch:
+            self.added += -(-nbytes // 512) * 512
+
+    def end(self) -> None:
+        self.batch = False
+        self.value = None
+        self.added = 0
 
 
 # ------------------------------------------------------------------------ landings
@@ -268,6 +298,7 @@ class OffloadHandle:
         self._t_enter = 0.0
         self._t_exit = 0.0
         self._t_backward = 0.0
+        self._in_use = _AllocatedBytes(device)  # Note [One read of the device per trigger]
         # every decision about when and where (Note [One scheduler, thin bindings] in offcore.residency)
         self._sched = ResidencyScheduler(
             self.scheduler,
@@ -275,7 +306,7 @@ class OffloadHandle:
             prefetch=policy.prefetch,
             budget=policy.prefetch_budget,
             margin=policy.margin,
-            device_in_use=_allocated_bytes_of(device),  # not a bound method: no region <-> scheduler cycle
+            device_in_use=self._in_use,
             record=policy.record,
             shared_budget=shared_budget_for(device),  # Note [One device budget across kinds] (offcore/budget.py)
         )
@@ -739,7 +770,9 @@ class OffloadHandle:
             pass
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        poll(self.runtime)
+        runtime = self.runtime
+        if runtime._d2h_in_flight or runtime._deferred_total or runtime._landed or runtime._timed_pending:
+            poll(runtime)  # (in backward usually nothing is in flight: the call is skipped)
         if _current_autograd_node() is not None:
             if not self._sched.in_backward:
                 self._begin_backward()
@@ -974,6 +1007,9 @@ class OffloadHandle:
     def _execute(self, actions: Any) -> None:
         """Carry out the scheduler's actions (offered lazily: each outcome is reported before the next)."""
         by_key = self._by_key
+        in_use = self._in_use
+        outer = in_use.batch  # a trigger inside a trigger (never seen) keeps the outer one's batch
+        in_use.batch = True  # Note [One read of the device per trigger]
         try:
             for action in actions:
                 entry = by_key.get(action.key)
@@ -983,7 +1019,9 @@ class OffloadHandle:
                 elif action.kind is ActionKind.EVICT and entry is not None:
                     self._evict(entry)
         finally:
-            self._h2d_ordered = False  # the next trigger's copies order after compute again
+            if not outer:
+                self._h2d_ordered = False  # the next trigger's copies order after compute again
+                in_use.end()
 
     def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
@@ -1010,6 +1048,7 @@ class OffloadHandle:
                 sched.refused(entry.key, "oom")
                 return False
             raise
+        self._in_use.allocated(entry.nbytes)
         try:
             done = self._copy(Direction.H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it

@@ -141,8 +141,8 @@ class TensorMeta:
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
         return TensorMeta(
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
+            tensor.shape,  # a torch.Size: an immutable tuple already
+            tensor.stride(),  # a tuple
             tensor.storage_offset(),
             tensor.dtype,
             tensor.device,
