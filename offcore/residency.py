@@ -313,9 +313,12 @@ class ResidencyScheduler:
             yield self._emit(action)
         yield from actions
 
-    def _with_evictions(self, actions: Iterator[Action]) -> Iterator[Action]:
+    def _with_evictions(self, actions: Iterator[Action], skip: int | None = None) -> Iterator[Action]:
+        """The shared budget's evictions first; not one of the copy being used now (it is taken over)."""
         while self._budget_evictions:
-            yield self._emit(self._budget_evictions.pop(0))
+            action = self._budget_evictions.pop(0)
+            if action.key != skip:
+                yield self._emit(action)
         yield from actions
 
     def detach_budget(self) -> None:
@@ -581,7 +584,7 @@ class ResidencyScheduler:
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         actions = self._prefetches(plan, due) if due else NO_ACTIONS
         if self._budget_evictions:  # Note [One device budget across kinds]
-            actions = self._with_evictions(actions)
+            actions = self._with_evictions(actions, skip=managed_key)
         return self._resumes_recorded(actions) if record else actions
 
     def reloaded(self, key: int, event: Any) -> None:
@@ -746,6 +749,8 @@ class ResidencyScheduler:
             self.outstanding -= self.objects[key].nbytes
             if self.shared_budget is not None:
                 self.shared_budget.release(self, key)
+        if self._budget_evictions:  # taken over: an eviction not delivered yet is void
+            self._budget_evictions = [a for a in self._budget_evictions if a.key != key]
         held = key in self._held
         if held:
             del self._held[key]

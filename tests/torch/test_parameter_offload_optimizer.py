@@ -94,6 +94,7 @@ def _train(
                 # nothing uploaded after the step: no parameter on the device between steps, none written back
                 assert handle.stats().device_bytes == 0
                 assert handle.stats().d2h_copies == 0
+        opt.synchronize()  # the keep-all reference's last upload has landed
         masters = [opt.master(p).clone() for p in model.parameters()]
         states = [
             v.clone()
