@@ -27,7 +27,17 @@ def test_scale_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     out = tmp_path / "scale.json"
     argv = ["--capacity", "4MiB", "--quantum", "64", "--max-width", "256", "--depth", "2", "--json", str(out)]
-    argv += ["--variants", "keep-all", "all kinds (host step)", "--time-width", "64", "--rounds", "1", "--block", "1"]
+    argv += [
+        "--variants",
+        "keep-all",
+        "all kinds (OffloadOptimizer)",
+        "--time-width",
+        "64",
+        "--rounds",
+        "1",
+        "--block",
+        "1",
+    ]
     assert scale.main(argv) == 0
     import json
 
