@@ -80,6 +80,7 @@ __all__ = ["DeviceRuntime", "runtime_for", "runtime_of"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _TIMING_BATCH = 32  # pending timing brackets a poll lets accumulate (Note [Timings are read in batches])
+_SAMPLE_EVERY = 64  # after the first 16 copies of a direction, one in this many is timed (a power of two)
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
 _fallback_by_id: dict[int, DeviceRuntime] = {}
 _registry_lock = threading.Lock()
@@ -300,10 +301,11 @@ class DeviceRuntime:
 
     # -- timing ------------------------------------------------------------------------
     def sample(self, direction: Direction, *, always: bool = False) -> bool:
-        """Whether to time the next copy in ``direction``: the first 16, then one in 16 (or ``always``).
+        """Whether to time the next copy in ``direction``: the first 16, then one in 64 (or ``always``).
 
-        Timing costs two events per copy; the link estimate and the per-region
-        bandwidth figures need a sample, not every copy.
+        Timing costs two events per copy and their reading (a timed copy costs about twice a
+        plain one in the binding's CPU time on the fake device); the link estimate and the
+        per-region bandwidth figures need a sample, not every copy.
         """
         if direction is Direction.D2H:
             count = self._sampled_d2h
@@ -311,7 +313,7 @@ class DeviceRuntime:
         else:
             count = self._sampled_h2d
             self._sampled_h2d = count + 1
-        return always or count < 16 or not count & 15
+        return always or count < 16 or not count & (_SAMPLE_EVERY - 1)
 
     def begin_timing(self, device: Any, stream: Any, *, record: bool = True) -> tuple[Any, float]:
         """A timing start event (None without event timing) and the host time.
