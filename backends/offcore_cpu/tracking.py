@@ -109,6 +109,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -134,7 +135,7 @@ BUILD_TIMEOUT_ENV = "OFFCORE_CPU_HOOK_BUILD_TIMEOUT"  # seconds the hook's build
 BUILD_TIMEOUT_S = 300.0
 
 _log = logging.getLogger(__name__)
-_HOOK_NAME = "offcore_cpu_alloc_hook"
+_HOOK_PREFIX = "offcore_cpu_alloc_hook"
 _HOOK_SOURCE = Path(__file__).with_name("_alloc_hook.cpp")
 _hook_lock = threading.Lock()
 _hook: Any = None
@@ -178,7 +179,9 @@ def allocator_hook() -> Any:
 # ``torch.utils.cpp_extension.load`` compiles ``_alloc_hook.cpp`` once per machine (~40 s; later
 # processes, the spawned ranks of distributed tests included, find the build in
 # ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and only run a no-op ninja) under a
-# lock file in the build directory. A build that crashed (killed, out of memory) leaves the
+# lock file in the build directory. The name carries a hash of the source, its path and torch's
+# version (``_hook_name``): one shared name made a checkout and a tox environment's installed
+# copy rebuild over each other and load each other's (older) module. A build that crashed (killed, out of memory) leaves the
 # lock behind and every later ``load`` waits on it forever. So the load runs on a daemon thread
 # and the caller waits for it at most ``$OFFCORE_CPU_HOOK_BUILD_TIMEOUT`` seconds (300); a
 # lock older than that is stale and removed first (no build takes that long). Past the
@@ -197,11 +200,23 @@ def _build_timeout() -> float:
     return timeout
 
 
+@functools.lru_cache(maxsize=1)
+def _hook_name() -> str:
+    """The extension's name, one per source text, source path and torch version.
+
+    The build cache is per name: checkouts, tox environments (which install a copy of the source)
+    and versions of the hook sharing one name would rebuild over each other (~40 s each time)
+    and could load each other's module.
+    """
+    key = b"\0".join([_HOOK_SOURCE.read_bytes(), str(_HOOK_SOURCE.resolve()).encode(), torch.__version__.encode()])
+    return f"{_HOOK_PREFIX}_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 def _load_hook() -> Any:
     """Compile (or find the cached build of) ``_alloc_hook.cpp`` and import it."""
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=_HOOK_NAME, sources=[str(_HOOK_SOURCE)], extra_cflags=["-O2"], verbose=False)
+    return cpp_extension.load(name=_hook_name(), sources=[str(_HOOK_SOURCE)], extra_cflags=["-O2"], verbose=False)
 
 
 def _build_lock() -> Path | None:
@@ -209,7 +224,7 @@ def _build_lock() -> Path | None:
     try:
         from torch.utils import cpp_extension
 
-        return Path(cpp_extension._get_build_directory(_HOOK_NAME, verbose=False)) / "lock"
+        return Path(cpp_extension._get_build_directory(_hook_name(), verbose=False)) / "lock"
     except Exception:  # a private helper: a torch without it just skips the stale-lock check
         return None
 

@@ -403,6 +403,43 @@ def test_adopted_storages_are_credited_when_freed_and_counted_when_regrown() -> 
     assert [s[3] for s in hooked][2] == [s[3] for s in reference][2] == (True, True)
 
 
+def _streamed_adopted_model(accounting: str) -> list[tuple[int, int]]:
+    import offcore_torch
+
+    dev = offcore.device("cpu", capacity="64MiB", accounting=accounting)
+    figures = []
+    try:
+        torch.manual_seed(0)
+        model = dev.adopt(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))
+        figures.append((dev.memory_stats().allocated_bytes, dev.memory_stats()["device_allocations"]))
+        handle = offcore_torch.offload_parameters(model, dev, prefetch="on_demand")
+        gc.collect()
+        figures.append((dev.memory_stats().allocated_bytes, dev.memory_stats()["device_allocations"]))
+        with dev:
+            for _ in range(2):
+                model(torch.randn(8, 64)).square().mean().backward()
+                model.zero_grad(set_to_none=True)
+        handle.remove()
+        gc.collect()
+        figures.append((dev.memory_stats().allocated_bytes, dev.memory_stats()["device_allocations"]))
+        del model, handle
+        gc.collect()
+        figures.append((dev.memory_stats().allocated_bytes, dev.memory_stats()["device_allocations"]))
+    finally:
+        dev.close()
+    return figures
+
+
+@needs_hook
+def test_parameter_streaming_frees_an_adopted_model_under_both_accountings() -> None:
+    model_bytes = 4 * (64 * 64 + 64) * 4
+    hooked, reference = _streamed_adopted_model("allocator"), _streamed_adopted_model("dispatch")
+    assert hooked == reference
+    assert hooked[0] == (model_bytes, 8)
+    assert hooked[1] == (0, 0), "between uses the adopted parameters' device memory is freed"
+    assert hooked[2] == (model_bytes, 8) and hooked[3] == (0, 0)
+
+
 def test_adopted_storages_are_credited_under_the_dispatch_reference_without_the_hook() -> None:
     snaps = _run("dispatch", _adopted_streaming)
     assert _figures(snaps)[1] == (64, 2112, 1) and _figures(snaps)[-1] == (0, 3712, 0)
