@@ -81,9 +81,10 @@ next forward waiting per parameter on its own event.
 # copy of the host one). Each round's end (``step()``, a skipped step, ``load_state_dict``) calls
 # ``handle.host_updated(params)``: device copies still held are dropped without being written back
 # and the next forward streams the new values in by deadline. The handle ignores these optimizers'
-# step hooks (they are not foreign steps that wrote device copies) and keeps nothing at the end of
-# backward for the next forward (Note [The next step starts early] in parameters.py): the values
-# change in the step. Gradients still leave the device by the optimizer's hooks, as before.
+# step hooks (they are not foreign steps that wrote device copies), keeps nothing at the end of
+# backward for the next forward (the values change in the step), and begins the next step's round
+# in ``host_updated`` instead (Note [The next step starts early] in parameters.py): its first copies
+# are of the new values. Gradients still leave the device by the optimizer's hooks, as before.
 #
 # Note [Failed copies in the optimizer]
 # A copy can fail at submission (``copy_`` raises) or on its stream (its event raises).

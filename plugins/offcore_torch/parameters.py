@@ -358,6 +358,7 @@ class ParameterOffloadHandle:
         self._foreign_step = False  # an optimizer stepped since the last release point
         self._early: frozenset[int] = frozenset()  # Note [The next step starts early]
         self._thread = threading.current_thread()
+        self._last_mode: tuple[bool, bool] | None = None  # the mode of the last step that ended
         self._host_optimizers: set[int] = set()  # ids of optimizers stepping the host copies (and their host ones)
 
         self._collect(model)
@@ -621,11 +622,11 @@ class ParameterOffloadHandle:
         backward = [(uid, "b") for uid, _ in reversed(forward)] if grad else []
         return forward + backward
 
-    def _begin_step(self, t: float) -> _Step:
+    def _begin_step(self, t: float, mode: tuple[bool, bool] | None = None) -> _Step:
         self._end_step()
         if self._foreign_step:  # an optimizer stepped since: what it fetched is written back and freed
             self._release_outside()
-        mode = self._mode()
+        mode = self._mode() if mode is None else mode
         history = self._histories.get(mode)
         if history is None:
             history = self._histories[mode] = _History(Scheduler(margin=self._margin))
@@ -686,6 +687,7 @@ class ParameterOffloadHandle:
             self._drop_hold(step, key, slots)
         rs.detach_budget()
         step.history.sequence = step.actual
+        self._last_mode = step.mode
         self.runtime.resolve_timings()
 
     def _drop_hold(self, step: _Step, key: int, slots: list[_Slot]) -> None:
@@ -964,7 +966,8 @@ class ParameterOffloadHandle:
 
     def host_updated(self, tensors: Any = None) -> None:
         """The host copies were changed (a host optimizer step): device copies still held are dropped, so
-        the next use streams the new values in; no copy goes to the device now.
+        the next use streams the new values in. With an OffloadOptimizer attached, the next step's round
+        begins now (Note [The next step starts early]): its first copies, of the new values, start.
 
         ``tensors`` (default: every parameter) are the ones whose host copy is the data now: their
         device copies are dropped *without* being written back (a copy fetched before the step holds
@@ -990,6 +993,16 @@ class ParameterOffloadHandle:
                     slot.event = None
                 self._resize(slot, 0)
                 slot.resident = False
+        mode = self._last_mode
+        if (
+            self._host_optimizers
+            and mode is not None
+            and mode[0]
+            and not (self._frames or self._tasks or self._removed)
+        ):
+            # Note [The next step starts early], after the host step: its first copies are of the new values
+            step = self._begin_step(time.perf_counter(), mode=mode)
+            step.prestarted = True
 
     def _attach_host_optimizer(self, optimizer: Any) -> None:
         """An OffloadOptimizer steps these host copies in place (Note [Parameters on the host with

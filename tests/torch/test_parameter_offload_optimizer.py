@@ -91,8 +91,9 @@ def _train(
             opt.zero_grad()
             out.append(loss.detach().float().clone())
             if handle is not None and params_on_host is None:
-                # nothing uploaded after the step: no parameter on the device between steps, none written back
-                assert handle.stats().device_bytes == 0
+                # nothing uploaded after the step, none written back; between steps the device holds only
+                # the next step's first copies, started after the host step (within the budget)
+                assert handle.stats().device_bytes <= handle.budget
                 assert handle.stats().d2h_copies == 0
         opt.synchronize()  # the keep-all reference's last upload has landed
         masters = [opt.master(p).clone() for p in model.parameters()]
@@ -144,7 +145,8 @@ def test_bit_identical_hf_gpt2(make_fake_device: Any, optimizer: str) -> None:
 
 
 def test_step_holds_no_parameter_on_the_device(make_fake_device: Any) -> None:
-    """Device peak, measured by the backend: the step allocates nothing (no upload); the public-API
+    """Device peak, measured by the backend: the step allocates nothing beyond the budget (no upload;
+    only the next step's first copies, Note [The next step starts early]); the public-API
     composition's step brings every parameter in at once."""
 
     def peak_of_steps(params_on_host: Any) -> tuple[int, int, int]:
@@ -167,12 +169,13 @@ def test_step_holds_no_parameter_on_the_device(make_fake_device: Any) -> None:
                 step_growth = max(step_growth, dev.memory_stats().peak_allocated_bytes - before)
             peak = handle.stats().peak_device_bytes
             budget_bound = handle.budget + 2 * handle.largest_module_bytes  # nested modules: two in use
+            step_growth -= handle.budget if params_on_host is None else 0
             handle.remove()
             opt.close()
             return step_growth, peak, budget_bound
 
     growth, peak, bound = peak_of_steps(None)
-    assert growth <= 0
+    assert growth <= 0  # beyond the budget
     assert peak <= bound
     growth_public, _, _ = peak_of_steps(False)
     params = sum(p.numel() * p.element_size() for p in _tiny_gpt().parameters())
