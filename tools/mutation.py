@@ -140,7 +140,7 @@ MUTATIONS: list[Mutation] = [
             (
                 "plugins/offcore_torch/offload.py",
                 "        for item in entry.live_items() if items is None else items:\n"
-                "            release_storage(item.keeper)\n        entry.src = None\n",
+                "            self._release_keeper(item)\n        entry.src = None\n",
                 "",
             )
         ],
@@ -167,9 +167,8 @@ MUTATIONS: list[Mutation] = [
         [
             (
                 "plugins/offcore_torch/offload.py",
-                "        pending, stream = (obj.h2d_event, runtime.h2d_stream) if obj.state is State.PREFETCHING "
-                "else (None, None)\n",
-                "        pending, stream = None, None\n",
+                "        if state is not State.PREFETCHING and state is not State.OFFLOADING:\n",
+                "        if state is not State.OFFLOADING:\n",
             )
         ],
     ),
@@ -184,9 +183,8 @@ MUTATIONS: list[Mutation] = [
             ),
             (
                 "plugins/offcore_torch/offload.py",
-                "        stream.wait_event(device.current_stream().record_event())\n"
-                "        return device.copy_(dst, src, stream=stream)\n",
-                "        return device.copy_(dst, src, stream=stream)\n",
+                "            stream.wait_event(device.current_stream().record_event(order))\n",
+                "            pass\n",
             ),
         ],
         known_gap=(

@@ -974,8 +974,14 @@ class OffloadHandle:
                 self._release_device(entry)
             if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
                 entry.keepers_pointed = False
-                for item in entry.live_items():
-                    self._release_keeper(item)
+                items = entry.items
+                if len(items) == 1:  # the common case: one record per storage
+                    item = items[0]()
+                    if item is not None:
+                        self._release_keeper(item)
+                else:
+                    for item in entry.live_items():
+                        self._release_keeper(item)
             entry.restored = None
             return
         if self._sched.consumed(entry.key):  # it was held on landing: offcore's device copy goes
@@ -1089,9 +1095,16 @@ class OffloadHandle:
         pool = (self._host_pool or self._pool()) if host is not None else None
         poison = self.device if self._sanitize else None
         if state is not State.PREFETCHING and state is not State.OFFLOADING:
-            # nothing in flight touches its buffers (the common case, after backward)
+            # nothing in flight touches its buffers (the common case, after backward): _release_buffers, inlined
             entry.host = entry.host_view = entry.src = entry.restored = None
-            _release_buffers(pool, host, host_view, poison, self._ledger, obj)
+            if pool is not None:
+                pool.release(host)  # the pool poisons it under the sanitizer
+            elif poison is not None and host_view is not None:
+                poison.poison(host_view)
+            if host_view is not None:  # a failed offload returned its host buffer already
+                self._ledger.remove(obj.host_tier or Tier.PINNED, Kind.ACTIVATION, obj.nbytes)
+            if state is not State.RELEASED:
+                obj.release()
             return
         runtime = self.runtime
         if state is State.PREFETCHING:
