@@ -382,6 +382,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._regroup()
         if self._params_handle is not None:
             self._params_handle._attach_host_optimizer(self)
+        self._state_dict_hooked: dict[int, Any] = {}  # id(module) -> its state_dict pre-hook's handle
         self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle, self._nvme)
 
@@ -595,6 +596,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot.hook is not None:
                 slot.hook.remove()
                 slot.hook = None
+
+    def _watch_state_dict(self, module: torch.nn.Module) -> None:
+        """Make ``module.state_dict()`` wait for its parameters' uploads (Note [A checkpoint reads landed parameters])."""
+        self._state_dict_hooked[id(module)] = module.register_state_dict_pre_hook(_state_dict_pre_hook(self))
 
     def wait_for_parameters(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Make the compute stream wait for the H2D copies of ``params`` (default: all); never blocks a GPU host.
@@ -1449,6 +1454,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         handle = getattr(self, "_wait_handle", None)
         if handle is not None:
             handle.remove()
+        for hooked in getattr(self, "_state_dict_hooked", {}).values():
+            hooked.remove()
         params_handle = getattr(self, "_params_handle", None)
         if params_handle is not None:
             params_handle._detach_host_optimizer(self)
@@ -1512,12 +1519,40 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
         if optimizer is None:
             return
         by_param = optimizer._device_params
+        mine = False
         for param in module._parameters.values():
             if param is None:
                 continue
             slot = by_param.get(id(param))
             if slot is not None:
+                mine = True
                 optimizer._on_use(slot)
+        if mine and id(module) not in optimizer._state_dict_hooked:
+            optimizer._watch_state_dict(module)
+
+    return hook
+
+
+def _state_dict_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
+    # Note [A checkpoint reads landed parameters]
+    # After step() a parameter's upload may still be in flight (or held back by upload_budget);
+    # the next forward's pre-hook waits for it, but ``model.state_dict()`` right after step()
+    # (a checkpoint) reads the parameter with no module call in between, and would save a torn
+    # or stale value. Every module whose parameters this optimizer updates gets this hook the
+    # first time forward runs it (a step needs a forward first), so its state_dict waits for
+    # (and if needed issues) exactly those uploads. offcore_torch.distributed does the same for
+    # FSDP2's root (Note [Checkpoints read landed parameters]).
+    ref = weakref.ref(opt)
+
+    def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        optimizer = ref()
+        if optimizer is None or optimizer._closed:
+            return
+        by_param = optimizer._device_params
+        params = [p for p in module._parameters.values() if p is not None and id(p) in by_param]
+        if params:
+            optimizer.wait_for_parameters(params)
+            optimizer._device.current_stream().synchronize()  # the host reads the values next
 
     return hook
 

@@ -267,3 +267,23 @@ def test_add_param_group_and_per_group_options(make_fake_device: Any) -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert_same(train(True), train(False))
+
+
+@pytest.mark.parametrize("upload_budget", [None, 1], ids=["all-uploads", "budget-held-back"])
+def test_model_state_dict_right_after_step_reads_the_stepped_values(make_fake_device: Any, upload_budget: Any) -> None:
+    """Note [A checkpoint reads landed parameters]: no torn or stale parameter in a checkpoint taken right after step()."""
+    dev = make_fake_device(h2d_bandwidth="32MiB/s", d2h_bandwidth="1GB/s", latency="2ms", sanitize=True)
+    model = MLP.build(0)
+    with dev:
+        place(model, dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2, upload_budget=upload_budget
+        )
+        for step in range(2):
+            MLP.loss(model, MLP.make_batch(step, torch.device("cpu"))).backward()
+            opt.step()
+            opt.zero_grad()
+            saved = {name: t.detach().clone() for name, t in model.state_dict().items()}  # no synchronize first
+            for p, (name, value) in zip(model.parameters(), saved.items(), strict=True):
+                assert torch.equal(value, opt.master(p).to(value.dtype)), f"{name} after step {step}"
+        opt.close()
