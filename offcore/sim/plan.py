@@ -35,6 +35,8 @@ __all__ = ["Action", "PrefetchPolicy", "Plan"]
 _PLAN_FORMAT = "offcore.plan/1"
 
 PrefetchMode = Literal["deadline", "lead", "on_demand"]
+OptimizerPlacement = Literal["device", "offload"]
+ParameterPlacement = Literal["resident", "stream"]
 
 
 def _brief(value: object) -> str:
@@ -150,6 +152,13 @@ class Plan:
             accumulation); the profile's ``batch_size`` must divide evenly.
         prefetch: the :class:`PrefetchPolicy` for offloaded layers.
         layer_names: optional names, checked against the profile when given.
+        optimizer: ``"device"`` (the default: the optimizer steps on the device, its state
+            there) or ``"offload"`` (``offcore_torch.OffloadOptimizer``: gradients D2H as
+            backward makes them, the step on the host, parameters H2D after it; Note
+            [Optimizer offload and parameter streaming in the simulator] in simulator.py).
+        parameters: ``"resident"`` (the default) or ``"stream"``
+            (``offcore_torch.offload_parameters``: each layer's parameters copied in before
+            its forward and its backward, freed after each).
 
     >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
     [(0, 1), (2, 3)]
@@ -160,8 +169,14 @@ class Plan:
     microbatches: int = 1
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     layer_names: Sequence[str] | None = None
+    optimizer: OptimizerPlacement = "device"
+    parameters: ParameterPlacement = "resident"
 
     def __post_init__(self) -> None:
+        if self.optimizer not in ("device", "offload"):
+            raise ConfigurationError(f"optimizer must be 'device' or 'offload', got {_brief(self.optimizer)}")
+        if self.parameters not in ("resident", "stream"):
+            raise ConfigurationError(f"parameters must be 'resident' or 'stream', got {_brief(self.parameters)}")
         if isinstance(self.actions, (str, bytes, Mapping, Set)) or not isinstance(self.actions, Iterable):
             raise ConfigurationError(
                 "actions must be a list of 'keep' / 'offload' / 'recompute', one per layer in forward order, "
@@ -249,6 +264,10 @@ class Plan:
             word = "checkpoint"
         else:
             word = "hybrid"
+        if self.parameters == "stream":
+            word += "+param-stream"
+        if self.optimizer == "offload":
+            word += "+optimizer-offload"
         return word + ("+accumulate" if self.microbatches > 1 else "")
 
     def check(self, profile: StepProfile) -> None:
@@ -276,13 +295,16 @@ class Plan:
         letters = "".join({"keep": "K", "offload": "O", "recompute": "R"}[a.value] for a in self.actions)
         prefetch = self.prefetch
         budget = "∞" if prefetch.budget_bytes is None else str(prefetch.budget_bytes)
-        return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}"
+        kinds = (" optimizer=offload" if self.optimizer == "offload" else "") + (
+            " parameters=stream" if self.parameters == "stream" else ""
+        )
+        return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}{kinds}"
 
     # --- JSON -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {
+        data: dict[str, Any] = {
             "format": _PLAN_FORMAT,
             "actions": [a.value for a in self.actions],
             "checkpoint_interval": self.checkpoint_interval,
@@ -290,6 +312,11 @@ class Plan:
             "prefetch": self.prefetch.to_dict(),
             "layer_names": None if self.layer_names is None else list(self.layer_names),
         }
+        if self.optimizer != "device":  # written only when set: older readers keep reading activation plans
+            data["optimizer"] = self.optimizer
+        if self.parameters != "resident":
+            data["parameters"] = self.parameters
+        return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """Serialise to JSON text; :meth:`from_json` reads it back."""
@@ -303,7 +330,16 @@ class Plan:
         fmt = data.get("format", _PLAN_FORMAT)
         if fmt != _PLAN_FORMAT:
             raise ConfigurationError(f"unknown plan format {_brief(fmt)}; expected {_PLAN_FORMAT!r}")
-        known = {"format", "actions", "checkpoint_interval", "microbatches", "prefetch", "layer_names"}
+        known = {
+            "format",
+            "actions",
+            "checkpoint_interval",
+            "microbatches",
+            "prefetch",
+            "layer_names",
+            "optimizer",
+            "parameters",
+        }
         unknown = set(data) - known
         if unknown:
             raise ConfigurationError(f"unknown plan fields {_names(unknown)}; known: {_names(known)}")
@@ -323,6 +359,8 @@ class Plan:
             microbatches=data.get("microbatches", 1),
             prefetch=prefetch,
             layer_names=data.get("layer_names"),
+            optimizer=data.get("optimizer", "device"),
+            parameters=data.get("parameters", "resident"),
         )
         if profile is not None:
             plan.check(profile)

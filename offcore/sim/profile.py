@@ -83,6 +83,9 @@ class LayerProfile:
             starts, alive to the end of the step (the optimizer takes them over). 0 by
             default; ignored when :attr:`StepProfile.grad_bytes` already counts every
             gradient as resident for the whole step (gradient accumulation).
+        param_bytes: bytes of the layer's parameters: what parameter streaming copies in
+            before its forward and its backward, and what the host optimizer steps under
+            optimizer offload. 0 (the default) means ``grad_bytes`` (same dtype).
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -98,6 +101,7 @@ class LayerProfile:
     offload_overhead_s: float = 0.0
     saved_tensors: tuple[tuple[float, int], ...] = ()
     grad_bytes: int = 0
+    param_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -112,7 +116,7 @@ class LayerProfile:
             "offload_overhead_s",
             _seconds(self.offload_overhead_s, f"offload_overhead_s of layer {self.name!r}"),
         )
-        for attribute in ("saved_bytes", "working_bytes", "input_bytes", "grad_bytes"):
+        for attribute in ("saved_bytes", "working_bytes", "input_bytes", "grad_bytes", "param_bytes"):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
         set_(self, "saved_tensors", self._checked_tensors())
@@ -171,6 +175,7 @@ class LayerProfile:
             offload_overhead_s=self.offload_overhead_s,  # per saved tensor, not per sample
             saved_tensors=tensors,
             grad_bytes=self.grad_bytes,  # per parameter, not per sample
+            param_bytes=self.param_bytes,
         )
 
     @property
@@ -209,6 +214,12 @@ class StepProfile:
             wait), and a D2H landing after forward ended when its reload is already
             due keeps its device copy. ``False`` (the default) models a runtime that
             always reloads; the analytic lower bounds are tightest then.
+        optimizer_state_bytes: the part of ``other_bytes`` that is the device optimizer's
+            state (AdamW: 2 × the fp32 parameter bytes); a plan with
+            ``optimizer="offload"`` does not hold it.
+        host_step_s_per_byte: the host optimizer step's time per parameter byte (the
+            profiler times one step of the same optimizer class over host copies); what a
+            plan with ``optimizer="offload"`` spends per layer on its serial host worker.
 
     >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
     >>> p.static_bytes, p.compute_s
@@ -227,6 +238,8 @@ class StepProfile:
     capacity_bytes: int | None = None
     batch_size: int = 1
     reuse_in_flight: bool = False
+    optimizer_state_bytes: int = 0
+    host_step_s_per_byte: float = 0.0
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -243,8 +256,18 @@ class StepProfile:
             raise ConfigurationError(f"layer names must be unique; repeated: {duplicates}")
         set_(self, "layers", layers)
         set_(self, "_names", names)
-        for attribute in ("param_bytes", "grad_bytes", "other_bytes", "head_bytes"):
+        for attribute in ("param_bytes", "grad_bytes", "other_bytes", "head_bytes", "optimizer_state_bytes"):
             set_(self, attribute, parse_size(getattr(self, attribute), what=attribute, allow_zero=True))
+        if self.optimizer_state_bytes > self.other_bytes - self.head_bytes:
+            raise ConfigurationError(
+                f"optimizer_state_bytes ({self.optimizer_state_bytes}) is the part of the resident other_bytes "
+                f"({self.other_bytes - self.head_bytes} without head_bytes) that the device optimizer keeps: "
+                "it cannot exceed it"
+            )
+        step = self.host_step_s_per_byte
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (step >= 0 and math.isfinite(step)):
+            raise ConfigurationError(f"host_step_s_per_byte must be a finite number >= 0, got {step!r}")
+        set_(self, "host_step_s_per_byte", float(step))
         if self.head_bytes > self.other_bytes:
             raise ConfigurationError(
                 f"head_bytes ({self.head_bytes}) is the part of other_bytes ({self.other_bytes}) alive only "
@@ -364,6 +387,8 @@ class StepProfile:
             "capacity_bytes": self.capacity_bytes,
             "batch_size": self.batch_size,
             "reuse_in_flight": self.reuse_in_flight,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "host_step_s_per_byte": self.host_step_s_per_byte,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -391,6 +416,8 @@ class StepProfile:
             "capacity_bytes",
             "batch_size",
             "reuse_in_flight",
+            "optimizer_state_bytes",
+            "host_step_s_per_byte",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

@@ -112,13 +112,39 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # ``reuse_in_flight`` (a runtime that always reloads) nothing is held, and backward
 # waits for such a D2H, then reloads.
 
+# Note [Optimizer offload and parameter streaming in the simulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``Plan.optimizer == "offload"`` models offcore_torch.OffloadOptimizer with
+# ``accumulation_steps=1`` (a parameter steps as soon as its gradient landed):
+#   - a layer's gradients (``LayerProfile.grad_bytes``) appear when its backward starts, as
+#     always; when its backward ends their D2H is enqueued on the d2h link, and the device
+#     bytes are freed when it lands;
+#   - the host step of that layer (``param_bytes × StepProfile.host_step_s_per_byte``) runs
+#     on one serial host worker (stream ``"host"``) from the later of the landing and the
+#     worker's previous step;
+#   - the updated parameters go back on the h2d link after their step (parameters resident),
+#     writing the parameter's own storage (no device allocation);
+#   - the parameters outside the layers (``param_bytes`` minus the layers') follow the same
+#     path from the end of the layers' backward;
+#   - ``StepProfile.optimizer_state_bytes`` is not on the device.
+# The step ends when the last copy landed and the host worker is done (``offcore compare``
+# times ``step()`` plus a device synchronize), so nothing is left for the next forward to
+# wait for. ``Plan.parameters == "stream"`` models offcore_torch.offload_parameters: each
+# layer's parameters are not resident; they are copied in on the h2d link before its
+# forward and again before its backward and freed when that forward or backward ends. The
+# copy for a use is issued at the previous layer's use (one module ahead: the first
+# layer's at the step's start, the last layer's backward copy at the end of forward), a
+# use waits for its copy (an exposed wait). This is a simplification of the runtime's
+# deadline plan within its byte budget; it is not driven through the ResidencyScheduler.
+# With both, the host step writes the handle's host copies and there is no H2D after it.
+
 
 @dataclass(frozen=True)
 class TimelineEvent:
     """One interval on one stream, e.g. ``TimelineEvent("h2d", "h2d:layer3", 0.1, 0.2, "h2d", "layer3")``."""
 
     stream: str
-    """``"compute"``, ``"d2h"`` or ``"h2d"``."""
+    """``"compute"``, ``"d2h"``, ``"h2d"`` or ``"host"`` (the host optimizer worker)."""
     name: str
     start: float
     end: float
@@ -172,6 +198,8 @@ class SimResult:
     ``OffloadHandle.schedule_log``)."""
     schedule_actions: tuple[Any, ...] = field(default=(), repr=False)
     """The scheduler's actions (``record_schedule=True``), as ``OffloadHandle.schedule_actions``."""
+    host_step_s: float = 0.0
+    """Seconds the host optimizer worker is busy (``Plan.optimizer == "offload"``)."""
 
     @property
     def compute_s(self) -> float:
@@ -251,7 +279,7 @@ class SimResult:
         >>> sorted({e["ph"] for e in r.to_chrome_trace()["traceEvents"]})
         ['C', 'M', 'X']
         """
-        tids = {"compute": 1, "d2h": 2, "h2d": 3}
+        tids = {"compute": 1, "d2h": 2, "h2d": 3, "host": 4}
         trace: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": process_name}},
         ]
@@ -353,6 +381,7 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         reused_bytes=count * micro.reused_bytes,
         schedule_log=micro.schedule_log,
         schedule_actions=micro.schedule_actions,
+        host_step_s=count * micro.host_step_s,
     )
 
 
@@ -461,7 +490,6 @@ class _Step:
         self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = 0
         self.memory: list[tuple[float, int]] = []
-        self.level = profile.resident_bytes
         self.events: list[TimelineEvent] = []
         self.waits: dict[str, float] = {}
         self.recompute_total = 0.0
@@ -502,6 +530,23 @@ class _Step:
                     groups.append((offset, [obj]))
             self.groups.append(groups)
         self.grads = [0 if profile.grad_bytes else layer.grad_bytes for layer in layers]
+        # Note [Optimizer offload and parameter streaming in the simulator]
+        self.offload_optimizer = plan.optimizer == "offload"
+        self.stream = plan.parameters == "stream"
+        self.params = [layer.param_bytes or layer.grad_bytes for layer in layers]
+        self.rest_params = max(0, profile.param_bytes - sum(self.params))
+        self.static = profile.resident_bytes
+        if self.offload_optimizer:
+            self.static -= profile.optimizer_state_bytes
+        if self.stream:
+            self.static -= min(sum(self.params), profile.param_bytes)
+        self.level = self.static
+        self.grads_left = list(self.grads)  # gradients still on the device
+        self.host_free = 0.0  # when the host worker is free
+        self.host_busy = 0.0
+        self.host_end = 0.0
+        # parameter streaming: per layer and pass, when its copy lands (None: not issued)
+        self.param_land: dict[tuple[str, int], float] = {}
         self.sched = self._make_scheduler(record_schedule)
 
     # -- the scheduler ----------------------------------------------------------------------
@@ -672,6 +717,78 @@ class _Step:
         bandwidth = profile.d2h_bandwidth if direction == "d2h" else profile.h2d_bandwidth
         return transfer_time(nbytes, bandwidth, profile.latency_s)
 
+    # -- optimizer offload and parameter streaming ------------------------------------------
+    # Note [Optimizer offload and parameter streaming in the simulator]
+    def optimizer_after_backward(self, i: int | None) -> None:
+        """Layer ``i``'s backward ended (``None``: the parameters outside the layers): its
+        gradients go D2H, then the host step, then (parameters resident) the H2D."""
+        if i is None:
+            nbytes, label, layer = self.rest_params, "rest", self.n - 1
+            device_grads = 0
+        else:
+            nbytes, label, layer = self.profile.layers[i].grad_bytes, self.names[i], i
+            device_grads = self.grads_left[i]
+        params = self.rest_params if i is None else self.params[i]
+        if nbytes <= 0 and params <= 0:
+            return
+        start, end = self.d2h_link.run(self.now, self.copy_s(nbytes, "d2h"))
+        self.last_copy_end = max(self.last_copy_end, end)
+        self.event("d2h", f"d2h:grad:{label}", start, end, "d2h", layer)
+
+        def landed() -> None:
+            if i is not None and self.grads_left[i]:
+                self.grads_left[i] = 0
+                self.change(-device_grads)  # freed as its D2H lands
+            seconds = params * self.profile.host_step_s_per_byte
+            begin = max(self.now, self.host_free)
+            self.host_free = begin + seconds
+            self.host_busy += seconds
+            self.host_end = max(self.host_end, self.host_free)
+            self.event("host", f"host-step:{label}", begin, self.host_free, "host", layer)
+            if not self.stream:
+                self.at(self.host_free, _START, upload)
+
+        def upload() -> None:
+            begin, land = self.h2d_link.run(self.now, self.copy_s(params, "h2d"))
+            self.h2d_bytes += params
+            self.last_copy_end = max(self.last_copy_end, land)
+            self.event("h2d", f"h2d:param:{label}", begin, land, "h2d", layer)
+
+        self.at(end, _LAND, landed)
+
+    def param_copy(self, i: int, phase: str) -> float:
+        """Issue (once) the H2D of layer ``i``'s parameters for ``phase`` (``"forward"`` or
+        ``"backward"``); its destination is allocated now. Returns when it lands."""
+        key = (phase, i)
+        land = self.param_land.get(key)
+        if land is None:
+            nbytes = self.params[i]
+            self.change(nbytes)
+            begin, land = self.h2d_link.run(self.now, self.copy_s(nbytes, "h2d"))
+            self.h2d_bytes += nbytes
+            self.last_copy_end = max(self.last_copy_end, land)
+            self.param_land[key] = land
+            self.event("h2d", f"h2d:param:{phase}:{self.names[i]}", begin, land, "h2d", i)
+        return land
+
+    def when_params_ready(self, i: int, phase: str, then: Callable[[], None]) -> None:
+        """Run ``then`` once layer ``i``'s parameters for ``phase`` landed (waiting for them), after
+        issuing the next layer's copy (one module ahead)."""
+        if not self.stream:
+            then()
+            return
+        land = self.param_copy(i, phase)
+        if phase == "forward":
+            if i + 1 < self.n:
+                self.param_copy(i + 1, "forward")
+        elif i - 1 >= 0:
+            self.param_copy(i - 1, "backward")
+        if land > self.now:
+            self.wait(i, self.now, land)
+            self.at(land, _START, then)
+        else:
+            then()
+
     # -- the compute stream ---------------------------------------------------------------------
     def _tasks(self) -> list[tuple[str, int]]:
         tasks = [("forward", i) for i in range(self.n)]
@@ -705,6 +822,8 @@ class _Step:
             # their bytes (StepProfile.head_bytes) live around the turn; the plan starts at the
             # end of forward (Note [Prefetch from the end of forward] in offcore_torch)
             head = self.profile.head_bytes
+            if self.stream:
+                self.param_copy(self.n - 1, "backward")
             self.change(head)
             self.execute(sched.forward_ended(self.now))
             sched.backward_began(self.now)
@@ -713,11 +832,14 @@ class _Step:
             self.compute_end = self.now
             for action in sched.backward_ended(self.now):  # frees what was held
                 self.free(self.objects[action.key])
-            self.change(-sum(self.grads))  # the optimizer step takes the gradients over
+            if self.offload_optimizer:
+                self.optimizer_after_backward(None)
+            else:
+                self.change(-sum(self.grads_left))  # the optimizer step takes the gradients over
             return
         kind, i = self.tasks[index]
         if kind == "forward":
-            self.forward(index, i)
+            self.when_params_ready(i, "forward", lambda: self.forward(index, i))
         elif kind == "recompute":
             start, end = self.now, self.now + self.rec[i]
             for obj in self.saves[i]:
@@ -732,7 +854,7 @@ class _Step:
 
             self.at(end, _END, finish)
         else:
-            self.use_group(index, i, 0)
+            self.when_params_ready(i, "backward", lambda: self.use_group(index, i, 0))
 
     def forward(self, index: int, i: int) -> None:
         start, end = self.now, self.now + self.fwd[i]
@@ -758,7 +880,7 @@ class _Step:
         self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
         def finish() -> None:
-            self.change(-self.work[i])
+            self.change(-self.work[i] - (self.params[i] if self.stream else 0))
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
@@ -836,10 +958,12 @@ class _Step:
                     self.free(obj)
                 if obj.managed:
                     self.sched.released(obj.key)
-            freed = self.work[i]
+            freed = self.work[i] + (self.params[i] if self.stream else 0)
             if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][0] == i:
                 freed += self.inputs[i]
             self.change(-freed)
+            if self.offload_optimizer:
+                self.optimizer_after_backward(i)
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
@@ -855,12 +979,14 @@ class _Step:
     def result(self) -> SimResult:
         profile = self.profile
         step_time = self.compute_end
-        if self.last_copy_end > step_time:  # the step ends when its last copy landed (the device synchronises)
-            last = max(self.objects.values(), key=lambda o: max(o.d2h_end, o.h2d_end))
-            self.now = self.last_copy_end
-            self.wait(last.layer, step_time, self.last_copy_end)
-            step_time = self.last_copy_end
-        static = profile.resident_bytes
+        end = max(self.last_copy_end, self.host_end)
+        if end > step_time:  # the step ends when its last copy landed (the device synchronises)
+            objects = self.objects.values()
+            last = max(objects, key=lambda o: max(o.d2h_end, o.h2d_end)).layer if objects else 0
+            self.now = end
+            self.wait(last, step_time, end)
+            step_time = end
+        static = self.static
         times: list[float] = [0.0]
         levels: list[int] = [static]
         peak, peak_time = static, 0.0
@@ -908,4 +1034,5 @@ class _Step:
             reused_bytes=reused,
             schedule_log=tuple(self.sched.log),
             schedule_actions=tuple(self.sched.actions),
+            host_step_s=self.host_busy,
         )
