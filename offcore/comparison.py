@@ -42,7 +42,17 @@ __all__ = [
     "Comparison",
 ]
 
-STRATEGIES: tuple[str, ...] = ("baseline", "accumulate", "checkpoint", "offload", "hybrid", "planned")
+STRATEGIES: tuple[str, ...] = (
+    "baseline",
+    "accumulate",
+    "checkpoint",
+    "offload",
+    "hybrid",
+    "optimizer-offload",
+    "optimizer+activation-offload",
+    "param-stream",
+    "planned",
+)
 """The strategies ``offcore compare`` knows, in the order it runs and prints them."""
 
 LEGEND = (

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import offcore
 from offcore.comparison import STRATEGIES, Comparison, Gates, StrategyResult
@@ -36,6 +36,8 @@ from offcore.units import format_bandwidth, format_bytes
 from offcore_torch.executor import PlanExecutor
 from offcore_torch.layers import find_layers
 from offcore_torch.models import GPTConfig, Workload, gpt_workload
+from offcore_torch.optimizer import OffloadOptimizer
+from offcore_torch.parameters import offload_parameters
 from offcore_torch.profiler import StepMeasurement, measure_link, measure_step
 from offcore_torch.testing import bit_identical
 
@@ -290,19 +292,31 @@ def _train(
     total = settings.warmup + settings.iters
     steps = total + (1 if observe else 0)
     done = 0
-    model = optimizer = None
+    model = optimizer = handle = None
     try:
         # Note: only the training work runs inside `with device:`; the CPU copies the comparison
         # keeps (losses, gradients) are made outside it, or the fake device would count them.
         with device:
             model = work.build(settings.seed).to(device=torch_device, dtype=dtype)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+            model, optimizer, handle = _optimizer_for(model, step_plan, device, settings)
         params = [p for _, p in model.named_parameters()]
+        offloaded = isinstance(optimizer, OffloadOptimizer)
+        # Note [Compare reads the host copies under optimizer offload]: OffloadOptimizer sets
+        # param.grad to None as each gradient leaves; the host gradients and masters are the values
+        # (bit-identical to the device's by its contract), read without touching device memory
+        host = optimizer if offloaded else None
+
+        def grads_of() -> list[Tensor]:
+            return [_host_grad(host, p) for p in params] if host is not None else [p.grad for p in params]
+
+        def values_of() -> list[Tensor]:
+            return [host.master(p) for p in params] if host is not None else params
+
         with PlanExecutor(model, step_plan, device, offload={"trace": observe}) as executor:
             for step in range(steps):
                 observed = step == total
                 if observed:  # the parameters the comparison checks are those after the timed steps
-                    run.params = _flat(params)
+                    run.params = _flat(values_of())
                 with device:
                     batch = work.make_batch(step % total if observed else step, torch_device)
                 device.synchronize()
@@ -319,7 +333,7 @@ def _train(
                     backward_done = time.perf_counter()
                     if not observed:
                         run.losses.append(outcome.loss.detach().to("cpu", copy=True))
-                        run.grads.append(_flat([p.grad for p in params]))
+                        run.grads.append(_flat(grads_of()))
                     optimizer_start = time.perf_counter()
                     with device:
                         optimizer.step()
@@ -343,7 +357,7 @@ def _train(
                 done += 1
                 progress(1, label)
         if not observe:
-            run.params = _flat(params)
+            run.params = _flat(values_of())
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -351,7 +365,13 @@ def _train(
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         run.error = ". ".join(message.split(". ")[:2]).rstrip(".")[:300]
     finally:
-        del model, optimizer
+        try:
+            if isinstance(optimizer, OffloadOptimizer):
+                optimizer.close()
+        finally:
+            if handle is not None:
+                handle.discard()
+        del model, optimizer, handle
         gc.collect()
         try:
             device.synchronize()
@@ -360,6 +380,42 @@ def _train(
         if steps - done:
             progress(steps - done, label)
     return run
+
+
+def _optimizer_for(model: nn.Module, step_plan: Plan, device: Any, settings: CompareSettings) -> tuple[Any, Any, Any]:
+    """The model, its optimizer and the parameter-offload handle (or None) for ``step_plan`` (inside ``with device:``).
+
+    Every strategy runs the same optimizer class and arguments (``torch.optim.AdamW(lr=...)``);
+    ``plan.optimizer == "offload"`` runs it on the host through :class:`OffloadOptimizer`
+    (``accumulation_steps=1``: a parameter steps as soon as its gradient landed, under backward);
+    ``plan.parameters == "stream"`` streams the parameters with :func:`offload_parameters` (the
+    OffloadOptimizer then steps the handle's host copies: no H2D after the step).
+    """
+    handle = offload_parameters(model, device) if step_plan.parameters == "stream" else None
+    try:
+        if step_plan.optimizer == "offload":
+            accumulation = 1 if step_plan.microbatches == 1 else step_plan.microbatches
+            optimizer: Any = OffloadOptimizer(
+                model.parameters(),
+                torch.optim.AdamW,
+                device=device,
+                accumulation_steps=accumulation,
+                lr=settings.lr,
+            )
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    except BaseException:
+        if handle is not None:
+            handle.discard()
+        raise
+    return model, optimizer, handle
+
+
+def _host_grad(optimizer: Any, param: Tensor) -> Tensor:
+    grad = optimizer.host_grad(param)
+    if grad is None:
+        raise ConfigurationError("OffloadOptimizer has no host gradient for a parameter after backward")
+    return grad
 
 
 def _timeline(outcome: Any, start: float, optimizer_start: float, end: float) -> list[tuple[str, str, float, float]]:
@@ -424,7 +480,9 @@ def predicted_step_series(
         spans.append(("compute", f"forward:head+loss{suffix}", begin, begin + head_forward))
         spans.append(("compute", f"backward:head+loss{suffix}", begin + head_forward, begin + head))
     end = result.step_time_s + head * max(1, len(turns))
-    spans.append(("compute", "optimizer", end, end + measurement.optimizer_s))
+    host_optimizer = result.plan.optimizer == "offload"  # its host step is in the simulated step
+    optimizer_s = 0.0 if host_optimizer else measurement.optimizer_s
+    spans.append(("compute", "optimizer", end, end + optimizer_s))
     spans.sort(key=lambda span: (span[2], span[0]))
 
     memory: list[tuple[float, int]] = []
@@ -443,8 +501,9 @@ def predicted_step_series(
     final = memory[-1][1] if memory else 0
     if memory and memory[-1][0] < end:
         memory.append((end, final))
-    memory.append((end, max(final, measurement.optimizer_peak_bytes)))  # the optimizer step's own peak
-    memory.append((end + measurement.optimizer_s, final))
+    optimizer_peak = 0 if host_optimizer else measurement.optimizer_peak_bytes
+    memory.append((end, max(final, optimizer_peak)))  # the optimizer step's own peak
+    memory.append((end + optimizer_s, final))
     return spans, memory
 
 
@@ -563,7 +622,7 @@ def plan_strategies(
 
     def predict(step_plan: Plan) -> tuple[Any, float, int]:
         result = simulate(profiles[step_plan.microbatches], step_plan, microbatch_overhead_s=overhead)
-        return result, result.step_time_s + planning.other_compute_s, planning.predicted_peak(result)
+        return result, result.step_time_s + planning.other_compute_for(step_plan), planning.predicted_peak(result)
 
     named: dict[str, tuple[Plan | None, str]] = {
         "baseline": (Plan.keep_all(n, layer_names=names), "keep every activation on the device"),
@@ -578,6 +637,21 @@ def plan_strategies(
         Plan([Action.OFFLOAD] * half + [Action.RECOMPUTE] * (n - half), layer_names=names),
         f"offload the first {half} layers (their reloads have the most time before backward needs them), "
         "recompute the rest",
+    )
+    # Note [Optimizer offload and parameter streaming in the simulator] (offcore/sim/simulator.py)
+    named["optimizer-offload"] = (
+        Plan.keep_all(n, layer_names=names, optimizer="offload"),
+        "keep every activation; AdamW on the host (OffloadOptimizer): gradients D2H as backward makes them, "
+        "each layer's host step as its gradients land, parameters H2D after it; no optimizer state on the device",
+    )
+    named["optimizer+activation-offload"] = (
+        Plan.uniform(n, Action.OFFLOAD, layer_names=names, optimizer="offload"),
+        "offload every layer's saved activations and run AdamW on the host (OffloadOptimizer)",
+    )
+    named["param-stream"] = (
+        Plan.uniform(n, Action.OFFLOAD, layer_names=names, optimizer="offload", parameters="stream"),
+        "every kind off the device: parameters streamed in before each use (offload_parameters), activations "
+        "offloaded, AdamW on the host over the streamed host copies (OffloadOptimizer)",
     )
     if not divisors:
         named["accumulate"] = (None, "batch 1 cannot be split into micro-batches")
@@ -649,7 +723,13 @@ def _planned(
     else:
         excluded = ""
     counts = sorted(profiles) if accumulation else [1]
-    candidates = [p for p, _ in named.values() if p is not None and p.microbatches in counts]
+    # the planner searches activation plans with the device optimizer: the optimizer-offload and
+    # parameter-streaming strategies are compared as rows, not searched (docs/planner.md)
+    candidates = [
+        p
+        for p, _ in named.values()
+        if p is not None and p.microbatches in counts and p.optimizer == "device" and p.parameters == "resident"
+    ]
     measured = {p: peak for p, peak in (measured_peaks or {}).items() if p.microbatches in counts}
     try:
         result = plan(

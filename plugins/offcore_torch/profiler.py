@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -108,6 +109,11 @@ class StepMeasurement:
       storage (0 without calibration); ``recompute_overhead_per_storage_s``: what
       ``torch.utils.checkpoint`` adds to a recompute beyond the forward, per saved
       storage (in each layer's ``recompute_s``); ``layer_storages``: saved storages per layer.
+    - ``optimizer_state_bytes``: the device bytes of the optimizer's state (AdamW: 2 × the
+      fp32 parameters), part of ``profile.other_bytes``; ``host_step_s_per_byte``: one timed
+      step of the same optimizer class and arguments over host copies of the parameters,
+      per parameter byte (Note [The host step is timed on host copies]); both 0 without an
+      optimizer. Also in ``profile`` (:class:`~offcore.sim.StepProfile`).
     """
 
     profile: StepProfile
@@ -128,6 +134,8 @@ class StepMeasurement:
     offload_overhead_per_storage_s: float = 0.0
     recompute_overhead_per_storage_s: float = 0.0
     layer_storages: tuple[int, ...] = field(default=())
+    optimizer_state_bytes: int = 0
+    host_step_s_per_byte: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -162,10 +170,25 @@ class StepMeasurement:
     def predict(self, plan: Plan, **kwargs: Any) -> Any:
         """``simulate`` the plan on the matching profile; returns (SimResult, predicted step seconds)."""
         result = simulate(self.profile_for_microbatches(plan.microbatches), plan, **kwargs)
-        return result, result.step_time_s + self.other_compute_s
+        return result, result.step_time_s + self.other_compute_for(plan)
+
+    @property
+    def other_compute_offloaded_optimizer_s(self) -> float:
+        """Compute outside the layers when the optimizer steps on the host (no device optimizer step):
+        the embedding, the head and the loss; the simulator models the host step itself."""
+        return self.other_forward_s + self.other_backward_s
+
+    def other_compute_for(self, plan: Plan) -> float:
+        """What to add to ``plan``'s simulated step time: :attr:`other_compute_s`, without the device
+        optimizer step when ``plan.optimizer == "offload"``."""
+        return self.other_compute_offloaded_optimizer_s if plan.optimizer == "offload" else self.other_compute_s
 
     def predicted_peak(self, result: Any) -> int:
-        """The device peak of a simulated step plus the optimizer step: ``max(result.peak_bytes, optimizer peak)``."""
+        """The device peak of a simulated step plus the optimizer step: ``max(result.peak_bytes, optimizer peak)``.
+
+        With ``optimizer="offload"`` there is no device optimizer step: the simulated peak."""
+        if result.plan.optimizer == "offload":
+            return int(result.peak_bytes)
         return max(int(result.peak_bytes), self.optimizer_peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,6 +212,8 @@ class StepMeasurement:
             "offload_overhead_per_storage_s": self.offload_overhead_per_storage_s,
             "recompute_overhead_per_storage_s": self.recompute_overhead_per_storage_s,
             "layer_storages": list(self.layer_storages),
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "host_step_s_per_byte": self.host_step_s_per_byte,
         }
 
 
@@ -268,6 +293,74 @@ def _grad_bytes(module: nn.Module) -> int:
         storage_key(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters() if p.requires_grad
     }
     return sum(storages.values())
+
+
+def _param_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters (one per storage): what parameter streaming copies for it."""
+    storages = {storage_key(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters()}
+    return sum(storages.values())
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, device: Any) -> int:
+    """Device bytes of ``optimizer``'s state tensors (one per storage)."""
+    storages: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, Tensor) and device.holds(value):
+                storages[storage_key(value.untyped_storage())] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# Note [The host step is timed on host copies]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under optimizer offload (offcore_torch.OffloadOptimizer) the step runs on the host over host
+# copies of the parameters. The profiler times it as such: a fresh instance of the device
+# optimizer's class with its first group's hyper-parameters over plain host clones of the
+# parameters with zero gradients, one untimed step (its state appears) and the median of three
+# timed ones, divided by the parameter bytes. The simulator charges each layer's host step
+# ``param_bytes × host_step_s_per_byte`` (Note [Optimizer offload and parameter streaming in the
+# simulator] in offcore/sim/simulator.py). OffloadOptimizer steps in chunks with per-group
+# narrowing; that overhead is not in this figure.
+def _host_step_s_per_byte(optimizer: torch.optim.Optimizer, repeats: int = 3) -> float:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if not nbytes:
+        return 0.0
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    with torch.no_grad():
+        host = [torch.zeros(p.shape, dtype=p.dtype, device="cpu").requires_grad_(True) for p in params]
+        for tensor in host:
+            tensor.grad = torch.zeros_like(tensor)
+    try:
+        twin = type(optimizer)(host, **hyper)
+    except Exception:  # an optimizer whose groups carry what its constructor refuses: the class defaults
+        twin = type(optimizer)(host)
+    twin.step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        twin.step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / nbytes
+
+
+def _on_a_host_thread(fn: Callable[[], float]) -> float:
+    """``fn()`` on a fresh thread, where no device context is active (as OffloadOptimizer's worker)."""
+    out: list[float] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="offcore-profile-host-step")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -485,6 +578,7 @@ def measure_step(
                 offload_overhead_s=per_storage * record.saved_storages,
                 saved_tensors=record.saved_tensors(),
                 grad_bytes=_grad_bytes(named[i][1]),
+                param_bytes=_param_bytes(named[i][1]),
             )
         )
     forward_total *= scale
@@ -504,6 +598,11 @@ def measure_step(
     if capacity is None:
         capacity = int(device.memory_stats().get("capacity_bytes", 0) or 0) or None
     base_other = max(0, resident - param_bytes) + other_saved
+    state_bytes, host_step = 0, 0.0
+    if optimizer is not None:
+        # the state resident when the step began (none before an optimizer's first step)
+        state_bytes = min(_optimizer_state_bytes(optimizer, device), max(0, resident - param_bytes))
+        host_step = _on_a_host_thread(lambda: _host_step_s_per_byte(optimizer))
     profile = StepProfile(
         layer_profiles,
         param_bytes=param_bytes,
@@ -513,6 +612,8 @@ def measure_step(
         capacity_bytes=capacity,
         batch_size=batch_size,
         reuse_in_flight=True,  # offcore_torch uses device copies still in flight (simulator.py Note)
+        optimizer_state_bytes=state_bytes,
+        host_step_s_per_byte=host_step,
         **(link_measurement.as_profile_fields() if link_measurement is not None else {}),
     )
     # Note [Calibrated other bytes]: the layers' lifetimes are modelled; the rest (head, loss,
@@ -545,6 +646,8 @@ def measure_step(
         offload_overhead_per_storage_s=per_storage,
         recompute_overhead_per_storage_s=recompute_per_storage,
         layer_storages=tuple(r.saved_storages for r in records),
+        optimizer_state_bytes=state_bytes,
+        host_step_s_per_byte=host_step,
     )
 
 
