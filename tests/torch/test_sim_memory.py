@@ -82,3 +82,66 @@ def test_the_predicted_timeline_holds_every_term_of_the_predicted_step(make_fake
         compute = sorted((start, end) for stream, _, start, end in timeline if stream == "compute")
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(compute, compute[1:], strict=False))  # one stream
     assert simulate(measurement.profile, Plan.keep_all(4)).peak_bytes >= measurement.peak_bytes
+
+
+KIND_PLANS = {
+    "optimizer-offload": Plan.keep_all(4, optimizer="offload"),
+    "optimizer+activation-offload": Plan.uniform(4, "offload", optimizer="offload"),
+    "param-stream": Plan.uniform(4, "offload", optimizer="offload", parameters="stream"),
+}
+
+
+def test_predicted_peaks_of_the_optimizer_and_parameter_strategies_are_within_10_percent(make_fake_device: Any) -> None:
+    """The real OffloadOptimizer / offload_parameters, as ``offcore compare`` builds them, against the model.
+
+    Each strategy runs on its own fake device, and is predicted on the link its runtime measured
+    during its steps (as above)."""
+    from offcore_torch.compare import DTYPES, _optimizer_for
+
+    work = build_workload(SETTINGS)
+    profiler_device = make_fake_device(capacity="1GiB", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    base = WorkloadProfiler(profiler_device, work, SETTINGS).measure(calibrate=False)
+    ratios = {}
+    for name, plan in KIND_PLANS.items():
+        device = make_fake_device(capacity="1GiB", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+        torch_device = torch.device(device.torch_device)
+        with device:
+            model = work.build(SETTINGS.seed).to(device=torch_device, dtype=DTYPES[SETTINGS.dtype])
+            model, optimizer, handle = _optimizer_for(model, plan, device, SETTINGS)
+        try:
+            with device, PlanExecutor(model, plan, device) as executor:
+                for step in range(3):  # later steps run on what the first taught the schedulers
+                    batch = work.make_batch(step, torch_device)
+                    device.synchronize()
+                    device.reset_peak_memory_stats()
+                    executor.forward_backward(batch, work.loss)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    device.synchronize()
+                    del batch
+                measured = int(device.memory_stats().peak_allocated_bytes)
+        finally:
+            optimizer.close()
+            if handle is not None:
+                handle.discard()
+            del model, optimizer, handle
+        measurement = replace(base, profile=base.profile.with_link(**_runtime_link(device)))
+        result, _ = measurement.predict(plan)
+        ratios[name] = round(measurement.predicted_peak(result) / measured, 3)
+    # param-stream: its measured peak moves with when the fake device's copy threads get the CPU
+    # (1.1 to 2.2 MiB over runs on a loaded 2-core host; the run with its activations' D2H landing
+    # late peaks highest): the prediction is checked to be conservative, never more than 10 % under
+    stream = ratios.pop("param-stream")
+    assert stream >= 0.9, (stream, ratios)
+    assert all(abs(ratio - 1.0) <= 0.10 for ratio in ratios.values()), ratios
+
+
+def _runtime_link(device: Any) -> dict[str, float]:
+    """The runtime's link estimate; the fake device's unlimited link where it has none (no activation copies)."""
+    runtime = runtime_for(device)
+    d2h, h2d = runtime.d2h_link, runtime.h2d_link
+    return {
+        "d2h_bandwidth": d2h.bandwidth or float("inf"),
+        "h2d_bandwidth": h2d.bandwidth or float("inf"),
+        "latency_s": ((d2h.latency or 0.0) + (h2d.latency or 0.0)) / 2,
+    }
