@@ -1,0 +1,110 @@
+"""The simulator's model of optimizer offload and parameter streaming, on worked numbers.
+
+Note [Optimizer offload and parameter streaming in the simulator] in offcore/sim/simulator.py.
+Two layers of 1 s forward and 2 s backward saving 100 bytes each, 10 bytes of parameters
+(and of gradients) per layer, a device optimizer state of 40 bytes, 10 B/s links both ways
+(a layer's parameters or gradients copy in 1 s) and a host step of 0.05 s per byte (0.5 s a layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from offcore.errors import ConfigurationError
+from offcore.sim import Plan, StepProfile, simulate
+from offcore.sim.profile import LayerProfile
+
+
+def profile(**changes: object) -> StepProfile:
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 100, grad_bytes=10) for i in range(2)]
+    fields: dict[str, object] = {
+        "param_bytes": 20,
+        "other_bytes": 40,
+        "optimizer_state_bytes": 40,
+        "d2h_bandwidth": 10,
+        "h2d_bandwidth": 10,
+        "host_step_s_per_byte": 0.05,
+    }
+    fields.update(changes)
+    return StepProfile(layers, **fields)  # type: ignore[arg-type]
+
+
+def spans(result: object, stream: str) -> list[tuple[str, float, float]]:
+    return [(e.name, e.start, e.end) for e in result.events if e.stream == stream]  # type: ignore[attr-defined]
+
+
+def test_the_device_optimizer_keeps_its_state_and_the_gradients() -> None:
+    r = simulate(profile(), Plan.keep_all(2))
+    assert (r.step_time_s, r.static_bytes, r.peak_bytes, r.host_step_s) == (6.0, 60, 270, 0.0)
+
+
+def test_optimizer_offload_copies_gradients_steps_on_the_host_and_copies_parameters_back() -> None:
+    r = simulate(profile(), Plan.keep_all(2, optimizer="offload"))
+    # l1's backward ends at 4: gradient D2H 4-5, host step 5-5.5, parameters H2D 5.5-6.5;
+    # l0's ends at 6: D2H 6-7, host step 7-7.5, H2D 7.5-8.5, and the step ends when it landed
+    assert spans(r, "d2h") == [("d2h:grad:l1", 4.0, 5.0), ("d2h:grad:l0", 6.0, 7.0)]
+    assert spans(r, "host") == [("host-step:l1", 5.0, 5.5), ("host-step:l0", 7.0, 7.5)]
+    assert spans(r, "h2d") == [("h2d:param:l1", 5.5, 6.5), ("h2d:param:l0", 7.5, 8.5)]
+    assert r.step_time_s == 8.5 and r.exposed_wait_s == 2.5 and r.host_step_s == 1.0
+    # no optimizer state on the device; at l1's backward: parameters 20 + saves 200 + its gradients 10
+    assert (r.static_bytes, r.peak_bytes) == (20, 230)
+    assert r.memory_at(5.0) == 20 + 100 + 10  # l1's gradients freed as their D2H landed
+
+
+def test_the_host_worker_is_serial() -> None:
+    r = simulate(profile(d2h_bandwidth="inf", host_step_s_per_byte=0.5), Plan.keep_all(2, optimizer="offload"))
+    # 5 s a layer: l0's step waits for l1's on the one worker
+    assert spans(r, "host") == [("host-step:l1", 4.0, 9.0), ("host-step:l0", 9.0, 14.0)]
+
+
+def test_parameters_outside_the_layers_step_after_backward() -> None:
+    r = simulate(profile(param_bytes=30), Plan.keep_all(2, optimizer="offload"))
+    assert ("d2h:grad:rest", 7.0, 8.0) in spans(r, "d2h")
+    assert r.step_time_s == pytest.approx(9.5)  # rest: host step 8-8.5, H2D 8.5-9.5
+
+
+def test_parameter_streaming_copies_each_layer_in_before_each_use() -> None:
+    r = simulate(profile(), Plan.keep_all(2, parameters="stream"))
+    assert spans(r, "h2d") == [
+        ("h2d:param:forward:l0", 0.0, 1.0),
+        ("h2d:param:forward:l1", 1.0, 2.0),  # one module ahead
+        ("h2d:param:backward:l1", 3.0, 4.0),  # at the end of forward
+        ("h2d:param:backward:l0", 4.0, 5.0),
+    ]
+    assert r.step_time_s == 8.0 and r.exposed_wait_s == 2.0
+    assert r.static_bytes == 40  # the layers' parameters are not resident
+    # l1's backward: other 40 + saves 200 + l1's and l0's parameters 20 + l1's gradients 10
+    assert r.peak_bytes == 270
+    assert r.memory_at(2.5) == 40 + 200 + 10  # in l1's forward: both layers' saves, its parameters only
+
+
+def test_all_kinds_no_upload_after_the_host_step() -> None:
+    r = simulate(profile(), Plan.keep_all(2, optimizer="offload", parameters="stream"))
+    assert [name for name, _, _ in spans(r, "h2d")] == [
+        "h2d:param:forward:l0",
+        "h2d:param:forward:l1",
+        "h2d:param:backward:l1",
+        "h2d:param:backward:l0",
+    ]
+    assert r.static_bytes == 0
+
+
+def test_plan_fields_round_trip_and_are_checked() -> None:
+    plan = Plan.uniform(2, "offload", optimizer="offload", parameters="stream")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.describe().endswith("optimizer=offload parameters=stream")
+    assert plan.strategy == "offload+param-stream+optimizer-offload"
+    assert "optimizer" not in Plan.keep_all(2).to_dict()  # older readers keep reading activation plans
+    with pytest.raises(ConfigurationError, match="optimizer must be"):
+        Plan.keep_all(2, optimizer="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="parameters must be"):
+        Plan.keep_all(2, parameters="host")  # type: ignore[arg-type]
+
+
+def test_profile_fields_round_trip_and_are_checked() -> None:
+    p = profile()
+    assert StepProfile.from_json(p.to_json()) == p
+    with pytest.raises(ConfigurationError, match="optimizer_state_bytes"):
+        profile(optimizer_state_bytes=41)
+    with pytest.raises(ConfigurationError, match="host_step_s_per_byte"):
+        profile(host_step_s_per_byte=-1.0)
