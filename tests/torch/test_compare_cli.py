@@ -206,7 +206,9 @@ def test_offloading_strategies_really_move_bytes(default_run: dict[str, Any]) ->
         if strategy["status"] == "skipped":
             continue
         copies = moved[strategy["name"]]
-        offloads = "offload" in strategy["plan_dict"]["actions"]
+        plan = strategy["plan_dict"]
+        # activations, gradients (optimizer offload) or parameters (streaming) leave the device
+        offloads = "offload" in plan["actions"] or plan.get("optimizer") == "offload"
         assert (copies["d2h"] > 0) is offloads, (strategy["name"], strategy["plan"], copies)
         if not offloads:
             assert copies == {"d2h": 0, "h2d": 0}, strategy["name"]
@@ -232,3 +234,34 @@ def test_planned_shows_the_planners_own_figure_and_no_fitting_strategy_is_predic
         if strategy["predicted_peak_bytes"] <= budget:
             assert planned["predicted_step_s"] <= strategy["predicted_step_s"] * (1 + 1e-9), name
     assert planned["predicted_peak_bytes"] <= budget
+
+
+def test_the_optimizer_and_parameter_strategies_have_rows_with_predictions(default_run: dict[str, Any]) -> None:
+    """Issues 11 and 12: optimizer offload and parameter streaming are rows, measured and predicted."""
+    report = json.loads((default_run["out"] / "compare.json").read_text())
+    by_name = {s["name"]: s for s in report["strategies"]}
+    expected = {
+        "optimizer-offload": ({"keep"}, "offload", None),
+        "optimizer+activation-offload": ({"offload"}, "offload", None),
+        "param-stream": ({"offload"}, "offload", "stream"),
+    }
+    for name, (actions, optimizer, parameters) in expected.items():
+        row = by_name[name]
+        assert row["status"] == "ok", (name, row.get("error"))
+        assert set(row["plan_dict"]["actions"]) == actions
+        assert row["plan_dict"].get("optimizer") == optimizer
+        assert row["plan_dict"].get("parameters") == parameters
+        assert row["bit_identical"] is True, f"{name} changed a number"
+        assert row["predicted_step_s"] > 0 and row["predicted_peak_bytes"] > 0
+        assert row["peak_device_bytes"] > 0 and row["step_times_s"]
+    # no optimizer state on the device: below the keep-all optimizer step's peak
+    assert by_name["optimizer-offload"]["predicted_peak_bytes"] < report["profile"]["optimizer_peak_bytes"]
+    # the layers' parameters are streamed (measured peaks move with the copy threads' timing: predicted)
+    assert (
+        by_name["param-stream"]["predicted_peak_bytes"]
+        < by_name["optimizer+activation-offload"]["predicted_peak_bytes"]
+    )
+    assert report["profile"]["host_step_s_per_byte"] > 0 and report["profile"]["optimizer_state_bytes"] > 0
+    text = default_run["stdout"]
+    for name in expected:
+        assert f"\n{name} " in text, f"a table row for {name}"
