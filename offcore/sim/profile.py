@@ -220,6 +220,13 @@ class StepProfile:
         host_step_s_per_byte: the host optimizer step's time per parameter byte (the
             profiler times one step of the same optimizer class over host copies); what a
             plan with ``optimizer="offload"`` spends per layer on its serial host worker.
+        optimizer_offload_overhead_s, parameter_stream_overhead_s: compute-stream seconds
+            per step of the runtime's own work under optimizer offload (gradient hooks,
+            copy issue, the host worker contending for the host) and under parameter
+            streaming (hooks, copies issued, storages swapped), measured (``offcore
+            compare`` times steps with and without them); the simulator adds them to the
+            layers' backward (and, for streaming, half to their forward) in proportion to
+            their parameter bytes. 0 by default.
 
     >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
     >>> p.static_bytes, p.compute_s
@@ -240,6 +247,8 @@ class StepProfile:
     reuse_in_flight: bool = False
     optimizer_state_bytes: int = 0
     host_step_s_per_byte: float = 0.0
+    optimizer_offload_overhead_s: float = 0.0
+    parameter_stream_overhead_s: float = 0.0
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -268,6 +277,8 @@ class StepProfile:
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not (step >= 0 and math.isfinite(step)):
             raise ConfigurationError(f"host_step_s_per_byte must be a finite number >= 0, got {step!r}")
         set_(self, "host_step_s_per_byte", float(step))
+        for attribute in ("optimizer_offload_overhead_s", "parameter_stream_overhead_s"):
+            set_(self, attribute, parse_duration(getattr(self, attribute), what=attribute))
         if self.head_bytes > self.other_bytes:
             raise ConfigurationError(
                 f"head_bytes ({self.head_bytes}) is the part of other_bytes ({self.other_bytes}) alive only "
@@ -389,6 +400,8 @@ class StepProfile:
             "reuse_in_flight": self.reuse_in_flight,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "host_step_s_per_byte": self.host_step_s_per_byte,
+            "optimizer_offload_overhead_s": self.optimizer_offload_overhead_s,
+            "parameter_stream_overhead_s": self.parameter_stream_overhead_s,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -418,6 +431,8 @@ class StepProfile:
             "reuse_in_flight",
             "optimizer_state_bytes",
             "host_step_s_per_byte",
+            "optimizer_offload_overhead_s",
+            "parameter_stream_overhead_s",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

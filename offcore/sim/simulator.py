@@ -137,6 +137,9 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # use waits for its copy (an exposed wait). This is a simplification of the runtime's
 # deadline plan within its byte budget; it is not driven through the ResidencyScheduler.
 # With both, the host step writes the handle's host copies and there is no H2D after it.
+# The runtimes' own compute-stream work (StepProfile.optimizer_offload_overhead_s and
+# parameter_stream_overhead_s, measured) is added to the layers' backward (streaming: half
+# to their forward) in proportion to their parameter bytes.
 
 
 @dataclass(frozen=True)
@@ -478,6 +481,21 @@ class _Step:
         ]
         self.fwd = [layer.forward_s + extra for layer, extra in zip(layers, self.half_overhead, strict=True)]
         self.bwd = [layer.backward_s + extra for layer, extra in zip(layers, self.half_overhead, strict=True)]
+        # the runtime's own work under optimizer offload / parameter streaming (measured per step),
+        # spread over the layers by parameter bytes (Note [Optimizer offload and parameter streaming
+        # in the simulator])
+        self.kinds_overhead = 0.0
+        layer_params = [layer.param_bytes or layer.grad_bytes for layer in layers]
+        total = sum(layer_params)
+        shares = [b / total if total else 1.0 / len(layers) for b in layer_params]
+        if plan.optimizer == "offload" and profile.optimizer_offload_overhead_s:
+            self.kinds_overhead += profile.optimizer_offload_overhead_s
+            self.bwd = [b + profile.optimizer_offload_overhead_s * f for b, f in zip(self.bwd, shares, strict=True)]
+        if plan.parameters == "stream" and profile.parameter_stream_overhead_s:
+            half = profile.parameter_stream_overhead_s / 2
+            self.kinds_overhead += profile.parameter_stream_overhead_s
+            self.fwd = [t + half * f for t, f in zip(self.fwd, shares, strict=True)]
+            self.bwd = [t + half * f for t, f in zip(self.bwd, shares, strict=True)]
         self.rec = [layer.recompute_time for layer in layers]
         self.saved = [layer.saved_bytes for layer in layers]
         self.work = [layer.working_bytes for layer in layers]
@@ -1017,7 +1035,7 @@ class _Step:
             forward_s=math.fsum(layer.forward_s for layer in layers),
             backward_s=math.fsum(layer.backward_s for layer in layers),
             recompute_s=self.recompute_total,
-            overhead_s=2 * math.fsum(self.half_overhead),
+            overhead_s=2 * math.fsum(self.half_overhead) + self.kinds_overhead,
             exposed_wait_s=math.fsum(self.waits.values()),
             wait_by_layer=self.waits,
             static_bytes=static,

@@ -189,9 +189,17 @@ class CompareSettings:
         return self.batch % 2 == 0 and bool({"accumulate", "planned"} & set(self.strategies))
 
     @property
+    def needs_kind_overheads(self) -> bool:
+        """Whether the optimizer-offload / parameter-streaming runtimes' overheads are measured (a strategy uses them)."""
+        return bool(
+            {"optimizer-offload", "optimizer+activation-offload", "param-stream", "planned"} & set(self.strategies)
+        )
+
+    @property
     def profile_steps(self) -> int:
         """Steps of the reference phase: the reference run, the profiled step, the overhead runs."""
-        return self.warmup + self.iters + 1 + (2 * (_OVERHEAD_PAIRS + 1) if self.needs_overhead else 0)
+        kinds = 3 * (_KIND_ROUNDS + 2) if self.needs_kind_overheads else 0
+        return self.warmup + self.iters + 1 + (2 * (_OVERHEAD_PAIRS + 1) if self.needs_overhead else 0) + kinds
 
     @property
     def total_steps(self) -> int:
@@ -771,7 +779,11 @@ def _planned(
         for p, _ in named.values()
         if p is not None and p.microbatches in counts and p.optimizer == "device" and p.parameters == "resident"
     ]
-    measured = {p: peak for p, peak in (measured_peaks or {}).items() if p.microbatches in counts}
+    measured = {
+        p: peak
+        for p, peak in (measured_peaks or {}).items()
+        if p.microbatches in counts and p.optimizer == "device" and p.parameters == "resident"
+    }
     try:
         result = plan(
             profile,
@@ -1021,6 +1033,74 @@ def measure_microbatch_overhead(device: Any, work: Workload, settings: CompareSe
     return max(0.0, statistics.median(differences))
 
 
+_KIND_ROUNDS = 5  # timed rounds (one step of each variant) after two warm-up rounds
+
+
+# Note [Measured overhead of the optimizer and parameter runtimes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# OffloadOptimizer and offload_parameters do their own work on the compute stream (per-parameter
+# hooks and events, copies issued, storages swapped, and the host worker contending for the host's
+# cores); on a small model it is most of their cost. It is measured on the unlimited reference
+# device as compare times a step (forward, backward, optimizer.step(), zero_grad, synchronize):
+# warmed-up copies of the workload take turns (keep all with the device optimizer, with
+# OffloadOptimizer, with OffloadOptimizer over streamed parameters), and the median paired
+# difference, less what the simulator already predicts for that difference on an unlimited link
+# (the host step's tail; the device optimizer step the baseline pays), is the overhead
+# (StepProfile.optimizer_offload_overhead_s, parameter_stream_overhead_s), never negative.
+def measure_kind_overheads(
+    device: Any, work: Workload, settings: CompareSettings, measurement: StepMeasurement, report: Progress
+) -> tuple[float, float]:
+    """``(optimizer offload, parameter streaming)`` compute-stream seconds per step (Note [Measured overhead
+    of the optimizer and parameter runtimes])."""
+    n = settings.layers
+    variants = [
+        Plan.keep_all(n),
+        Plan.keep_all(n, optimizer="offload"),
+        Plan.keep_all(n, optimizer="offload", parameters="stream"),
+    ]
+    torch_device = torch.device(device.torch_device)
+    built: list[tuple[Any, Any, Any]] = []
+    times: list[list[float]] = [[] for _ in variants]
+    try:
+        for step_plan in variants:
+            with device:
+                model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
+                built.append(_optimizer_for(model, step_plan, device, settings))
+        for number in range(_KIND_ROUNDS + 2):
+            for index, (model, optimizer, _) in enumerate(built):
+                with device:
+                    batch = work.make_batch(number % max(1, settings.iters), torch_device)
+                    device.synchronize()
+                    start = time.perf_counter()
+                    work.loss(model, batch).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    device.synchronize()
+                    seconds = time.perf_counter() - start
+                    del batch
+                if number >= 2:
+                    times[index].append(seconds)
+                report(1, "profile")
+    finally:
+        for _, optimizer, handle in built:
+            try:
+                if isinstance(optimizer, OffloadOptimizer):
+                    optimizer.close()
+            finally:
+                if handle is not None:
+                    handle.discard()
+        built.clear()
+        gc.collect()
+    unlimited = replace(measurement, profile=measurement.profile.with_link(d2h_bandwidth="inf", h2d_bandwidth="inf"))
+    predicted = [unlimited.predict(step_plan)[1] for step_plan in variants]
+    optimizer_diff = statistics.median(b - a for a, b in zip(times[0], times[1], strict=True))
+    stream_diff = statistics.median(c - b for b, c in zip(times[1], times[2], strict=True))
+    return (
+        max(0.0, optimizer_diff - (predicted[1] - predicted[0])),
+        max(0.0, stream_diff - (predicted[2] - predicted[1])),
+    )
+
+
 def run_compare(
     settings: CompareSettings,
     *,
@@ -1082,6 +1162,14 @@ def _run_compare(
         measurement = profiler.measure()
         report(1, "profile")
         overhead = measure_microbatch_overhead(unlimited, work, settings, report) if settings.needs_overhead else 0.0
+        if settings.needs_kind_overheads:
+            optimizer_overhead, stream_overhead = measure_kind_overheads(unlimited, work, settings, measurement, report)
+            profiled = replace(
+                measurement.profile,
+                optimizer_offload_overhead_s=optimizer_overhead,
+                parameter_stream_overhead_s=stream_overhead,
+            )
+            measurement = replace(measurement, profile=profiled)
     finally:
         if not reprofile:
             profiler = None
@@ -1199,6 +1287,11 @@ def _run_compare(
             predicted = choice.predicted
             if profiler is not None:
                 fresh = profiler.measure(link=link, capacity_bytes=capacity)
+                kinds = {  # measured once (Note [Measured overhead of the optimizer and parameter runtimes])
+                    "optimizer_offload_overhead_s": profile.optimizer_offload_overhead_s,
+                    "parameter_stream_overhead_s": profile.parameter_stream_overhead_s,
+                }
+                fresh = replace(fresh, profile=replace(fresh.profile, **kinds))
                 result.reprofiled_step_s = fresh.predict(step_plan, microbatch_overhead_s=overhead)[1]
                 report(1, "profile")
             result.predicted_step_s = choice.predicted_s

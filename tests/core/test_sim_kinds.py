@@ -108,3 +108,14 @@ def test_profile_fields_round_trip_and_are_checked() -> None:
         profile(optimizer_state_bytes=41)
     with pytest.raises(ConfigurationError, match="host_step_s_per_byte"):
         profile(host_step_s_per_byte=-1.0)
+
+
+def test_the_runtimes_own_work_is_on_the_compute_stream() -> None:
+    plain = simulate(profile(), Plan.keep_all(2, optimizer="offload"))
+    r = simulate(profile(optimizer_offload_overhead_s=1.0), Plan.keep_all(2, optimizer="offload"))
+    assert r.overhead_s == 1.0
+    assert [e.duration for e in r.events if e.kind == "backward"] == [2.5, 2.5]  # by parameter bytes
+    assert r.step_time_s == plain.step_time_s + 1.0
+    s = simulate(profile(parameter_stream_overhead_s=2.0), Plan.keep_all(2, parameters="stream"))
+    assert [e.duration for e in s.events if e.kind in ("forward", "backward")] == [1.5, 1.5, 2.5, 2.5]
+    assert simulate(profile(optimizer_offload_overhead_s=1.0), Plan.keep_all(2)).overhead_s == 0.0
