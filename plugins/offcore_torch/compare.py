@@ -300,7 +300,8 @@ def _train(
     total = settings.warmup + settings.iters
     steps = total + (1 if observe else 0)
     done = 0
-    model = optimizer = handle = None
+    model = optimizer = handle = host = None
+    params: list[Tensor] = []
     try:
         # Note: only the training work runs inside `with device:`; the CPU copies the comparison
         # keeps (losses, gradients) are made outside it, or the fake device would count them.
@@ -379,6 +380,9 @@ def _train(
         finally:
             if handle is not None:
                 handle.discard()
+        # the parameters (and, under parameter streaming, device copies the handle issued for the next
+        # step) go now, not at a later collection: the next strategy runs on this device
+        params, host = [], None
         del model, optimizer, handle
         gc.collect()
         try:
