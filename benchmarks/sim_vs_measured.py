@@ -1,7 +1,7 @@
 """Simulator vs measurement on the CPU fake device: is each strategy's predicted step time within 15 %?
 
 For every strategy of ``offcore compare`` (baseline, accumulate, checkpoint, offload,
-hybrid, planned) this trains the built-in TinyGPT on the fake device with the PCIe-like
+hybrid, optimizer-offload, optimizer+activation-offload, param-stream, planned) this trains the built-in TinyGPT on the fake device with the PCIe-like
 link ``offcore compare`` chooses and a capacity large enough for every strategy to run
 (the accumulate choice and the planner still plan under ``--budget-fraction`` of the
 keep-all peak, so "planned" is a real plan), and compares each measured step time with
@@ -17,6 +17,12 @@ profiler's own cost, the offload overhead per saved storage) and model the reuse
 device copies still in flight. Each round also profiles once *uncalibrated* (and without
 reuse): the simulator's inputs as they were before that, so the "before" error column
 is paired with the same measured steps.
+
+The optimizer-offload and parameter-streaming strategies run the real ``OffloadOptimizer``
+(AdamW, as every other strategy's device optimizer) and ``offload_parameters``, built as
+``offcore compare`` builds them; the runtimes' own per-step overhead is measured once on
+the unlimited device before the rounds (``measure_kind_overheads``) and given to every
+round's profile.
 
     .venv/bin/python benchmarks/sim_vs_measured.py                        # the compare default workload
     .venv/bin/python benchmarks/sim_vs_measured.py --d-model 128 --seq-len 128 --rounds 9 --json out.json
@@ -75,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         CompareSettings,
         _extrapolated_batch,
         _max_batch,
+        _optimizer_for,
         build_workload,
+        measure_kind_overheads,
         measure_microbatch_overhead,
         pcie_like_bandwidths,
         profile_workload,
@@ -102,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     unlimited = offcore.device("cpu", capacity="1TiB", d2h_bandwidth="inf", h2d_bandwidth="inf", latency=0)
     first = profile_workload(unlimited, work, settings)
     overhead = measure_microbatch_overhead(unlimited, work, settings, lambda steps, label: None)
+    optimizer_overhead, stream_overhead = measure_kind_overheads(
+        unlimited, work, settings, first, lambda steps, label: None
+    )
+    kinds = {"optimizer_offload_overhead_s": optimizer_overhead, "parameter_stream_overhead_s": stream_overhead}
+    first = replace(first, profile=replace(first.profile, **kinds))
     layers = first.profile.layers
     d2h, h2d, why = pcie_like_bandwidths(
         sum(lp.saved_bytes for lp in layers) / len(layers), first.profile.forward_s / len(layers)
@@ -119,21 +132,23 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     print(
-        f"micro-batch overhead {overhead * 1e3:.1f} ms; plans: "
+        f"micro-batch overhead {overhead * 1e3:.1f} ms; optimizer-offload overhead {optimizer_overhead * 1e3:.1f} ms, "
+        f"parameter-streaming overhead {stream_overhead * 1e3:.1f} ms per step; plans: "
         + ", ".join(f"{n}={p.describe()}" for n, p in plans.items() if p),
         file=sys.stderr,
     )
 
     torch_device = torch.device(device.torch_device)
     state: dict[str, Any] = {}
+    handles: list[tuple[Any, Any]] = []
     for name, plan in plans.items():
         if plan is None:
             continue
         with device:
-            model = work.build(settings.seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+            model, optimizer, handle = _optimizer_for(work.build(settings.seed), plan, device, settings)
         executor = PlanExecutor(model, plan, device).__enter__()
         state[name] = (model, optimizer, executor)
+        handles.append((optimizer, handle))
     profiler_model = work.build(settings.seed)
     with device:
         profiler_optimizer = torch.optim.AdamW(profiler_model.parameters(), lr=settings.lr)
@@ -196,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for calibrate in (True, False)
             )
-            before = replace(before, profile=replace(before.profile, reuse_in_flight=False))
+            before = replace(before, profile=replace(before.profile, reuse_in_flight=False, **kinds))
+            fresh = replace(fresh, profile=replace(fresh.profile, **kinds))
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             seconds, peak, wait = one_step(name, step)
@@ -230,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
 
     print(
-        f"{'strategy':<11} {'plan':<34} {'measured ms':>11} {'predicted ms':>12} {'error':>7} {'IQR of error':>14} "
+        f"{'strategy':<28} {'plan':<34} {'measured ms':>11} {'predicted ms':>12} {'error':>7} {'IQR of error':>14} "
         f"{'within 15%':>10} {'peak':>10} {'pred peak':>10} {'wait ms':>8} {'uncal. err':>10}"
     )
     memory_rows: list[str] = []
@@ -271,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             summary[-1][f"{key}_above_resident_ratio"] = above
             summary[-1][batch_key] = r[batch_key][worst]
         summary[-1]["max_batch"] = r["max_batch"][worst]
-        memory_rows.append(f"{name:<11} {format_bytes(peak):>10} {r['max_batch'][worst]!s:>6}   " + "   ".join(cells))
+        memory_rows.append(f"{name:<28} {format_bytes(peak):>10} {r['max_batch'][worst]!s:>6}   " + "   ".join(cells))
         print(
-            f"{name:<11} {plans[name].describe():<34} {statistics.median(r['measured']) * 1e3:>11.1f} "
+            f"{name:<28} {plans[name].describe():<34} {statistics.median(r['measured']) * 1e3:>11.1f} "
             f"{statistics.median(r['predicted']) * 1e3:>12.1f} {error:>+7.0%} "
             f"{f'{quartiles[0]:+.0%}..{quartiles[2]:+.0%}':>14} {'yes' if within else 'NO':>10} "
             f"{format_bytes(max(r['peak'])):>10} {format_bytes(max(r['predicted_peak'])):>10} "
@@ -284,12 +300,18 @@ def main(argv: list[str] | None = None) -> int:
         "max batch in the planning budget's headroom):"
     )
     print(
-        f"{'strategy':<11} {'peak':>10} {'batch':>6}   {'pred/meas':>6} {'above':>7} {'batch':>5}   "
+        f"{'strategy':<28} {'peak':>10} {'batch':>6}   {'pred/meas':>6} {'above':>7} {'batch':>5}   "
         f"{'rt link':>6} {'above':>7} {'batch':>5}"
     )
     print("\n".join(memory_rows))
     for _, _, executor in state.values():
         executor.__exit__(None, None, None)
+    for optimizer, handle in handles:
+        if hasattr(optimizer, "close"):
+            optimizer.close()
+        if handle is not None:
+            handle.discard()
+    state.clear()
     device.close()
     unlimited.close()
     hits = sum(row["within_target"] for row in summary)
@@ -300,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"settings": settings.workload(), "overhead_s": overhead, "rows": summary},
+                {
+                    "settings": settings.workload(),
+                    "overhead_s": overhead,
+                    "optimizer_offload_overhead_s": optimizer_overhead,
+                    "parameter_stream_overhead_s": stream_overhead,
+                    "rows": summary,
+                },
                 indent=2,
             )
         )

@@ -132,9 +132,12 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # wait for. ``Plan.parameters == "stream"`` models offcore_torch.offload_parameters: each
 # layer's parameters are not resident; they are copied in on the h2d link before its
 # forward and again before its backward and freed when that forward or backward ends. The
-# copy for a use is issued at the previous layer's use (one module ahead: the first
-# layer's at the step's start, the last layer's backward copy at the end of forward), a
-# use waits for its copy (an exposed wait). This is a simplification of the runtime's
+# copies for a use are issued at a use two modules earlier (``_PARAMETER_LOOKAHEAD``: the
+# runtime's default budget is twice the largest module; the last layers' backward copies at
+# the end of forward); the first two layers' forward copies are made at the end of the
+# previous step (after its host step: the next round starts early), so they are resident at
+# the step's start and the step ends when the next step's landed. A use waits for its copy
+# (an exposed wait). This is a simplification of the runtime's
 # deadline plan within its byte budget; it is not driven through the ResidencyScheduler.
 # With both, the host step writes the handle's host copies and there is no H2D after it.
 # The runtimes' own compute-stream work (StepProfile.optimizer_offload_overhead_s and
@@ -425,6 +428,10 @@ class _Link:
 
 
 _UNBOUNDED = 1 << 62  # no prefetch byte budget
+
+# parameter streaming: copies issued this many modules ahead of use (offload_parameters' default
+# budget is twice the largest module's parameters)
+_PARAMETER_LOOKAHEAD = 2
 
 # event priorities at one instant (Note [Simulated lifetimes]: frees before allocations)
 _END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
@@ -791,16 +798,15 @@ class _Step:
 
     def when_params_ready(self, i: int, phase: str, then: Callable[[], None]) -> None:
         """Run ``then`` once layer ``i``'s parameters for ``phase`` landed (waiting for them), after
-        issuing the next layer's copy (one module ahead)."""
+        issuing the copies of the next ``_PARAMETER_LOOKAHEAD`` layers of that pass."""
         if not self.stream:
             then()
             return
         land = self.param_copy(i, phase)
-        if phase == "forward":
-            if i + 1 < self.n:
-                self.param_copy(i + 1, "forward")
-        elif i - 1 >= 0:
-            self.param_copy(i - 1, "backward")
+        for ahead in range(1, _PARAMETER_LOOKAHEAD + 1):
+            j = i + ahead if phase == "forward" else i - ahead
+            if 0 <= j < self.n:
+                self.param_copy(j, phase)
         if land > self.now:
             self.wait(i, self.now, land)
             self.at(land, _START, then)
@@ -819,6 +825,10 @@ class _Step:
 
     def run(self) -> SimResult:
         self.tasks = self._tasks()
+        if self.stream:  # the previous step's end copied the first layers in (the next round starts early)
+            for i in range(min(self.n, _PARAMETER_LOOKAHEAD)):
+                self.change(self.params[i])
+                self.param_land[("forward", i)] = 0.0
         self._waiting_for: dict[int, Callable[[], None]] = {}
         self.compute_end = 0.0
         self.sched.forward_began(0.0)
@@ -841,7 +851,8 @@ class _Step:
             # end of forward (Note [Prefetch from the end of forward] in offcore_torch)
             head = self.profile.head_bytes
             if self.stream:
-                self.param_copy(self.n - 1, "backward")
+                for j in range(self.n - 1, max(-1, self.n - 1 - _PARAMETER_LOOKAHEAD), -1):
+                    self.param_copy(j, "backward")
             self.change(head)
             self.execute(sched.forward_ended(self.now))
             sched.backward_began(self.now)
@@ -997,6 +1008,13 @@ class _Step:
     def result(self) -> SimResult:
         profile = self.profile
         step_time = self.compute_end
+        if self.stream:  # the next step's first copies, after the host step (the device synchronises)
+            issue = max(self.compute_end, self.host_end)
+            for i in range(min(self.n, _PARAMETER_LOOKAHEAD)):
+                start, land = self.h2d_link.run(issue, self.copy_s(self.params[i], "h2d"))
+                self.h2d_bytes += self.params[i]
+                self.last_copy_end = max(self.last_copy_end, land)
+                self.event("h2d", f"h2d:param:next-forward:{self.names[i]}", start, land, "h2d", i)
         end = max(self.last_copy_end, self.host_end)
         if end > step_time:  # the step ends when its last copy landed (the device synchronises)
             objects = self.objects.values()

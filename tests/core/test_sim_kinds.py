@@ -66,26 +66,40 @@ def test_parameters_outside_the_layers_step_after_backward() -> None:
 def test_parameter_streaming_copies_each_layer_in_before_each_use() -> None:
     r = simulate(profile(), Plan.keep_all(2, parameters="stream"))
     assert spans(r, "h2d") == [
-        ("h2d:param:forward:l0", 0.0, 1.0),
-        ("h2d:param:forward:l1", 1.0, 2.0),  # one module ahead
-        ("h2d:param:backward:l1", 3.0, 4.0),  # at the end of forward
-        ("h2d:param:backward:l0", 4.0, 5.0),
+        ("h2d:param:backward:l1", 2.0, 3.0),  # both backward copies at the end of forward (two ahead)
+        ("h2d:param:backward:l0", 3.0, 4.0),
+        ("h2d:param:next-forward:l0", 7.0, 8.0),  # the next step's first copies, at the end of this one
+        ("h2d:param:next-forward:l1", 8.0, 9.0),
     ]
-    assert r.step_time_s == 8.0 and r.exposed_wait_s == 2.0
+    # the forward copies were made at the end of the previous step: no wait in forward; l1's
+    # backward waits 2-3 for its copy; the step ends when the next step's copies landed
+    assert r.step_time_s == 9.0 and r.exposed_wait_s == 3.0
     assert r.static_bytes == 40  # the layers' parameters are not resident
+    assert r.memory_at(0.0) == 40 + 20 + 100  # both layers' forward copies, l0's first save
     # l1's backward: other 40 + saves 200 + l1's and l0's parameters 20 + l1's gradients 10
     assert r.peak_bytes == 270
-    assert r.memory_at(2.5) == 40 + 200 + 10  # in l1's forward: both layers' saves, its parameters only
+    assert r.memory_at(1.5) == 40 + 200 + 10  # in l1's forward: l0's parameters freed after its forward
+
+
+def test_parameter_copies_go_two_modules_ahead() -> None:
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0, grad_bytes=10) for i in range(4)]
+    p = StepProfile(layers, param_bytes=40, h2d_bandwidth=5)  # 2 s a copy, 1 s a forward
+    r = simulate(p, Plan.keep_all(4, parameters="stream"))
+    forward = [(name, start, end) for name, start, end in spans(r, "h2d") if ":forward:" in name]
+    # at l0's forward (t=0) l2's copy is issued (l1's was made before the step), at l1's l3's
+    assert forward == [("h2d:param:forward:l2", 0.0, 2.0), ("h2d:param:forward:l3", 2.0, 4.0)]
+    assert [e.start for e in r.events if e.kind == "forward"] == [0.0, 1.0, 2.0, 4.0]
 
 
 def test_all_kinds_no_upload_after_the_host_step() -> None:
     r = simulate(profile(), Plan.keep_all(2, optimizer="offload", parameters="stream"))
     assert [name for name, _, _ in spans(r, "h2d")] == [
-        "h2d:param:forward:l0",
-        "h2d:param:forward:l1",
         "h2d:param:backward:l1",
         "h2d:param:backward:l0",
+        "h2d:param:next-forward:l0",  # the next round, once the last host step is done (8.5)
+        "h2d:param:next-forward:l1",
     ]
+    assert spans(r, "h2d")[2][1] == 8.5  # the next round starts once the host step is done
     assert r.static_bytes == 0
 
 
