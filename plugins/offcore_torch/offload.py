@@ -105,7 +105,7 @@ from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
 from offcore_torch.budget import shared_budget_for
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
-from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, storage_ref
+from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
 from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
@@ -565,7 +565,7 @@ class OffloadHandle:
             self._h2d_copies = count + 1
             self._h2d_bytes += nbytes
             order = self._h2d_order
-        timed = runtime.timing and runtime.sample(direction, always=self._tracing or count < 2)
+        timed = runtime.timing and (self._tracing or count < 2 or runtime.sample(direction))
         if timed or _profiler._is_profiler_enabled:
             return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
         if order is None:  # Note [Ordering events are recorded again]
@@ -625,7 +625,8 @@ class OffloadHandle:
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         entry = Entry(self, key, where, meta, nbytes, skey)
-        entry.storage_ref = storage_ref(storage, entry)
+        ref = entry.storage_ref = StorageRef(storage, storage_died)  # records.storage_ref, inlined
+        ref.entry_ref = weakref.ref(entry)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         entry.src = raw_bytes(storage, meta.device)

@@ -31,7 +31,7 @@ from offcore.errors import ConfigurationError
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
-from offcore_torch.storage import is_offloadable_kind, is_parameter_like, storage_key
+from offcore_torch.storage import is_parameter_like, storage_key
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
@@ -231,7 +231,14 @@ class PackRules:
             return "during_backward"
         if getattr(_local, "suspended", 0):
             return "no_offload"
-        if not is_offloadable_kind(tensor):
+        cls = type(tensor)  # storage.is_offloadable_kind, inlined (once per saved tensor)
+        if (
+            (cls is not torch.Tensor and cls is not nn.Parameter)
+            or tensor.layout is not torch.strided
+            or tensor.is_quantized
+            or tensor.is_nested
+            or tensor.is_meta
+        ):
             return "unsupported"
         return None
 
