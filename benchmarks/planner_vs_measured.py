@@ -47,13 +47,24 @@ SHAPES = {
     "wide": {"d_model": 128, "seq_len": 64},
 }
 FRACTIONS = (0.50, 0.57, 0.64, 0.71, 0.78, 0.85, 0.95)
-NAMES = ("baseline", "accumulate", "checkpoint", "offload", "hybrid", "planned")
+NAMES = (
+    "baseline",
+    "accumulate",
+    "checkpoint",
+    "offload",
+    "hybrid",
+    "optimizer-offload",
+    "optimizer+activation-offload",
+    "param-stream",
+    "planned",
+)
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from offcore_torch.compare import (
         CompareSettings,
+        _optimizer_for,
         build_workload,
         measure_microbatch_overhead,
         pcie_like_bandwidths,
@@ -61,6 +72,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         profile_workload,
     )
     from offcore_torch.executor import PlanExecutor
+    from offcore_torch.optimizer import OffloadOptimizer
     from offcore_torch.profiler import measure_link
 
     import offcore
@@ -80,30 +92,43 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     keep_all_peak = first.peak_bytes
     torch_device = torch.device(device.torch_device)
 
+    def close(optimizer: Any, handle: Any) -> None:
+        """Stop a host optimizer and give a parameter handle's host copies back (as ``offcore compare`` does)."""
+        try:
+            if isinstance(optimizer, OffloadOptimizer):
+                optimizer.close()
+        finally:
+            if handle is not None:
+                handle.discard()
+
     def own_peak(step_plan: Any) -> int:
         """The plan's device peak alone on a fresh fake device (the largest of three steps after a warm-up)."""
         alone = offcore.device(
             "cpu", capacity="64GiB", d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=settings.latency_s
         )
         alone_device = torch.device(alone.torch_device)
+        # the optimizer and parameters as offcore compare sets them up for the plan (plan.optimizer,
+        # plan.parameters: OffloadOptimizer, offload_parameters), not a device AdamW for every plan
         with alone:
-            model = work.build(settings.seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+            model, optimizer, handle = _optimizer_for(work.build(settings.seed), step_plan, alone, settings)
         peak = 0
-        with PlanExecutor(model, step_plan, alone) as executor:
-            for step in range(4):
-                with alone:
-                    batch = work.make_batch(step, alone_device)
-                alone.synchronize()
-                alone.reset_peak_memory_stats()
-                with alone:
-                    executor.forward_backward(batch, work.loss)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+        try:
+            with PlanExecutor(model, step_plan, alone) as executor:
+                for step in range(4):
+                    with alone:
+                        batch = work.make_batch(step, alone_device)
                     alone.synchronize()
-                if step:
-                    peak = max(peak, int(alone.memory_stats().peak_allocated_bytes))
-        del model, optimizer, executor
+                    alone.reset_peak_memory_stats()
+                    with alone:
+                        executor.forward_backward(batch, work.loss)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        alone.synchronize()
+                    if step:
+                        peak = max(peak, int(alone.memory_stats().peak_allocated_bytes))
+        finally:
+            close(optimizer, handle)
+        del model, optimizer, handle, executor
         alone.close()
         return peak
 
@@ -164,10 +189,11 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     )
 
     state: dict[str, Any] = {}
+    handles: list[tuple[Any, Any]] = []
     for key, step_plan in distinct.items():
         with device:
-            model = work.build(settings.seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+            model, optimizer, handle = _optimizer_for(work.build(settings.seed), step_plan, device, settings)
+        handles.append((optimizer, handle))
         state[key] = (model, optimizer, PlanExecutor(model, step_plan, device).__enter__())
 
     def one_step(key: str, step: int) -> float:
@@ -195,6 +221,9 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             times[key].append(one_step(key, args.warmup + round_index))
     for _, _, executor in state.values():
         executor.__exit__(None, None, None)
+    for optimizer, handle in handles:
+        close(optimizer, handle)
+    state.clear()
     device.close()
     unlimited.close()
 

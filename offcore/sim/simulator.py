@@ -130,19 +130,47 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # The step ends when the last copy landed and the host worker is done (``offcore compare``
 # times ``step()`` plus a device synchronize), so nothing is left for the next forward to
 # wait for. ``Plan.parameters == "stream"`` models offcore_torch.offload_parameters: each
-# layer's parameters are not resident; they are copied in on the h2d link before its
-# forward and again before its backward and freed when that forward or backward ends. The
-# copies for a use are issued at a use two modules earlier (``_PARAMETER_LOOKAHEAD``: the
-# runtime's default budget is twice the largest module; the last layers' backward copies at
-# the end of forward); the first two layers' forward copies are made at the end of the
-# previous step (after its host step: the next round starts early), so they are resident at
-# the step's start and the step ends when the next step's landed. A use waits for its copy
-# (an exposed wait). This is a simplification of the runtime's
-# deadline plan within its byte budget; it is not driven through the ResidencyScheduler.
+# layer's parameters are not resident; they are on the device for each use (its forward, its
+# recompute, its backward) and freed when nothing uses or holds them. *When* they are copied in is
+# decided by a ResidencyScheduler, as the runtime's (Note [Parameter streaming drives a
+# ResidencyScheduler]). A use waits for its copy (an exposed wait).
 # With both, the host step writes the handle's host copies and there is no H2D after it.
 # The runtimes' own compute-stream work (StepProfile.optimizer_offload_overhead_s and
 # parameter_stream_overhead_s, measured) is added to the layers' backward (streaming: half
 # to their forward) in proportion to their parameter bytes.
+
+# Note [Parameter streaming drives a ResidencyScheduler]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One policy for streamed parameters, the runtime's (plugins/offcore_torch/parameters.py): a
+# simulated step runs one round of its own ResidencyScheduler (Kind.PARAMETER objects) beside the
+# activations' one, fed the events offload_parameters feeds its round and executing its actions
+# as it does:
+#   - the round's start (``_begin_step``): forward_began; every use of the step's sequence (a
+#     layer's forward, recompute and backward, in the order the compute stream runs them) is an
+#     object: produced at the synthetic time ``t − key × 1 ms / backward_ratio``, register,
+#     offload_started (its host copy is the data), landed(needed=False); forward_ended (the plan,
+#     first copies offered), backward_began: one round on one clock from the step's start;
+#   - each use (``_use``), a trigger: a held prefetch is used, awaited, consumed; otherwise the
+#     parameters are copied in now (unless on the device already) and ``reloaded``, used, consumed;
+#     then the actions: PREFETCH copies the layer in on the h2d link (no copy when it is on the
+#     device: ``_copy_in`` copies only what is not, and the copy stays held), EVICT drops a hold;
+#   - a layer's device copy is freed when no use pins it and no prefetch holds it (a recompute in
+#     backward pins it until its backward ends), once the copy into it landed;
+#   - compute's end (``_end_step``): backward_ended at the last use; prefetches nobody used dropped.
+# The settings are offload_parameters' defaults: budget twice the largest layer's parameters,
+# margin 0.5 ms, prefetch "deadline", the device's capacity and the simulated level as its room.
+# The predictor has observed this step's ideal timeline of uses once (steady state). The round's
+# first copies (offered at its start) are made at the end of the previous step, after its host
+# step (Note [The next step starts early] in parameters.py): they are on the device at t = 0, and
+# this step issues the same copies (steady state: the same plan offers the same) from the later of
+# compute's end and the host worker's, and ends when they landed. Simplifications: the recompute
+# uses come just before the segment's last backward use (the runtime sees that backward use
+# first); with a device optimizer, the runtime keeps the next forward's first parameters on the
+# device at the end of backward and its optimizer step fetches and writes back the parameters,
+# neither is modelled (the first copies are made after compute ends, as with a host optimizer).
+# ``simulate(..., record_schedule=True)`` returns the round's log (SimResult.parameter_schedule_log):
+# it replays to the same actions (offcore.sim.replay; tests/core/test_sim_kinds.py) and has the
+# event names a real offload_parameters step feeds its scheduler (tests/torch/test_sim_memory.py).
 
 
 @dataclass(frozen=True)
@@ -206,6 +234,15 @@ class SimResult:
     """The scheduler's actions (``record_schedule=True``), as ``OffloadHandle.schedule_actions``."""
     host_step_s: float = 0.0
     """Seconds the host optimizer worker is busy (``Plan.optimizer == "offload"``)."""
+    parameter_schedule_log: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)
+    """The events the parameter-streaming round fed its own :class:`~offcore.residency.ResidencyScheduler`
+    (``Plan.parameters == "stream"``, ``record_schedule=True``; the events
+    ``offcore_torch.offload_parameters`` feeds its scheduler)."""
+    parameter_schedule_actions: tuple[Any, ...] = field(default=(), repr=False)
+    """That scheduler's actions (``record_schedule=True``)."""
+    parameter_schedule_settings: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    """That scheduler's settings (:meth:`~offcore.residency.ResidencyScheduler.settings`: the keywords of
+    :func:`offcore.sim.replay.replay`)."""
 
     @property
     def compute_s(self) -> float:
@@ -388,6 +425,9 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         schedule_log=micro.schedule_log,
         schedule_actions=micro.schedule_actions,
         host_step_s=count * micro.host_step_s,
+        parameter_schedule_log=micro.parameter_schedule_log,
+        parameter_schedule_actions=micro.parameter_schedule_actions,
+        parameter_schedule_settings=micro.parameter_schedule_settings,
     )
 
 
@@ -411,6 +451,21 @@ class _SimEvent:
         return None
 
 
+class _Landed:
+    """A copy that has landed (the parameters' host copies: their "offload" is done before the step)."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_LANDED = _Landed()
+
+
 class _Link:
     """One serial copy queue (a direction of a duplex link, or one shared link): copies run in the order issued."""
 
@@ -429,9 +484,12 @@ class _Link:
 
 _UNBOUNDED = 1 << 62  # no prefetch byte budget
 
-# parameter streaming: copies issued this many modules ahead of use (offload_parameters' default
-# budget is twice the largest module's parameters)
-_PARAMETER_LOOKAHEAD = 2
+# parameter streaming (Note [Parameter streaming drives a ResidencyScheduler]): offload_parameters'
+# defaults: its margin (0.5 ms), its budget (twice the largest module's parameters), and the spacing
+# of the synthetic save times its rounds register their uses with
+_PARAMETER_MARGIN_S = 0.5e-3
+_PARAMETER_BUDGET_MODULES = 2
+_PARAMETER_UNIT_S = 1e-3
 
 # event priorities at one instant (Note [Simulated lifetimes]: frees before allocations)
 _END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
@@ -570,9 +628,24 @@ class _Step:
         self.host_free = 0.0  # when the host worker is free
         self.host_busy = 0.0
         self.host_end = 0.0
-        # parameter streaming: per layer and pass, when its copy lands (None: not issued)
-        self.param_land: dict[tuple[str, int], float] = {}
+        self.tasks = self._tasks()
         self.sched = self._make_scheduler(record_schedule)
+        # parameter streaming (Note [Parameter streaming drives a ResidencyScheduler]): per layer, whether
+        # its parameters are on the device, the uses and prefetches holding them, and when the last copy
+        # into them lands; per use (a key of the round), the layer and the phase
+        self.psched: ResidencyScheduler | None = None
+        self.p_uses: list[tuple[int, str]] = []
+        self.p_resident = [False] * self.n
+        self.p_pins = [0] * self.n
+        self.p_holds = [0] * self.n
+        self.p_backward_pin = [False] * self.n  # recomputed in backward: kept until its backward ends
+        self.p_ready = [0.0] * self.n
+        self.p_held: dict[int, int] = {}
+        self.p_cursor = 0
+        self.p_last_use = 0.0
+        self.p_first_layers: list[int] = []  # what the round's start copied in (the next round copies them again)
+        if self.stream:
+            self.psched = self._make_parameter_scheduler(record_schedule)
 
     # -- the scheduler ----------------------------------------------------------------------
     def _make_scheduler(self, record: bool) -> ResidencyScheduler:
@@ -781,32 +854,146 @@ class _Step:
 
         self.at(end, _LAND, landed)
 
-    def param_copy(self, i: int, phase: str) -> float:
-        """Issue (once) the H2D of layer ``i``'s parameters for ``phase`` (``"forward"`` or
-        ``"backward"``); its destination is allocated now. Returns when it lands."""
-        key = (phase, i)
-        land = self.param_land.get(key)
-        if land is None:
-            nbytes = self.params[i]
-            self.change(nbytes)
-            begin, land = self.h2d_link.run(self.now, self.copy_s(nbytes, "h2d"))
-            self.h2d_bytes += nbytes
-            self.last_copy_end = max(self.last_copy_end, land)
-            self.param_land[key] = land
-            self.event("h2d", f"h2d:param:{phase}:{self.names[i]}", begin, land, "h2d", i)
-        return land
+    # -- parameter streaming ----------------------------------------------------------------------
+    # Note [Parameter streaming drives a ResidencyScheduler]
+    def _make_parameter_scheduler(self, record: bool) -> ResidencyScheduler:
+        """The round's scheduler, as ``offload_parameters`` makes one, whose predictor learned this step's
+        ideal timeline of uses (a runtime in steady state)."""
+        clock = 0.0
+        first_use: dict[int, float] = {}
+        for kind, i in self.tasks:
+            if self.params[i] > 0:
+                first_use[len(self.p_uses)] = clock
+                self.p_uses.append((i, kind))
+            clock += self.fwd[i] if kind == "forward" else self.rec[i] if kind == "recompute" else self.bwd[i]
+        predictor = Scheduler(margin=_PARAMETER_MARGIN_S)
+        predictor.observe(StepObservation(first_use=first_use, backward_seconds=clock))
+        capacity = self.profile.capacity_bytes or 0
+        return ResidencyScheduler(
+            predictor,
+            duration=lambda nbytes: self.copy_s(nbytes, "h2d"),
+            prefetch="deadline",
+            budget=_PARAMETER_BUDGET_MODULES * max(self.params, default=0),
+            device_capacity=capacity,
+            device_in_use=(lambda: self.level) if capacity else None,
+            record=record,
+        )
+
+    def begin_parameter_round(self) -> None:
+        """The round's start, as ``offload_parameters``' ``_begin_step``: every use registered as an
+        object already on the host, the plan made, its first copies offered. They were made at the end of
+        the previous step (Note [The next step starts early]: the same plan then offered the same copies),
+        so they are on the device when the step starts."""
+        rs = self.psched
+        assert rs is not None
+        t = self.now
+        ratio = rs.predictor.backward_ratio
+        rs.forward_began(t)
+        for key, (i, _) in enumerate(self.p_uses):
+            rs.produced(key, t - key * _PARAMETER_UNIT_S / ratio)
+            rs.register(key, Kind.PARAMETER, self.params[i], name=self.names[i])
+            rs.offload_started(key, _LANDED)
+            rs.landed(key, needed=False)
+        actions = rs.forward_ended(t)
+        rs.backward_began(t)
+        self.param_execute(actions, first=True)
+
+    def end_parameter_round(self) -> None:
+        """Compute ended: the round is closed (its prefetches nobody used are dropped), as ``_end_step``."""
+        rs = self.psched
+        assert rs is not None
+        rs.backward_ended(self.p_last_use)
+        for key in list(self.p_held):
+            self.param_drop_hold(key)
+
+    def param_execute(self, actions: Iterable[ScheduleAction], *, first: bool = False) -> None:
+        """Carry out the parameter scheduler's actions as ``offload_parameters`` does (``_execute``)."""
+        rs = self.psched
+        assert rs is not None
+        for action in actions:
+            key = action.key
+            i = self.p_uses[key][0]
+            if action.kind is ActionKind.PREFETCH:
+                if first and not self.p_resident[i]:
+                    self.p_resident[i] = True
+                    self.change(self.params[i])
+                    self.p_ready[i] = self.now
+                    self.p_first_layers.append(i)
+                    event: Any = _LANDED
+                else:
+                    event = self.param_copy_in(i, self.p_uses[key][1])
+                self.p_holds[i] += 1
+                self.p_held[key] = i
+                rs.started(key, event)
+            elif action.kind is ActionKind.EVICT and key in self.p_held:
+                self.param_drop_hold(key)
+
+    def param_copy_in(self, i: int, phase: str) -> _SimEvent | None:
+        """Layer ``i``'s parameters copied in now (its device bytes allocated now), unless they are on the
+        device already (``_copy_in``: no copy, no event)."""
+        if self.p_resident[i]:
+            return None
+        nbytes = self.params[i]
+        self.p_resident[i] = True
+        self.change(nbytes)
+        begin, land = self.h2d_link.run(self.now, self.copy_s(nbytes, "h2d"))
+        self.h2d_bytes += nbytes
+        self.last_copy_end = max(self.last_copy_end, land)
+        self.p_ready[i] = land
+        self.event("h2d", f"h2d:param:{phase}:{self.names[i]}", begin, land, "h2d", i)
+        return _SimEvent(self, land)
+
+    def param_drop_hold(self, key: int) -> None:
+        """A prefetch nobody used (or an evicted one) lets its copy go (``_drop_hold``)."""
+        rs = self.psched
+        assert rs is not None
+        i = self.p_held.pop(key)
+        obj = rs.objects[key]
+        if obj.state is State.PREFETCHING:
+            obj.finish_prefetch(stream_waited=True)
+        if obj.state is State.RESTORED:
+            obj.drop_restored_copy()
+        self.p_holds[i] -= 1
+        self.param_maybe_free(i)
+
+    def param_release(self, i: int) -> None:
+        """A use of layer ``i``'s parameters ended."""
+        self.p_pins[i] -= 1
+        self.param_maybe_free(i)
+
+    def param_maybe_free(self, i: int) -> None:
+        """Free layer ``i``'s device copy when nothing uses or holds it (once a copy into it landed)."""
+        if not self.p_resident[i] or self.p_pins[i] or self.p_holds[i] or self.p_backward_pin[i]:
+            return
+        if self.p_ready[i] > self.now:  # a prefetch nobody used: it lands first
+            self.at(self.p_ready[i], _COPY_DONE, lambda: self.param_maybe_free(i))
+            return
+        self.p_resident[i] = False
+        self.change(-self.params[i])
 
     def when_params_ready(self, i: int, phase: str, then: Callable[[], None]) -> None:
-        """Run ``then`` once layer ``i``'s parameters for ``phase`` landed (waiting for them), after
-        issuing the copies of the next ``_PARAMETER_LOOKAHEAD`` layers of that pass."""
-        if not self.stream:
+        """A use of layer ``i``'s parameters now (``phase``: forward, recompute or backward), a trigger
+        of the round's scheduler (``_use``); run ``then`` once they are on the device (waiting for them)."""
+        rs = self.psched
+        if rs is None or self.params[i] <= 0:
             then()
             return
-        land = self.param_copy(i, phase)
-        for ahead in range(1, _PARAMETER_LOOKAHEAD + 1):
-            j = i + ahead if phase == "forward" else i - ahead
-            if 0 <= j < self.n:
-                self.param_copy(j, phase)
+        key = self.p_cursor
+        self.p_cursor += 1
+        t = self.p_last_use = self.now
+        self.p_pins[i] += 1
+        if key in self.p_held:
+            actions = rs.used(key, t, managed_key=key)
+            rs.awaited(key)
+            rs.consumed(key)
+            del self.p_held[key]
+            self.p_holds[i] -= 1
+        else:
+            rs.reloaded(key, self.param_copy_in(i, phase))
+            actions = rs.used(key, t, managed_key=key)
+            rs.consumed(key)
+        self.param_execute(actions)
+        land = self.p_ready[i]
         if land > self.now:
             self.wait(i, self.now, land)
             self.at(land, _START, then)
@@ -824,11 +1011,8 @@ class _Step:
         return tasks
 
     def run(self) -> SimResult:
-        self.tasks = self._tasks()
-        if self.stream:  # the previous step's end copied the first layers in (the next round starts early)
-            for i in range(min(self.n, _PARAMETER_LOOKAHEAD)):
-                self.change(self.params[i])
-                self.param_land[("forward", i)] = 0.0
+        if self.psched is not None:  # the previous step's end copied the first uses in (the next round starts early)
+            self.begin_parameter_round()
         self._waiting_for: dict[int, Callable[[], None]] = {}
         self.compute_end = 0.0
         self.sched.forward_began(0.0)
@@ -850,15 +1034,14 @@ class _Step:
             # their bytes (StepProfile.head_bytes) live around the turn; the plan starts at the
             # end of forward (Note [Prefetch from the end of forward] in offcore_torch)
             head = self.profile.head_bytes
-            if self.stream:
-                for j in range(self.n - 1, max(-1, self.n - 1 - _PARAMETER_LOOKAHEAD), -1):
-                    self.param_copy(j, "backward")
             self.change(head)
             self.execute(sched.forward_ended(self.now))
             sched.backward_began(self.now)
             self.change(-head)
         if index == len(self.tasks):
             self.compute_end = self.now
+            if self.psched is not None:
+                self.end_parameter_round()
             for action in sched.backward_ended(self.now):  # frees what was held
                 self.free(self.objects[action.key])
             if self.offload_optimizer:
@@ -870,20 +1053,26 @@ class _Step:
         if kind == "forward":
             self.when_params_ready(i, "forward", lambda: self.forward(index, i))
         elif kind == "recompute":
-            start, end = self.now, self.now + self.rec[i]
-            for obj in self.saves[i]:
-                self.allocate(obj)
-            self.change(self.work[i])
-            self.recompute_total += self.rec[i]
-            self.event("compute", f"recompute:{self.names[i]}", start, end, "recompute", i)
-
-            def finish() -> None:
-                self.change(-self.work[i])
-                self.next_task(index + 1)
-
-            self.at(end, _END, finish)
+            self.when_params_ready(i, "recompute", lambda: self.recompute(index, i))
         else:
             self.when_params_ready(i, "backward", lambda: self.use_group(index, i, 0))
+
+    def recompute(self, index: int, i: int) -> None:
+        start, end = self.now, self.now + self.rec[i]
+        for obj in self.saves[i]:
+            self.allocate(obj)
+        self.change(self.work[i])
+        self.recompute_total += self.rec[i]
+        self.event("compute", f"recompute:{self.names[i]}", start, end, "recompute", i)
+
+        def finish() -> None:
+            self.change(-self.work[i])
+            if self.psched is not None and self.params[i] > 0:
+                self.p_backward_pin[i] = True  # a use in backward: kept until the layer's backward ends
+                self.param_release(i)
+            self.next_task(index + 1)
+
+        self.at(end, _END, finish)
 
     def forward(self, index: int, i: int) -> None:
         start, end = self.now, self.now + self.fwd[i]
@@ -909,7 +1098,9 @@ class _Step:
         self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
         def finish() -> None:
-            self.change(-self.work[i] - (self.params[i] if self.stream else 0))
+            self.change(-self.work[i])
+            if self.psched is not None and self.params[i] > 0:
+                self.param_release(i)
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
@@ -987,10 +1178,13 @@ class _Step:
                     self.free(obj)
                 if obj.managed:
                     self.sched.released(obj.key)
-            freed = self.work[i] + (self.params[i] if self.stream else 0)
+            freed = self.work[i]
             if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][0] == i:
                 freed += self.inputs[i]
             self.change(-freed)
+            if self.psched is not None and self.params[i] > 0:
+                self.p_backward_pin[i] = False
+                self.param_release(i)
             if self.offload_optimizer:
                 self.optimizer_after_backward(i)
             self.next_task(index + 1)
@@ -1008,9 +1202,9 @@ class _Step:
     def result(self) -> SimResult:
         profile = self.profile
         step_time = self.compute_end
-        if self.stream:  # the next step's first copies, after the host step (the device synchronises)
+        if self.psched is not None:  # the next step's first copies, after the host step (the device synchronises)
             issue = max(self.compute_end, self.host_end)
-            for i in range(min(self.n, _PARAMETER_LOOKAHEAD)):
+            for i in self.p_first_layers:
                 start, land = self.h2d_link.run(issue, self.copy_s(self.params[i], "h2d"))
                 self.h2d_bytes += self.params[i]
                 self.last_copy_end = max(self.last_copy_end, land)
@@ -1047,6 +1241,7 @@ class _Step:
         offloaded = sum(o.nbytes for o in self.objects.values())
         reused = sum(o.nbytes for o in self.objects.values() if not o.reloaded)
         layers = profile.layers
+        psched = self.psched
         return SimResult(
             plan=self.plan,
             step_time_s=step_time,
@@ -1071,4 +1266,7 @@ class _Step:
             schedule_log=tuple(self.sched.log),
             schedule_actions=tuple(self.sched.actions),
             host_step_s=self.host_busy,
+            parameter_schedule_log=tuple(psched.log) if psched is not None else (),
+            parameter_schedule_actions=tuple(psched.actions) if psched is not None else (),
+            parameter_schedule_settings=psched.settings() if psched is not None else {},
         )

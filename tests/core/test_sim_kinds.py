@@ -13,6 +13,26 @@ import pytest
 from offcore.errors import ConfigurationError
 from offcore.sim import Plan, StepProfile, simulate
 from offcore.sim.profile import LayerProfile
+from offcore.sim.replay import replay
+
+# the events offcore_torch.offload_parameters feeds its round's ResidencyScheduler (parameters.py:
+# _begin_step, _use, _execute, _end_step); tests/torch/test_sim_memory.py compares them with a real step's
+PARAMETER_EVENTS = {
+    "forward_began",
+    "produced",
+    "register",
+    "offload_started",
+    "landed",
+    "forward_ended",
+    "plan_inputs",
+    "next",
+    "backward_began",
+    "started",
+    "used",
+    "awaited",
+    "consumed",
+    "backward_ended",
+}
 
 
 def profile(**changes: object) -> StepProfile:
@@ -65,42 +85,79 @@ def test_parameters_outside_the_layers_step_after_backward() -> None:
 
 def test_parameter_streaming_copies_each_layer_in_before_each_use() -> None:
     r = simulate(profile(), Plan.keep_all(2, parameters="stream"))
+    # Note [Parameter streaming drives a ResidencyScheduler]: the round's start (the previous step's
+    # end) copied l0's and l1's forward uses in (the budget, twice a layer, holds both); at l0's use
+    # (t=0) l1's backward use is due, but l1's parameters are on the device (held for its forward):
+    # no copy, they stay; at l1's backward use (t=2) l0's backward copy is due: 2-3, before its use at 4
     assert spans(r, "h2d") == [
-        ("h2d:param:backward:l1", 2.0, 3.0),  # both backward copies at the end of forward (two ahead)
-        ("h2d:param:backward:l0", 3.0, 4.0),
-        ("h2d:param:next-forward:l0", 7.0, 8.0),  # the next step's first copies, at the end of this one
-        ("h2d:param:next-forward:l1", 8.0, 9.0),
+        ("h2d:param:backward:l0", 2.0, 3.0),
+        ("h2d:param:next-forward:l0", 6.0, 7.0),  # the next step's first copies, at the end of this one
+        ("h2d:param:next-forward:l1", 7.0, 8.0),
     ]
-    # the forward copies were made at the end of the previous step: no wait in forward; l1's
-    # backward waits 2-3 for its copy; the step ends when the next step's copies landed
-    assert r.step_time_s == 9.0 and r.exposed_wait_s == 3.0
+    # no wait in forward or backward; the step ends when the next step's copies landed
+    assert r.step_time_s == 8.0 and r.exposed_wait_s == 2.0
     assert r.static_bytes == 40  # the layers' parameters are not resident
     assert r.memory_at(0.0) == 40 + 20 + 100  # both layers' forward copies, l0's first save
     # l1's backward: other 40 + saves 200 + l1's and l0's parameters 20 + l1's gradients 10
     assert r.peak_bytes == 270
     assert r.memory_at(1.5) == 40 + 200 + 10  # in l1's forward: l0's parameters freed after its forward
+    assert r.memory_at(6.0) == 40  # every layer's parameters freed after its backward
 
 
-def test_parameter_copies_go_two_modules_ahead() -> None:
+def test_parameter_copies_are_prefetched_by_deadline_within_the_budget() -> None:
     layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0, grad_bytes=10) for i in range(4)]
     p = StepProfile(layers, param_bytes=40, h2d_bandwidth=5)  # 2 s a copy, 1 s a forward
     r = simulate(p, Plan.keep_all(4, parameters="stream"))
     forward = [(name, start, end) for name, start, end in spans(r, "h2d") if ":forward:" in name]
-    # at l0's forward (t=0) l2's copy is issued (l1's was made before the step), at l1's l3's
+    # the budget (twice a layer's 10 bytes) holds two copies ahead of use: l0's and l1's were made
+    # before the step; at l0's use (t=0) l2's copy is due and fits, at l1's l3's
     assert forward == [("h2d:param:forward:l2", 0.0, 2.0), ("h2d:param:forward:l3", 2.0, 4.0)]
     assert [e.start for e in r.events if e.kind == "forward"] == [0.0, 1.0, 2.0, 4.0]
+    backward = [(name, start, end) for name, start, end in spans(r, "h2d") if ":backward:" in name]
+    # l3's backward use finds it on the device (held from its forward); the others chain on the link
+    assert backward == [
+        ("h2d:param:backward:l2", 4.0, 6.0),
+        ("h2d:param:backward:l1", 6.0, 8.0),
+        ("h2d:param:backward:l0", 8.0, 10.0),
+    ]
+    assert r.parameter_schedule_settings["budget"] == 20  # offload_parameters' default: twice the largest module
 
 
 def test_all_kinds_no_upload_after_the_host_step() -> None:
     r = simulate(profile(), Plan.keep_all(2, optimizer="offload", parameters="stream"))
     assert [name for name, _, _ in spans(r, "h2d")] == [
-        "h2d:param:backward:l1",
         "h2d:param:backward:l0",
-        "h2d:param:next-forward:l0",  # the next round, once the last host step is done (8.5)
+        "h2d:param:next-forward:l0",  # the next round, once the last host step is done (7.5)
         "h2d:param:next-forward:l1",
     ]
-    assert spans(r, "h2d")[2][1] == 8.5  # the next round starts once the host step is done
+    assert spans(r, "h2d")[1][1] == 7.5  # the next round starts once the host step is done
+    assert r.step_time_s == 9.5
     assert r.static_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan.keep_all(2, parameters="stream"),
+        Plan(["recompute", "offload"], optimizer="offload", parameters="stream"),
+        Plan(["offload", "keep"], parameters="stream", microbatches=2),
+    ],
+    ids=["keep", "recompute+optimizer-offload", "micro-batches"],
+)
+@pytest.mark.parametrize("capacity", [None, 200])
+def test_the_simulated_parameter_round_replays_to_its_actions(plan: Plan, capacity: int | None) -> None:
+    # Note [Parameter streaming drives a ResidencyScheduler]: a new scheduler fed the round's log
+    # decides the same copies, in the same order, at the same triggers (the device's room included)
+    r = simulate(profile(capacity_bytes=capacity, batch_size=2), plan, record_schedule=True)
+    log, actions = list(r.parameter_schedule_log), list(r.parameter_schedule_actions)
+    assert {name for name, _, _ in log} <= PARAMETER_EVENTS | {"reloaded", "device_in_use"}
+    assert [a.kind.value for a in actions].count("prefetch") >= 2
+    assert replay(log, **r.parameter_schedule_settings) == actions
+    assert r.parameter_schedule_settings["margin"] == 0.5e-3  # offload_parameters' default margin
+    # every use is a trigger: forward, recompute and backward uses of each layer, in order
+    used = [args[0] for name, args, _ in log if name == "used"]
+    assert used == sorted(used) and len(used) == (5 if plan.actions[0].value == "recompute" else 4)
+    assert simulate(profile(), Plan.keep_all(2), record_schedule=True).parameter_schedule_log == ()
 
 
 def test_plan_fields_round_trip_and_are_checked() -> None:
