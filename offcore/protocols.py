@@ -139,6 +139,7 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
         "format_of": Capability.PRIVATE_FORMATS,
         "restore_format": Capability.PRIVATE_FORMATS,
         "close": None,
+        "allocated_bytes": None,
     }
 )
 """Backend members outside :class:`Backend`, and the capability that promises each.
@@ -146,7 +147,9 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
 A backend advertising the capability has the member; callers check the capability first.
 ``close()`` (``None``: no capability) is an optional lifecycle member: a backend that holds
 threads, a memory cap or pinned blocks provides it, and callers that end a device's use call
-it when present (``getattr(dev, "close", None)``). Nothing else on a device may be relied on
+it when present (``getattr(dev, "close", None)``). ``allocated_bytes()`` (``None`` too) is an optional
+fast read of ``memory_stats()["allocated_bytes"]`` (same figure, no dict built): bindings that probe
+the device's room per reload use it when present and fall back to ``memory_stats()``. Nothing else on a device may be relied on
 by the core, the bindings or the conformance suite (``tests/core/test_protocol_usage.py``).
 """
 
@@ -163,7 +166,7 @@ class Backend(Protocol):
     except the optional members of :data:`OPTIONAL_MEMBERS`, each after checking the
     capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison``
     (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
-    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()`` when present.
+    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()`` and ``allocated_bytes()`` when present.
     """
 
     name: ClassVar[str]

@@ -164,26 +164,37 @@ class PrefetchPlan:
     ) -> None:
         self.use_times: dict[int, float] = dict(use_times)
         self.nbytes: dict[int, int] = dict(offloaded)
-        readers = readers or {}
-        # an object is needed at the first use of any key that reads it (a storage saved several times)
-        self.need: dict[int, float] = {}
-        for key in self.nbytes:
-            uses = [self.use_times[k] for k in readers.get(key, (key,)) if k in self.use_times]
-            self.need[key] = min(uses) if uses else self.use_times.get(key, 0.0)
-        self.order: list[int] = sorted(self.nbytes, key=lambda k: (self.need[k], k))
-        self.latest_start: dict[int, float] = {}
+        # built once per step for every offloaded object: the loops below keep to locals and
+        # C-level key functions (no tuple or lambda per key)
+        use_times, nbytes_of = self.use_times, self.nbytes
+        # an object is needed at the first use of any key that reads it (a storage saved several times);
+        # an object no reader names is needed at its own use (0.0 when it has none)
+        need: dict[int, float] = {}
+        for key in nbytes_of:
+            keys = readers.get(key) if readers else None
+            if keys is None:
+                need[key] = use_times.get(key, 0.0)
+            else:
+                uses = [use_times[k] for k in keys if k in use_times]
+                need[key] = min(uses) if uses else use_times.get(key, 0.0)
+        self.need = need
+        # deadline order, ties by key: a stable sort by need of the keys in key order
+        self.order: list[int] = sorted(sorted(nbytes_of), key=need.__getitem__)
+        latest: dict[int, float] = {}
+        self.latest_start = latest
         # predicted copy seconds per size, as the plan used them (a replay of the step reuses them)
-        self.durations: dict[int, float] = {}
+        durations: dict[int, float] = {}
+        self.durations = durations
         chain_start = math.inf
         for key in reversed(self.order):
-            finish = min(self.need[key] - margin, chain_start)
-            nbytes = self.nbytes[key]
-            seconds = self.durations.get(nbytes)
+            finish = need[key] - margin
+            if finish > chain_start:
+                finish = chain_start
+            nbytes = nbytes_of[key]
+            seconds = durations.get(nbytes)
             if seconds is None:
-                seconds = self.durations[nbytes] = duration(nbytes)
-            start = finish - seconds
-            self.latest_start[key] = start
-            chain_start = start
+                seconds = durations[nbytes] = duration(nbytes)
+            chain_start = latest[key] = finish - seconds
         self._triggers = sorted(self.use_times.values())
         self._cursor = 0
         self._done: set[int] = set()
@@ -213,12 +224,17 @@ class PrefetchPlan:
 
     def due(self, vtime: float) -> list[int]:
         """Keys (deadline order) whose latest start falls before the next trigger after ``vtime``."""
-        horizon = self.horizon(vtime)
+        # once per trigger: horizon() inlined, the cursor kept in a local
+        triggers = self._triggers
+        i = bisect.bisect_right(triggers, vtime)
+        horizon = triggers[i] if i < len(triggers) else math.inf
         order, done, latest = self.order, self._done, self.latest_start
-        while self._cursor < len(order) and order[self._cursor] in done:
-            self._cursor += 1
+        cursor, end = self._cursor, len(order)
+        while cursor < end and order[cursor] in done:
+            cursor += 1
+        self._cursor = cursor
         out: list[int] = []
-        for i in range(self._cursor, len(order)):
+        for i in range(cursor, end):
             key = order[i]
             if key in done:
                 continue

@@ -251,6 +251,9 @@ def _marker_of(event: Any) -> _Marker | None:
     return event._marker
 
 
+_COMPUTE_DONE = _Marker("compute", completed=True)  # Note [Untimed compute recordings share one marker]
+
+
 class ComputeStream:
     """The calling host thread as a stream: everything enqueued on it has already run.
 
@@ -272,7 +275,15 @@ class ComputeStream:
         """Record ``event`` (or a new one); it is complete at once."""
         event = event if event is not None else FakeEvent(self)
         _marker_of(event)
-        event._new_marker(self.name, completed=True)
+        if event.enable_timing:
+            event._new_marker(self.name, completed=True)  # its own timestamp: elapsed_time reads it
+        else:
+            # Note [Untimed compute recordings share one marker]: a recording on the compute
+            # stream is complete at once, and an event without timing never reads its marker's
+            # timestamp (elapsed_time refuses it; a wait on a completed marker returns at once),
+            # so every untimed one shares one immutable completed marker: no lock or clock read
+            # per recording (the binding records an ordering event per device-to-host copy).
+            event._marker = _COMPUTE_DONE
         if self.order is not None:
             event._clock = self.order.record(self.order.COMPUTE)
         return event

@@ -370,6 +370,26 @@ class StorageTracker:
                 functools.partial(_take_over_storage, hook.adopt, self.ledger),
             )
 
+    def hooked_empty(self, nbytes: int) -> Any:
+        """A ``uint8`` buffer of ``nbytes`` counted by the allocator hook, or None where it would not be.
+
+        Note [Device buffers counted by the hook]: ``FakeDevice.allocate(n, DEVICE)`` used to
+        suspend the hook, allocate, and register the storage in the arena (a lock, a weak
+        reference and a dict entry per buffer). Where the calling thread's hook counts on this
+        tracker's ledger (inside ``with dev:``, "allocator" accounting, not suspended), the
+        hook itself does exactly that bookkeeping in C++ for a plain ``torch.empty``: the same
+        ledger (bytes, peak, count, capacity), the same out-of-memory error raised before
+        anything is allocated, freed when the storage dies, and ``tier_of`` answers DEVICE
+        through the hook's ``owns``. No Python dispatch mode sees it, as before. None (the
+        caller takes the registering path): no hook, another ledger current, or 0 bytes (no
+        data pointer the hook could know).
+        """
+        ledger = self.ledger
+        if ledger is None or nbytes <= 0 or _hook is None or _hook.get_current() is not ledger:
+            return None
+        with _DISABLE_DISPATCH():
+            return torch.empty(nbytes, dtype=torch.uint8)
+
     # -- activation (re-entrant, per thread) -----------------------------------------------
     def activate(self) -> None:
         """Start counting on the calling thread (nestable: the mode is entered once per thread)."""

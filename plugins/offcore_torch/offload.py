@@ -207,7 +207,9 @@ class _AllocatedBytes:
     underestimate); outside one every call reads the backend. The scheduler sees the same
     figures a read per prefetch would give (a freed eviction aside, which only makes it more
     careful), and a recorded step logs each figure it was given, so a replay is unchanged.
-    Holds the device only (no region <-> scheduler cycle).
+    Holds the device only (no region <-> scheduler cycle). Reads the backend's optional
+    ``allocated_bytes()`` where it has one (the same figure without building the stats),
+    else ``memory_stats()``; both looked up on the device at each read, never cached.
     """
 
     __slots__ = ("device", "batch", "value", "added")
@@ -218,12 +220,20 @@ class _AllocatedBytes:
         self.value: int | None = None
         self.added = 0
 
+    def read(self) -> int:
+        """The device's allocated bytes now, by its own accounting."""
+        device = self.device
+        fast = getattr(device, "allocated_bytes", None)  # optional member (offcore.protocols.OPTIONAL_MEMBERS)
+        if fast is not None:
+            return int(fast())
+        return int(device.memory_stats().get("allocated_bytes", 0) or 0)
+
     def __call__(self) -> int:
         if not self.batch:
-            return int(self.device.memory_stats().get("allocated_bytes", 0) or 0)
+            return self.read()
         value = self.value
         if value is None:
-            value = self.value = int(self.device.memory_stats().get("allocated_bytes", 0) or 0)
+            value = self.value = self.read()
         return value + self.added
 
     def allocated(self, nbytes: int) -> None:
