@@ -869,15 +869,18 @@ class OffloadHandle:
                 self._execute(actions)
             return self._await_prefetch(entry)
         live = entry.storage_ref()
+        in_flight = False
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
+            # Note [An evicted prefetch still in flight]: or the buffer a dropped prefetch still writes
+            in_flight = live is not None and entry.obj.state is State.PREFETCHING
         if live is not None:
             sched.reused(entry.key)
             self._execute(sched.used(key, now, managed_key=entry.key))
             if first_use:
                 self._stats.reused_live_bytes += entry.nbytes
             entry.restored = live
-            return live
+            return self._await_prefetch(entry) if in_flight else live
         # a miss: reload now; the whole copy is exposed and charged to this object
         storage = self._reload_now(entry)
         self._execute(sched.used(key, now, managed_key=entry.key))
@@ -1040,6 +1043,14 @@ class OffloadHandle:
                 self._h2d_ordered = False  # the next trigger's copies order after compute again
                 in_use.end()
 
+    # Note [An evicted prefetch still in flight]
+    # An EVICT (the prefetch budget's, or the shared device budget's for another owner: Note [One
+    # device budget across kinds] in offcore/budget.py) may drop a prefetch whose H2D is still in
+    # flight: its buffer stays alive until the copy lands (the deferred drop_landed keeps it), so
+    # ``entry.restored_ref`` still finds it. A use of the saved tensor before then reuses that
+    # buffer, and must wait for its copy like any prefetch (``_await_prefetch``): read as it is,
+    # it holds whatever the copy has not written yet (poison under the fake device's sanitizer,
+    # a wrong gradient on a GPU). tests/torch/test_device_budget.py forces this interleaving.
     def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
         if entry.obj.state is State.OFFLOADING:  # held on landing

@@ -3,6 +3,7 @@ optimizer under one budget train bit-identically, and the device peak respects t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -12,8 +13,11 @@ torch = pytest.importorskip("torch")
 import offcore_torch  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.runtime import runtime_for  # noqa: E402
+from offload_helpers import FixedScheduler, settle  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
+from offcore.kinds import Kind  # noqa: E402
 
 
 def _model() -> torch.nn.Module:
@@ -91,3 +95,78 @@ def test_budget_as_a_fraction_and_the_error_naming_the_smallest_budget(make_fake
         offcore_torch.device_budget(dev, None)
     with pytest.raises(ConfigurationError, match="fraction needs a device"):
         offcore_torch.device_budget(object(), 0.5)
+
+
+class _Owner:
+    """Another binding of the device, as the shared budget sees it (a parameter handle's scheduler, say)."""
+
+    def __init__(self) -> None:
+        self.evicted: list[int] = []
+
+    def evict(self, key: int) -> None:
+        self.evicted.append(key)
+
+
+def test_an_evicted_prefetch_still_in_flight_is_waited_for_before_backward_reads_it(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (a wrong gradient 1 run in 4-8 under one budget with parameter streaming): the shared
+    budget evicts an activation's prefetch for another owner while its H2D is still in flight; the
+    evicted copy is dropped, but its buffer stays alive until the copy lands, and backward's use of the
+    saved tensor found it alive and read it without waiting for the copy (poison under the sanitizer).
+    The interleaving is forced: a gate holds the prefetch in flight until the compute stream waits for it
+    (as on a GPU, where a stream's wait does not block the host)."""
+    dev = make_fake_device(link="slow")
+    n = 4096  # floats: 16 KiB per saved tensor
+    shared = offcore_torch.device_budget(dev, n * 4)  # room for one saved tensor ahead of its use
+    other = _Owner()
+    shared.attach(other, other.evict)
+    runtime = runtime_for(dev)
+
+    def forward(x: torch.Tensor, hold: Any) -> torch.Tensor:
+        c = torch.sin(x * 1.0)  # saves x * 1.0: offloaded, used last
+        b = torch.sin(c)  # saves c: offloaded, prefetched at the end of forward, evicted in flight
+        a = torch.sin(offcore_torch.mark(b * 1.0, offload=False))  # saves b * 1.0, kept: backward's first use
+        hold()
+        return a.sum()
+
+    try:
+        with dev:
+            x = torch.linspace(-1.0, 1.0, n).requires_grad_()
+            forward(x, lambda: None).backward()
+            want = x.grad.clone()
+            x.grad = None
+            compute = type(dev.current_stream())
+            with dev.gate(runtime.h2d_stream) as gate:
+                original = compute.wait_event
+
+                def wait_event(stream: Any, event: Any) -> None:
+                    if not event.query():
+                        gate.open()  # compute waits for a copy the gate holds: it may land now
+                    original(stream, event)
+
+                monkeypatch.setattr(compute, "wait_event", wait_event)
+
+                def hold() -> None:
+                    # the other owner holds the whole budget while the D2H copies land, so no device copy
+                    # is held on landing: the end of forward prefetches the first offloaded tensor
+                    assert shared.admit(other, Kind.PARAMETER, 0, n * 4, next_use=-math.inf)
+                    settle(dev)
+                    shared.release(other, 0)
+
+                policy = {"min_bytes": "1KiB", "schedule": FixedScheduler(eager=True)}
+                with offcore_torch.offload_activations(dev, **policy) as handle:
+                    loss = forward(x, hold)
+                gate.wait_held(1)  # the prefetch of c is in flight
+                # needed now: the other owner's request evicts the in-flight prefetch (Note [One device budget
+                # across kinds]); the EVICT reaches the activation binding at backward's first use
+                assert shared.admit(other, Kind.PARAMETER, 1, n * 4, next_use=-math.inf)
+                assert shared.stats().by_kind["activation"]["evicted"] == 1 and other.evicted == []
+                assert len(gate.held()) == 1 and gate.closed
+                loss.backward()
+                shared.release(other, 1)
+            settle(dev)
+        assert torch.equal(x.grad, want), "backward read an evicted prefetch's buffer before its copy landed"
+        assert handle.stats().offloaded_storages == 2
+    finally:
+        offcore_torch.device_budget(dev, None)
