@@ -36,7 +36,10 @@ binding copies on demand at the use instead).
 # requester's thread and only bookkeeps at once. Next uses are compared on one clock: each
 # scheduler reports ``t_backward + plan.need[key]`` in ``time.perf_counter`` seconds.
 # Reservations of one owner are all given back by :meth:`DeviceBudget.release_owner` when its
-# round ends, so a scheduler dropped without closing leaks nothing.
+# round ends, so a scheduler dropped without closing leaks nothing. A victim may be a prefetch
+# whose copy is still in flight: its binding drops it, but a use before the copy landed must
+# still wait for that copy (Note [An evicted prefetch still in flight] in
+# plugins/offcore_torch/offload.py; reading the buffer as it is gave wrong gradients).
 """
 
 from __future__ import annotations
