@@ -1019,7 +1019,8 @@ class OffloadHandle:
             event = obj.h2d_event
 
             def finish(sched: ResidencyScheduler = sched, key: int = entry.key, keep: Any = storage) -> None:
-                sched.drop_landed(key)
+                if obj.h2d_event is event:  # not a later prefetch of it (Note [An evicted prefetch still in flight])
+                    sched.drop_landed(key)
 
             self.runtime.defer(event, finish, stream=self.runtime.h2d_stream)
 
@@ -1051,6 +1052,9 @@ class OffloadHandle:
     # buffer, and must wait for its copy like any prefetch (``_await_prefetch``): read as it is,
     # it holds whatever the copy has not written yet (poison under the fake device's sanitizer,
     # a wrong gradient on a GPU). tests/torch/test_device_budget.py forces this interleaving.
+    # Waited for, the object is restored before the deferred drop_landed of the dropped copy
+    # runs; that callback then acts only while the object's copy is still that one, never on a
+    # later prefetch of the same object.
     def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
         if entry.obj.state is State.OFFLOADING:  # held on landing
