@@ -926,6 +926,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _on_use(self, slot: _Slot) -> None:
         """A module is about to read ``slot``'s parameter (forward pre-hook, main thread)."""
+        if slot.stepped and self._futures:
+            # Its host step of this round is queued or running (accumulation_steps / last_micro_step)
+            # and a forward reads the parameter before step(): the worker issues the upload when the
+            # step finishes, which would write the parameter after this forward saved it for
+            # backward. Let the queued host work finish first, so the upload is issued and waited for
+            # below (rare: step() normally ends the round before the next forward).
+            self._drain()
         if self._rs is None:
             if self._pending_h2d:
                 self._wait_parameter(slot)
