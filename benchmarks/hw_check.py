@@ -171,8 +171,10 @@ class Report:
 
     def write(self) -> None:
         self.data["elapsed_s"] = round(self.budget.elapsed(), 2)
-        write_atomic(self.out / "hw_check.json", json.dumps(json_safe(self.data), indent=2, allow_nan=False))
+        # the Markdown first, the JSON last: a reader that sees a state in the JSON (and a kill after it)
+        # finds the Markdown of that state already in place, with no temporary file of it pending
         write_atomic(self.out / "hw_check.md", markdown(self.data))
+        write_atomic(self.out / "hw_check.json", json.dumps(json_safe(self.data), indent=2, allow_nan=False))
 
 
 @contextlib.contextmanager

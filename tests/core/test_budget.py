@@ -82,7 +82,8 @@ def test_detach_gives_everything_back() -> None:
 
 def test_error_names_the_smallest_budget_that_can_work() -> None:
     budget = DeviceBudget(1000)
-    budget.attach(object(), lambda key: None, minimum=800, what="the largest module's parameters")
+    owner = object()  # owners are held weakly: keep this one alive for the check below
+    budget.attach(owner, lambda key: None, minimum=800, what="the largest module's parameters")
     with pytest.raises(ConfigurationError, match=r"smallest budget that can work is .*\(4096 bytes\)"):
         budget.attach(object(), lambda key: None, minimum=4096, what="the largest activation")
     assert budget.smallest_working() == 800  # the owner that could not work was not attached
