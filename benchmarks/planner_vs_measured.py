@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from offcore.comparison import STRATEGIES  # noqa: E402
 from offcore.units import format_bytes  # noqa: E402
 
 PREDICTED_TARGET = 1.02
@@ -47,17 +48,7 @@ SHAPES = {
     "wide": {"d_model": 128, "seq_len": 64},
 }
 FRACTIONS = (0.50, 0.57, 0.64, 0.71, 0.78, 0.85, 0.95)
-NAMES = (
-    "baseline",
-    "accumulate",
-    "checkpoint",
-    "offload",
-    "hybrid",
-    "optimizer-offload",
-    "optimizer+activation-offload",
-    "param-stream",
-    "planned",
-)
+NAMES = STRATEGIES  # every strategy offcore compare runs, in its order
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -316,7 +307,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
-    colours = dict(zip(NAMES, ["#888888", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#000000"], strict=True))
+    palette = plt.get_cmap("tab10").colors
+    colours = {name: "#000000" if name == "planned" else palette[i % len(palette)] for i, name in enumerate(NAMES)}
     for ax, result in zip(axes[0], results, strict=True):
         for name in NAMES:
             xs, measured, predicted = [], [], []
