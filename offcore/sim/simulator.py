@@ -44,6 +44,7 @@ from offcore.scheduler import Scheduler, StepObservation
 from offcore.sim.formulas import transfer_time, utilization
 from offcore.sim.plan import Action, Plan
 from offcore.sim.profile import StepProfile
+from offcore.sim.replay import _LANDED  # a copy that has landed (the parameters' host copies are the data)
 
 __all__ = ["simulate", "SimResult", "TimelineEvent"]
 
@@ -449,21 +450,6 @@ class _SimEvent:
 
     def synchronize(self) -> None:
         return None
-
-
-class _Landed:
-    """A copy that has landed (the parameters' host copies: their "offload" is done before the step)."""
-
-    __slots__ = ()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-
-_LANDED = _Landed()
 
 
 class _Link:
