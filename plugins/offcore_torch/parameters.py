@@ -131,19 +131,24 @@ _DONE = _Done()
 
 
 # ------------------------------------------------------------------------- tensors
-def _offcore_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+def _tensors(tree: Any, keep: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts for which ``keep`` is true."""
     out: list[torch.Tensor] = []
-    stack = [args, kwargs]
+    stack = [tree]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            if getattr(item, "_offcore_slot", None) is not None:
+            if keep(item):
                 out.append(item)
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
     return out
+
+
+def _offcore_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    return _tensors((args, kwargs), lambda t: getattr(t, "_offcore_slot", None) is not None)
 
 
 def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -301,18 +306,7 @@ class ParameterOffloadStats:
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack = [output]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if item.requires_grad:
-                out.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return out
+    return _tensors(output, lambda t: t.requires_grad)
 
 
 # ------------------------------------------------------------------------- the handle
