@@ -286,6 +286,29 @@ class _Transfer:
             self.buffered = None
 
 
+def _transfer_all(
+    t: _Transfer,
+    op: str,
+    call: Callable[[int, list[memoryview], int], int],
+    buf: np.ndarray,
+    offset: int,
+    short: Callable[[int, int], StorageError],
+) -> None:
+    """Move all of ``buf`` at ``offset`` with ``call`` (``os.pwritev`` / ``os.preadv``), resuming partial transfers;
+    an OSError becomes the matching StorageError, a transfer that makes no progress raises ``short(done, n)``."""
+    view = memoryview(buf)
+    done = 0
+    while done < buf.nbytes:
+        fd = t.fd_for(offset + done, _address(buf) + done, buf.nbytes - done)
+        try:
+            n = call(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise _io_error(exc, op, t.path, offset + done, buf.nbytes - done) from exc
+        if n <= 0:
+            raise short(done, n)
+        done += n
+
+
 def _shutdown(directory: str, pools: tuple[ThreadPoolExecutor, ...], entries: dict[Hashable, _Entry]) -> None:
     """Finalizer of a tier (close, garbage collection, interpreter exit): drain the queues, remove the files."""
     for pool in pools:
@@ -484,20 +507,17 @@ class NvmeTier:
             bounce[: src.nbytes] = src
             bounce[src.nbytes :] = 0
             buf = bounce
-        view = memoryview(buf)
-        done = 0
-        while done < buf.nbytes:
-            fd = t.fd_for(offset + done, _address(buf) + done, buf.nbytes - done)
-            try:
-                n = os.pwritev(fd, [view[done:]], offset + done)
-            except OSError as exc:
-                raise _io_error(exc, "write", t.path, offset + done, buf.nbytes - done) from exc
-            if n <= 0:
-                raise ShortTransferError(
-                    f"write of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} stopped after {done} bytes "
-                    f"(pwritev returned {n}); check free space and the disk. The data is still in the host buffer."
-                )
-            done += n
+        _transfer_all(
+            t,
+            "write",
+            os.pwritev,
+            buf,
+            offset,
+            lambda done, n: ShortTransferError(
+                f"write of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} stopped after {done} bytes "
+                f"(pwritev returned {n}); check free space and the disk. The data is still in the host buffer."
+            ),
+        )
 
     def _write_done(
         self, entry: _Entry, h: IOHandle, t: _Transfer, nbytes: int, file_bytes: int, crcs: list[int] | None
@@ -587,20 +607,17 @@ class NvmeTier:
         buf = dst
         if t.direct and (_address(dst) % ALIGNMENT or dst.nbytes % ALIGNMENT):
             buf = self._bounce_buffer()[: _round_up(dst.nbytes)]
-        view = memoryview(buf)
-        done = 0
-        while done < buf.nbytes:
-            fd = t.fd_for(offset + done, _address(buf) + done, buf.nbytes - done)
-            try:
-                n = os.preadv(fd, [view[done:]], offset + done)
-            except OSError as exc:
-                raise _io_error(exc, "read", t.path, offset + done, buf.nbytes - done) from exc
-            if n <= 0:
-                raise StorageFileTruncatedError(
-                    f"read of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} hit the end of the file after "
-                    f"{done} bytes: the file was truncated behind offcore's back. Keep the tier's directory private."
-                )
-            done += n
+        _transfer_all(
+            t,
+            "read",
+            os.preadv,
+            buf,
+            offset,
+            lambda done, n: StorageFileTruncatedError(
+                f"read of {format_bytes(buf.nbytes)} at byte {offset} of {t.path!r} hit the end of the file after "
+                f"{done} bytes: the file was truncated behind offcore's back. Keep the tier's directory private."
+            ),
+        )
         if buf is not dst:
             dst[:] = buf[: dst.nbytes]
         if crc is not None:
