@@ -56,6 +56,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     from offcore_torch.compare import (
         CompareSettings,
         _optimizer_for,
+        _release_optimizer,
         build_workload,
         measure_microbatch_overhead,
         pcie_like_bandwidths,
@@ -63,7 +64,6 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         profile_workload,
     )
     from offcore_torch.executor import PlanExecutor
-    from offcore_torch.optimizer import OffloadOptimizer
     from offcore_torch.profiler import measure_link
 
     import offcore
@@ -82,15 +82,6 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         link = measure_link(device, repeats=2)
     keep_all_peak = first.peak_bytes
     torch_device = torch.device(device.torch_device)
-
-    def close(optimizer: Any, handle: Any) -> None:
-        """Stop a host optimizer and give a parameter handle's host copies back (as ``offcore compare`` does)."""
-        try:
-            if isinstance(optimizer, OffloadOptimizer):
-                optimizer.close()
-        finally:
-            if handle is not None:
-                handle.discard()
 
     def own_peak(step_plan: Any) -> int:
         """The plan's device peak alone on a fresh fake device (the largest of three steps after a warm-up)."""
@@ -118,7 +109,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
                     if step:
                         peak = max(peak, int(alone.memory_stats().peak_allocated_bytes))
         finally:
-            close(optimizer, handle)
+            _release_optimizer(optimizer, handle)
         del model, optimizer, handle, executor
         alone.close()
         return peak
@@ -213,7 +204,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     for _, _, executor in state.values():
         executor.__exit__(None, None, None)
     for optimizer, handle in handles:
-        close(optimizer, handle)
+        _release_optimizer(optimizer, handle)
     state.clear()
     device.close()
     unlimited.close()

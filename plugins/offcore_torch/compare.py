@@ -374,12 +374,7 @@ def _train(
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         run.error = ". ".join(message.split(". ")[:2]).rstrip(".")[:300]
     finally:
-        try:
-            if isinstance(optimizer, OffloadOptimizer):
-                optimizer.close()
-        finally:
-            if handle is not None:
-                handle.discard()
+        _release_optimizer(optimizer, handle)
         # the parameters (and, under parameter streaming, device copies the handle issued for the next
         # step) go now, not at a later collection: the next strategy runs on this device
         params, host = [], None
@@ -392,6 +387,16 @@ def _train(
         if steps - done:
             progress(steps - done, label)
     return run
+
+
+def _release_optimizer(optimizer: Any, handle: Any) -> None:
+    """Stop a host optimizer and give a parameter handle's host copies back (after :func:`_optimizer_for`)."""
+    try:
+        if isinstance(optimizer, OffloadOptimizer):
+            optimizer.close()
+    finally:
+        if handle is not None:
+            handle.discard()
 
 
 def _optimizer_for(model: nn.Module, step_plan: Plan, device: Any, settings: CompareSettings) -> tuple[Any, Any, Any]:
