@@ -180,11 +180,7 @@ def test_grad_scaler_fp16_skips_inf_steps(make_fake_device: Any) -> None:
     assert_same(got, want)
 
 
-transformers = None
-try:  # the `test` extra installs it; without it the Hugging Face models are skipped
-    import transformers
-except ImportError:  # pragma: no cover
-    pass
+from hf_models import small_causal_lm, transformers  # noqa: E402
 
 
 def _hf_workload(name: str) -> Workload:
@@ -192,28 +188,7 @@ def _hf_workload(name: str) -> Workload:
 
     def build(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
-        if name == "gpt2":
-            cfg = transformers.GPT2Config(
-                vocab_size=64,
-                n_positions=16,
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-            )
-            return transformers.GPT2LMHeadModel(cfg)
-        cfg = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-        )
-        return transformers.LlamaForCausalLM(cfg)
+        return small_causal_lm(name)
 
     def make_batch(step: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(step)

@@ -243,38 +243,12 @@ def test_cnn_eval_mode_uses_running_statistics(make_fake_device: Any) -> None:
     compare(make_fake_device, lambda: SmallCNN(3, 8, 10, seed=0), _cnn_loss, buffers=True, between=evaluate)
 
 
-transformers = None
-try:  # the `test` extra installs it
-    import transformers
-except ImportError:  # pragma: no cover
-    pass
+from hf_models import small_causal_lm, transformers  # noqa: E402
 
 
 def _hf(name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        assert transformers is not None
-        if name == "gpt2":
-            cfg = transformers.GPT2Config(
-                vocab_size=64,
-                n_positions=16,
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-            )
-            return transformers.GPT2LMHeadModel(cfg)
-        cfg = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-        )
-        return transformers.LlamaForCausalLM(cfg)
+        return small_causal_lm(name)
 
     return build
 

@@ -17,16 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
+from hf_models import small_causal_lm, transformers  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
-
-transformers: Any = None
-try:  # the `test` extra installs it
-    import transformers
-except ImportError:  # pragma: no cover
-    pass
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2}),
@@ -40,10 +35,7 @@ def _tiny_gpt() -> torch.nn.Module:
 
 
 def _gpt2() -> torch.nn.Module:
-    cfg = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return small_causal_lm("gpt2")
 
 
 def _tokens(step: int) -> torch.Tensor:
