@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from offcore.nvme.files import ALIGNMENT, aligned_empty
 from offcore.nvme.pipeline import Waitable, pipelined
+from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.nvme.tier import IOHandle, NvmeTier
 
-__all__ = ["ALIGNMENT", "IOHandle", "NvmeTier", "Waitable", "aligned_empty", "pipelined"]
+__all__ = ["ALIGNMENT", "IOHandle", "NvmeSpec", "NvmeTier", "Waitable", "aligned_empty", "as_spec", "pipelined"]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from offcore_torch.clip import clip_grad_norm_
     from offcore_torch.deepspeed_config import from_deepspeed_config
     from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
+    from offcore_torch.nvme import nvme_tier, nvme_tier_for
     from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
     from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
     from offcore_torch.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
@@ -53,6 +54,8 @@ __all__ = [
     "device_budget",
     "from_deepspeed_config",
     "mark",
+    "nvme_tier",
+    "nvme_tier_for",
     "no_offload",
     "offload_activations",
     "offload_parameters",
@@ -76,6 +79,8 @@ _EXPORTS = {
     "FSDPOffloadOptimizer": "offcore_torch.distributed",
     "offload_parameters": "offcore_torch.parameters",
     "device_budget": "offcore_torch.budget",
+    "nvme_tier": "offcore_torch.nvme",
+    "nvme_tier_for": "offcore_torch.nvme",
     "ParameterOffloadHandle": "offcore_torch.parameters",
     "ParameterOffloadStats": "offcore_torch.parameters",
 }
