@@ -30,11 +30,28 @@ the simulator and the planner take, :class:`LinkMeasurement`):
 # re-exports it, and the runtime's online estimate of each direction is the same
 # estimator fed by the copies it times (offcore_torch.runtime). So the planner, the
 # simulator and the runtime's deadlines read one model of the link.
+# The NVMe tier's two links (NVMe → host, host → NVMe) are measured the same way:
+# :func:`measure_nvme_link` times reads and writes of growing sizes through the tier itself
+# (each handle's first-request start to last-request end) and fits them with the same
+# estimator; the tier's ``read_link`` / ``write_link`` are that estimator fed by every
+# completed transfer (the probe's included), so the ResidencyScheduler's stage deadlines
+# (Note [Two hops from NVMe] in offcore/residency.py) follow the disk online.
+
+NVMe (torch-free): :func:`measure_nvme_link` probes an :class:`~offcore.nvme.NvmeTier`:
+
+    >>> import tempfile
+    >>> from offcore.nvme import NvmeTier
+    >>> from offcore.bandwidth import measure_nvme_link
+    >>> with NvmeTier(tempfile.mkdtemp(), budget="8MiB") as tier:
+    ...     link = measure_nvme_link(tier, max_bytes="1MiB")
+    ...     link.read_duration(1 << 20) > 0, tier.read_link.samples > 0
+    (True, True)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -42,12 +59,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from offcore.errors import CapacityExceededError, ConfigurationError
-from offcore.kinds import Tier
+from offcore.kinds import Direction, Tier
 from offcore.protocols import Capability
 from offcore.scheduler import BandwidthEstimator
 from offcore.units import format_bytes, parse_size
 
-__all__ = ["LinkProbe", "LinkMeasurement", "measure_copy_bandwidth", "measure_link", "fit_link", "DEFAULT_PROBE_SIZES"]
+__all__ = [
+    "LinkProbe",
+    "LinkMeasurement",
+    "NvmeLinkMeasurement",
+    "measure_copy_bandwidth",
+    "measure_link",
+    "measure_nvme_link",
+    "fit_link",
+    "DEFAULT_PROBE_SIZES",
+]
 
 DEFAULT_PROBE_SIZES: tuple[str, ...] = ("1MiB", "16MiB", "64MiB")
 
@@ -298,3 +324,127 @@ def measure_link(
     duplex = Capability.DUPLEX_COPY in frozenset(getattr(backend, "capabilities", ()))
     sizes = tuple(sorted({s for points in samples.values() for s, _ in points}))
     return LinkMeasurement(d2h, h2d, (d2h_latency + h2d_latency) / 2, duplex, sizes)
+
+
+@dataclass(frozen=True)
+class NvmeLinkMeasurement:
+    """Measured speed of an NVMe tier's two links, each ``seconds = latency + bytes / bandwidth``.
+
+    ``read_*``: NVMe → host (``n2h``, the first hop of a reload to the device); ``write_*``:
+    host → NVMe (``h2n``). ``direct``: whether the tier used ``O_DIRECT``.
+
+        >>> link = NvmeLinkMeasurement(2e9, 1e9, 1e-4, 2e-4, True)
+        >>> round(link.read_duration(2_000_000_000), 4), link.duration(Direction.H2N, 0)
+        (1.0001, 0.0002)
+    """
+
+    read_bandwidth: float
+    write_bandwidth: float
+    read_latency_s: float
+    write_latency_s: float
+    direct: bool
+    sizes: tuple[int, ...] = ()
+
+    def read_duration(self, nbytes: int) -> float:
+        """Predicted seconds to read ``nbytes`` from NVMe into host memory (a stage)."""
+        return self.read_latency_s + nbytes / self.read_bandwidth
+
+    def write_duration(self, nbytes: int) -> float:
+        """Predicted seconds to write ``nbytes`` from host memory to NVMe."""
+        return self.write_latency_s + nbytes / self.write_bandwidth
+
+    def duration(self, direction: Direction, nbytes: int) -> float:
+        """Predicted seconds in ``direction`` (``Direction.N2H`` or ``Direction.H2N``)."""
+        if direction is Direction.N2H:
+            return self.read_duration(nbytes)
+        if direction is Direction.H2N:
+            return self.write_duration(nbytes)
+        raise ConfigurationError(f"an NVMe link moves n2h or h2n, not {Direction(direction).value}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``inf`` written as ``"inf"``)."""
+        out: dict[str, Any] = asdict(self)
+        for name in ("read_bandwidth", "write_bandwidth"):
+            if math.isinf(out[name]):
+                out[name] = "inf"
+        out["sizes"] = list(self.sizes)
+        return out
+
+
+def _drop_cached_pages(path: str) -> None:
+    """Drop a file's pages from the page cache (a buffered tier's probe reads the disk, not memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def measure_nvme_link(
+    tier: Any,
+    *,
+    min_bytes: int | str = "1MiB",
+    max_bytes: int | str = "64MiB",
+    target_s: float = 0.02,
+    repeats: int = 3,
+) -> NvmeLinkMeasurement:
+    """Measure an :class:`~offcore.nvme.NvmeTier`'s read and write links with transfers through the tier.
+
+    The size starts at ``min_bytes`` and grows ×4 until one transfer takes ``target_s`` or
+    reaches ``max_bytes`` (never more than the tier's free budget). Each size is written
+    then read ``repeats`` times from a page-aligned buffer; the medians of the two largest
+    sizes are fitted (Note [One link estimator]). A buffered tier's pages are dropped before
+    each read. The probe's object is deleted afterwards; its transfers also feed the tier's
+    online ``read_link`` / ``write_link`` (and its ledger and trace, if any).
+    """
+    from offcore.nvme.files import ALIGNMENT, aligned_empty  # imported here: bandwidth stays light to import
+
+    low = parse_size(min_bytes, what="min_bytes")
+    high = parse_size(max_bytes, what="max_bytes")
+    if high < low:
+        raise ConfigurationError(f"max_bytes ({high}) must be at least min_bytes ({low})")
+    if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
+        raise ConfigurationError(f"repeats must be a positive integer, got {repeats!r}")
+    room = tier.free_bytes // ALIGNMENT * ALIGNMENT
+    if room < low:
+        raise CapacityExceededError(
+            f"probing the NVMe tier needs {format_bytes(low)} of its budget, {format_bytes(tier.free_bytes)} is free"
+        )
+    high = min(high, room)
+    key = ("offcore.bandwidth probe", id(tier))
+    buffer = aligned_empty(high)
+    buffer[:] = 0x5A
+    samples: dict[str, list[tuple[int, float]]] = {"read": [], "write": []}
+    try:
+        size = low
+        while True:
+            view = buffer[:size]
+            writes, reads = [], []
+            for _ in range(repeats):
+                handle = tier.write(key, view)
+                handle.synchronize()
+                writes.append(handle.seconds)
+                if not tier.direct:
+                    _drop_cached_pages(handle.path)
+                handle = tier.read(key, view)
+                handle.synchronize()
+                reads.append(handle.seconds)
+            samples["write"].append((size, statistics.median(writes)))
+            samples["read"].append((size, statistics.median(reads)))
+            if max(samples["write"][-1][1], samples["read"][-1][1]) >= target_s or size >= high:
+                break
+            size = min(high, size * 4)
+    finally:
+        if key in tier:
+            tier.delete(key)
+    read_bw, read_latency = fit_link(samples["read"][-2:])
+    write_bw, write_latency = fit_link(samples["write"][-2:])
+    return NvmeLinkMeasurement(
+        read_bw, write_bw, read_latency, write_latency, bool(tier.direct), tuple(s for s, _ in samples["read"])
+    )

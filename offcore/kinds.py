@@ -11,6 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from offcore.errors import ConfigurationError
 from offcore.units import format_bandwidth, format_bytes, parse_bandwidth, parse_size
 
 __all__ = ["Kind", "Tier", "TierSpec", "Direction"]
@@ -49,9 +50,33 @@ class Direction(str, enum.Enum):
     H2D = "h2d"
     H2H = "h2h"
     D2D = "d2d"
+    H2N = "h2n"
+    """Host memory → the NVMe tier (a tier write)."""
+    N2H = "n2h"
+    """The NVMe tier → host memory (a tier read; the first hop of NVMe → device)."""
+
+    @property
+    def is_nvme(self) -> bool:
+        """Whether this direction is a transfer of the NVMe tier (``h2n`` / ``n2h``)."""
+        return self in (Direction.H2N, Direction.N2H)
 
     @staticmethod
     def between(src: Tier, dst: Tier) -> Direction:
+        """The direction of one copy from ``src`` to ``dst``.
+
+        NVMe moves only to and from host memory: NVMe ↔ device is two hops (``n2h`` then ``h2d``,
+        ``d2h`` then ``h2n``), and asking for it in one is a :class:`~offcore.ConfigurationError`.
+
+            >>> Direction.between(Tier.NVME, Tier.PINNED).value, Direction.between(Tier.DEVICE, Tier.PINNED).value
+            ('n2h', 'd2h')
+        """
+        if src is Tier.NVME or dst is Tier.NVME:
+            if src is dst or Tier.DEVICE in (src, dst):
+                raise ConfigurationError(
+                    f"no single copy goes from {src.value} to {dst.value}: the NVMe tier moves only to and from host "
+                    "memory (NVMe → device is n2h then h2d; device → NVMe is d2h then h2n)"
+                )
+            return Direction.N2H if src is Tier.NVME else Direction.H2N
         if src is Tier.DEVICE and dst is Tier.DEVICE:
             return Direction.D2D
         if src is Tier.DEVICE:

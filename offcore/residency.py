@@ -76,6 +76,28 @@ and the device's room are judged on what really happened.
 # device memory that exists anyway (an optimizer's parameters), where only the budget,
 # never a deadline, should hold a copy back. ``upload_order`` tells a binding the need
 # order before the objects are produced (it steps the first-needed parameters first).
+
+# Note [Two hops from NVMe]
+# An offloaded object's host copy may live on the NVMe tier instead of host memory (the
+# binding wrote it there and released the host buffer: ``spilled(key)``). Its reload is then
+# two copies on two links: a stage (NVMe → host, ``n2h``: a tier read into a host buffer)
+# and the prefetch (host → device, ``h2d``). The plan keeps the host → device chain exactly
+# as for host-resident objects (so their behaviour does not change) and adds a second chain
+# on the NVMe link, with its own measured duration (``stage_duration``: the tier's
+# ``read_link`` fed by its completed reads, or offcore.bandwidth.measure_nvme_link): each
+# stage must land by the trigger that starts its object's host → device copy (the last one
+# before that copy's latest start, less the margin), stages run one after another on their
+# link, and are planned as late as possible (offcore.scheduler.PrefetchPlan.stage_latest).
+# At each trigger the due stages are offered first (``stage`` actions; the binding answers
+# ``stage_started`` / ``stage_refused``, lazily as for prefetches), then the due prefetches
+# of host-resident objects; an object still on NVMe or still staging is skipped by the
+# prefetch chain until ``staged(key)`` (its read landed: the host copy is in host memory),
+# which is itself a trigger offering what is due. Stages hold host memory, not device
+# memory: they are outside the device byte budget (the binding's pinned pool bounds them;
+# a refusal comes again at the next trigger). ``stage_duration`` None means an unknown
+# link: every stage is due at once. Writes to NVMe (``h2n``) are the binding's, off the
+# critical path (after the D2H landed); the ledger and the trace count both directions
+# (Note [The NVMe tier's copies in the ledger and the trace] in offcore/nvme/tier.py).
 """
 
 from __future__ import annotations
@@ -109,6 +131,9 @@ class ActionKind(str, enum.Enum):
     """Copy the host copy back into a new device buffer on the host-to-device stream."""
     EVICT = "evict"
     """Drop a held or prefetched device copy that is not needed as soon as another (the host copy stays)."""
+    STAGE = "stage"
+    """Read the object's host copy from the NVMe tier into a host buffer (before its ``prefetch``; Note
+    [Two hops from NVMe])."""
 
 
 class _Completed:
@@ -184,7 +209,8 @@ class ResidencyScheduler:
     bytes ahead of use; ``margin`` (seconds) is the slack before each need;
     ``device_capacity`` and ``device_in_use()`` give the device budget (0: unbounded).
     ``record=True`` keeps every event with its arguments in :attr:`log` and every action
-    in :attr:`actions`, for replay through the simulator.
+    in :attr:`actions`, for replay through the simulator. ``stage_duration(nbytes)`` predicts
+    an NVMe → host read (the tier's measured ``read_link``; Note [Two hops from NVMe]).
     """
 
     def __init__(
@@ -199,6 +225,7 @@ class ResidencyScheduler:
         device_in_use: Callable[[], int] | None = None,
         record: bool = False,
         shared_budget: Any = None,
+        stage_duration: Callable[[int], float] | None = None,
     ) -> None:
         if prefetch not in _MODES:
             raise ConfigurationError(f"prefetch must be one of {_MODES}, got {prefetch!r}")
@@ -229,6 +256,9 @@ class ResidencyScheduler:
         self._t_backward = 0.0
         self._refused = False
         self._awaiting_host: set[int] = set()  # Note [Objects produced on the host]
+        self.stage_duration = stage_duration  # Note [Two hops from NVMe]
+        self._on_nvme: set[int] = set()  # host copy only on NVMe (stage not landed)
+        self._staging: set[int] = set()  # stages in flight
         self.record = record
         self.log: list[tuple[Any, ...]] = []
         self.actions: list[Action] = []
@@ -495,15 +525,30 @@ class ResidencyScheduler:
             missing = {k: last for k in self._awaiting_host if k not in packed}
             if missing:
                 observation = StepObservation({**packed, **missing}, observation.forward_seconds)
-        self.plan = self.predictor.plan(
-            observation,
-            live,
-            self.duration,
-            margin=self.margin,
-            readers={k: readers[k] for k in live if k in readers} if readers else None,
-        )
+        stage = {k: live[k] for k in self._on_nvme if k in live and k not in self._staging} or None
+        readers = {k: readers[k] for k in live if k in readers} if readers else None
+        if stage is None:  # the call as before NVMe existed (a predictor may not take ``stage``)
+            self.plan = self.predictor.plan(observation, live, self.duration, margin=self.margin, readers=readers)
+        else:
+            self.plan = self.predictor.plan(
+                observation,
+                live,
+                self.duration,
+                margin=self.margin,
+                readers=readers,
+                stage=stage,
+                stage_duration=self.stage_duration,
+            )
         if self.record:  # what the plan rested on: the predictor's state and the link's, then
-            self._log("plan_inputs", dict(self.plan.use_times), dict(self.plan.durations))
+            if stage is None:
+                self._log("plan_inputs", dict(self.plan.use_times), dict(self.plan.durations))
+            else:
+                self._log(
+                    "plan_inputs",
+                    dict(self.plan.use_times),
+                    dict(self.plan.durations),
+                    dict(self.plan.stage_durations),
+                )
         self.vtime = -math.inf
 
     # -- objects produced on the host (an optimizer's updated parameters) --------------------
@@ -583,6 +628,8 @@ class ResidencyScheduler:
         vtime = self.vtime = plan.virtual_time(key, now)  # _offer, inlined (once per unpack)
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         actions = self._prefetches(plan, due) if due else NO_ACTIONS
+        if self._on_nvme:  # Note [Two hops from NVMe]
+            actions = self._with_stages(plan, vtime, actions)
         if self._budget_evictions:  # Note [One device budget across kinds]
             actions = self._with_evictions(actions, skip=managed_key)
         return self._resumes_recorded(actions) if record else actions
@@ -626,6 +673,8 @@ class ResidencyScheduler:
             return NO_ACTIONS
         self.vtime = vtime
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
+        if self._on_nvme:  # Note [Two hops from NVMe]
+            return self._with_stages(plan, vtime, self._prefetches(plan, due) if due else NO_ACTIONS)
         if not due:
             return NO_ACTIONS
         return self._prefetches(plan, due)
@@ -645,6 +694,8 @@ class ResidencyScheduler:
                 continue
             if key in awaiting:
                 continue  # its host copy is not the data yet (Note [Objects produced on the host])
+            if key in self._on_nvme:
+                continue  # not in host memory yet: its stage comes first (Note [Two hops from NVMe])
             if state is not State.OFFLOADED or key in alive or key in released:
                 plan.issued(key)
                 continue
@@ -675,6 +726,79 @@ class ResidencyScheduler:
                     shared.release(self, key)
                 return
             plan.issued(key)
+
+    # -- the NVMe tier (Note [Two hops from NVMe]) ----------------------------------------------
+    def _with_stages(self, plan: PrefetchPlan, vtime: float, prefetches: Iterator[Action]) -> Iterator[Action]:
+        """The due stages (NVMe → host), then ``prefetches``; a refused stage ends this trigger's stages."""
+        due = plan.due_stages(math.inf if self.prefetch_mode == "asap" else vtime)
+        for key in due:
+            obj = self.objects.get(key)
+            if key not in self._on_nvme or key in self._staging or key in self._released or obj is None:
+                plan.stage_issued(key)
+                continue
+            self._refused = False
+            yield self._emit(Action(ActionKind.STAGE, key, obj.nbytes))
+            if self._refused:
+                break
+            plan.stage_issued(key)
+        yield from prefetches
+
+    def spilled(self, key: int) -> None:
+        """The host copy of the offloaded ``key`` now lives on the NVMe tier only (its write completed and the
+        host buffer was released): its reload stages it first (Note [Two hops from NVMe])."""
+        if self.record:
+            self._log("spilled", key)
+        obj = self.objects[key]
+        if obj.state is not State.OFFLOADED:
+            raise IllegalTransitionError(
+                f"object {obj.describe()} is {obj.state.value}: only an offloaded object (its host copy the data, "
+                "no device copy) can live on NVMe"
+            )
+        obj.host_tier = Tier.NVME
+        self._on_nvme.add(key)
+        if self.plan is not None:
+            self.plan.add_stage(key)
+
+    def on_nvme(self, key: int) -> bool:
+        """Whether ``key``'s host copy is on the NVMe tier now (spilled, its stage not landed)."""
+        return key in self._on_nvme
+
+    def stage_started(self, key: int, event: Any = None) -> None:
+        """The binding started the offered stage of ``key`` (an NVMe → host read; ``event``: its handle)."""
+        if self.record:
+            self._log("stage_started", key)
+        self._staging.add(key)
+        self.counters["staged"] += 1
+
+    def stage_refused(self, key: int, reason: str) -> None:
+        """The offered stage of ``key`` was not started (``"no_room"``: no host buffer, ...): it comes again at
+        the next trigger."""
+        if self.record:
+            self._log("stage_refused", key, reason)
+        self._refused = True
+        self.counters["stage_refused"] += 1
+
+    def staged(self, key: int, t: float | None = None) -> Iterator[Action]:
+        """The stage of ``key`` landed: its host copy is in host memory (``pinned``). A trigger: returns the
+        actions due now (lazily), ``t`` the binding's clock (seconds; None: the plan's clock of the last trigger)."""
+        if self.record:
+            self._log("staged", key, t)
+        self._staging.discard(key)
+        self._on_nvme.discard(key)
+        self.objects[key].host_tier = Tier.PINNED
+        plan = self.plan
+        if plan is None:
+            return NO_ACTIONS
+        vtime = self.vtime if t is None or not self.in_backward else plan.virtual_time(None, t - self._t_backward)
+        return self._offered(self._offer(vtime))
+
+    def stage_failed(self, key: int) -> None:
+        """The stage of ``key`` failed: its host copy is still on NVMe (offered again at the next trigger)."""
+        if self.record:
+            self._log("stage_failed", key)
+        self._staging.discard(key)
+        if self.plan is not None:
+            self.plan.stage_reopen(key)
 
     def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int) -> list[int]:
         """Belady: make budget room for ``key`` by evicting held or prefetched copies needed later.

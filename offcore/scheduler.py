@@ -141,7 +141,11 @@ class PrefetchPlan:
     to its predicted use, in seconds after backward starts; ``offloaded`` maps the keys
     that need a copy to their bytes; ``readers`` (optional) maps an offloaded key to
     every key that reads the same object (a storage saved several times): the object
-    is needed at the first of their uses. At each trigger the binding calls
+    is needed at the first of their uses. ``stage`` (optional, key → bytes) names the
+    offloaded objects whose host copy is on NVMe: each gets a stage (NVMe → host) on its
+    own serial link of ``stage_duration(nbytes)`` seconds, planned as late as possible to
+    land by the trigger at which its host → device copy starts (``stage_latest``,
+    ``due_stages``; Note [Two hops from NVMe] in offcore/residency.py). At each trigger the binding calls
     ``due(virtual_time(key, now))`` and starts the returned keys' copies in order,
     calling ``issued(key)`` for each; it stops early when its byte budget is full, and
     the remaining keys come again at the next trigger.
@@ -161,6 +165,8 @@ class PrefetchPlan:
         *,
         margin: float,
         readers: Mapping[int, Iterable[int]] | None = None,
+        stage: Mapping[int, int] | None = None,
+        stage_duration: Callable[[int], float] | None = None,
     ) -> None:
         self.use_times: dict[int, float] = dict(use_times)
         self.nbytes: dict[int, int] = dict(offloaded)
@@ -199,6 +205,76 @@ class PrefetchPlan:
         self._cursor = 0
         self._done: set[int] = set()
         self._drift = 0.0
+        # Note [Two hops from NVMe] (offcore/residency.py): the NVMe → host chain, on its own link
+        self.margin = margin
+        self.stage_duration: Callable[[int], float] | None = stage_duration
+        self.stage_latest: dict[int, float] = {}
+        self.stage_durations: dict[int, float] = {}
+        self.stage_order: list[int] = []
+        self._stage_done: set[int] = set()
+        if stage:
+            self._plan_stages(stage)
+
+    def _stage_finish(self, key: int) -> float:
+        """When ``key``'s stage must have landed: by the trigger that starts its host → device copy (the last
+        one before that copy's latest start, see :meth:`due`; a binding may notice a landed read only at a
+        trigger), less the margin. A copy due before the first trigger: by its latest start."""
+        latest = self.latest_start[key]
+        i = bisect.bisect_left(self._triggers, latest)
+        at = self._triggers[i - 1] if i else latest
+        return at - self.margin
+
+    def _stage_seconds(self, nbytes: int) -> float:
+        seconds = self.stage_durations.get(nbytes)
+        if seconds is None:
+            duration = self.stage_duration
+            seconds = self.stage_durations[nbytes] = math.inf if duration is None else duration(nbytes)
+        return seconds
+
+    def _plan_stages(self, stage: Mapping[int, int]) -> None:
+        """The NVMe → host chain: as late as possible, serial on its link, each landing by :meth:`_stage_finish`."""
+        keys = [k for k in self.order if k in stage]  # deadline order, as the host → device chain
+        finish_of = {k: self._stage_finish(k) for k in keys}
+        order = sorted(keys, key=finish_of.__getitem__, reverse=True)
+        chain_start = math.inf
+        latest: dict[int, float] = {}
+        for key in order:
+            finish = min(finish_of[key], chain_start)
+            chain_start = latest[key] = finish - self._stage_seconds(stage[key])
+        self.stage_latest.update(latest)
+        self.stage_order = sorted(self.stage_latest, key=self._stage_rank)
+
+    def _stage_rank(self, key: int) -> tuple[float, float, int]:
+        return self.stage_latest[key], self.need[key], key
+
+    def add_stage(self, key: int) -> None:
+        """``key`` went to NVMe after this plan was made: stage it in time for its copy (not chained with the
+        other stages: an estimate, the link's queue is not replanned)."""
+        if key not in self.nbytes or key in self.stage_latest:
+            return
+        self.stage_latest[key] = self._stage_finish(key) - self._stage_seconds(self.nbytes[key])
+        bisect.insort(self.stage_order, key, key=self._stage_rank)
+        self._stage_done.discard(key)
+
+    def due_stages(self, vtime: float) -> list[int]:
+        """Keys on NVMe (stage order) whose stage's latest start falls before the next trigger after ``vtime``."""
+        horizon = self.horizon(vtime)
+        out: list[int] = []
+        for key in self.stage_order:
+            if self.stage_latest[key] > horizon:
+                break
+            if key not in self._stage_done and key not in self._done:
+                out.append(key)
+        return out
+
+    def stage_issued(self, key: int) -> None:
+        """``key``'s stage started (or it needs none any more)."""
+        if key in self.stage_latest:
+            self._stage_done.add(key)
+
+    def stage_reopen(self, key: int) -> None:
+        """``key``'s stage failed or was not started: it is due again."""
+        self._stage_done.discard(key)
 
     def __len__(self) -> int:
         """Keys still waiting for a copy."""
@@ -317,10 +393,15 @@ class Scheduler:
         duration: Callable[[int], float],
         margin: float | None = None,
         readers: Mapping[int, Iterable[int]] | None = None,
+        *,
+        stage: Mapping[int, int] | None = None,
+        stage_duration: Callable[[int], float] | None = None,
     ) -> PrefetchPlan:
         """A plan for the keys in ``offloaded`` (key → bytes); every key of ``step`` is a trigger.
 
-        ``readers`` as in :class:`PrefetchPlan`.
+        ``readers`` as in :class:`PrefetchPlan`; ``stage`` (key → bytes, a subset of ``offloaded``)
+        the objects whose host copy is on NVMe, staged over ``stage_duration`` first
+        (Note [Two hops from NVMe] in offcore/residency.py).
         """
         return PrefetchPlan(
             self.predict(step),
@@ -328,4 +409,6 @@ class Scheduler:
             duration,
             margin=self.margin if margin is None else margin,
             readers=readers,
+            stage=stage,
+            stage_duration=stage_duration,
         )

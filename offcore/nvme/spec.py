@@ -27,6 +27,7 @@ from offcore.units import parse_size
 if TYPE_CHECKING:
     from offcore.ledger import Ledger
     from offcore.nvme.tier import NvmeTier
+    from offcore.trace import TraceRecorder
 
 __all__ = ["NvmeSpec", "as_spec"]
 
@@ -63,11 +64,12 @@ class NvmeSpec:
                 f"NVMe tier path {self.path!r} cannot be read ({exc}); name an existing directory"
             ) from exc
 
-    def open(self, *, ledger: Ledger | None = None) -> NvmeTier:
-        """A new :class:`~offcore.nvme.tier.NvmeTier` under ``path`` (close it when done)."""
+    def open(self, *, ledger: Ledger | None = None, trace: TraceRecorder | None = None) -> NvmeTier:
+        """A new :class:`~offcore.nvme.tier.NvmeTier` under ``path`` (close it when done); its copies are
+        counted in ``ledger`` and drawn in ``trace`` when given."""
         from offcore.nvme.tier import NvmeTier
 
-        return NvmeTier(self.path, budget=self.budget_bytes(), verify=self.verify, ledger=ledger)
+        return NvmeTier(self.path, budget=self.budget_bytes(), verify=self.verify, ledger=ledger, trace=trace)
 
 
 def as_spec(value: NvmeSpec | str | os.PathLike[str] | None) -> NvmeSpec | None:

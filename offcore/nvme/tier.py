@@ -43,7 +43,7 @@ from offcore.errors import (
     StorageFileTruncatedError,
     StorageFullError,
 )
-from offcore.kinds import Kind, Tier
+from offcore.kinds import Direction, Kind, Tier
 from offcore.ledger import CopyTotals, Ledger
 from offcore.nvme.files import (
     ALIGNMENT,
@@ -54,6 +54,7 @@ from offcore.nvme.files import (
     remove_private_directory,
 )
 from offcore.scheduler import BandwidthEstimator
+from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
 
 __all__ = ["NvmeTier", "IOHandle"]
@@ -81,6 +82,16 @@ __all__ = ["NvmeTier", "IOHandle"]
 # ``synchronize()`` raise on failure for exactly this reason: a caller polling for "done"
 # must never mistake "failed" for "done". The pipelined optimizer step
 # (offcore.nvme.pipeline) follows this rule; the optimizer wiring must too.
+
+# Note [The NVMe tier's copies in the ledger and the trace]
+# Every completed transfer is one copy of the ledger (``Direction.H2N`` for a write,
+# ``Direction.N2H`` for a read: bytes, seconds from its first request's start to its last
+# one's end, count), next to the device's ``d2h`` / ``h2d``, and one span on the trace's
+# ``h2n`` / ``n2h`` track, like the copy streams' spans. A failed transfer is counted in
+# neither (it moved nothing usable). The same seconds feed ``read_link`` / ``write_link``
+# (the links the ResidencyScheduler plans NVMe → host staging with, Note [Two hops from
+# NVMe] in offcore/residency.py). ``tier.reads`` / ``tier.writes`` keep the tier's own totals
+# (they outlive a ledger's ``reset_step``).
 
 _FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG) if e is not None)
 
@@ -339,6 +350,8 @@ class NvmeTier:
       ``threads`` in flight per direction (reads and writes have separate pools).
     - ``ledger``: bytes on disk are counted there as (``Tier.NVME``, kind).
     - ``max_open_files``: files kept open between transfers (Note [open files]).
+    - ``trace``: completed transfers appear there as spans on the ``n2h`` / ``h2n`` tracks
+      (Note [The NVMe tier's copies in the ledger and the trace]).
 
     See the module docstring for an example, and Note [when may the host copy be released].
     """
@@ -354,6 +367,7 @@ class NvmeTier:
         threads: int = 8,
         ledger: Ledger | None = None,
         max_open_files: int = 256,
+        trace: TraceRecorder | None = None,
     ) -> None:
         self.budget = parse_size(budget, what="NVMe tier budget")
         self.chunk_size = parse_size(chunk_size, what="NVMe chunk size")
@@ -366,6 +380,8 @@ class NvmeTier:
         self.max_open_files = max_open_files
         self.verify = bool(verify)
         self.ledger = ledger
+        self.trace = trace
+        """A :class:`~offcore.trace.TraceRecorder` that gets one span per completed transfer (tracks ``n2h`` / ``h2n``)."""
         self.directory = private_directory(path)
         try:
             supported, reason = direct_io_supported(self.directory)
@@ -550,6 +566,7 @@ class NvmeTier:
         self._ledger_change(entry.kind, *ledger_delta)
         if h._error is None:
             self.write_link.observe(nbytes, h.seconds)
+            self._record_copy(Direction.H2N, h)
 
     def _ledger_change(self, kind: Kind, old: int, new: int) -> None:
         if self.ledger is None or old == new:
@@ -640,6 +657,15 @@ class NvmeTier:
                 self.reads.copies += 1
         if h._error is None:
             self.read_link.observe(h.nbytes, h.seconds)
+            self._record_copy(Direction.N2H, h)
+
+    def _record_copy(self, direction: Direction, h: IOHandle) -> None:
+        """A completed transfer in the ledger's copies and the trace (Note [The NVMe tier's copies in the ledger
+        and the trace])."""
+        if self.ledger is not None:
+            self.ledger.record_copy(direction, h.nbytes, seconds=h.seconds)
+        if self.trace is not None and h.started is not None:
+            self.trace.span(direction.value, str(h.key), h.started, h.seconds, nbytes=h.nbytes, path=h.path)
 
     # -- shared -------------------------------------------------------------------------
     def _acquire_fd(self, entry: _Entry, *, create: bool, op: str, nbytes: int) -> int:

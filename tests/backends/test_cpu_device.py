@@ -399,7 +399,7 @@ def test_copy_directions_follow_holds_and_are_ledgered(ndev: FakeDevice) -> None
         ndev.copy_(dst, src, stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(h2, np.arange(1000) % 251)
-    for direction in Direction:
+    for direction in (d for d in Direction if not d.is_nvme):  # the NVMe tier's directions are not the device's
         totals = ndev.ledger.copies[direction]
         assert (totals.copies, totals.bytes) == (1, 1000), direction
     assert [e["direction"] for e in ndev.copy_log()] == ["h2d", "d2d", "d2h", "h2h"]
