@@ -86,6 +86,10 @@ class LayerProfile:
         param_bytes: bytes of the layer's parameters: what parameter streaming copies in
             before its forward and its backward, and what the host optimizer steps under
             optimizer offload. 0 (the default) means ``grad_bytes`` (same dtype).
+        param_copies: the copies parameter streaming makes for each use of the layer's
+            parameters (offcore_torch.offload_parameters copies each parameter tensor on its
+            own): each pays the link's ``latency_s`` (Note [Parameter copies pay one latency
+            each] in simulator.py). 0 (the default) means one copy.
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -102,6 +106,7 @@ class LayerProfile:
     saved_tensors: tuple[tuple[float, int], ...] = ()
     grad_bytes: int = 0
     param_bytes: int = 0
+    param_copies: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -119,6 +124,9 @@ class LayerProfile:
         for attribute in ("saved_bytes", "working_bytes", "input_bytes", "grad_bytes", "param_bytes"):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
+        copies = self.param_copies
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
+            raise ConfigurationError(f"param_copies of layer {self.name!r} must be an integer >= 0, got {copies!r}")
         set_(self, "saved_tensors", self._checked_tensors())
 
     def _checked_tensors(self) -> tuple[tuple[float, int], ...]:
@@ -176,6 +184,7 @@ class LayerProfile:
             saved_tensors=tensors,
             grad_bytes=self.grad_bytes,  # per parameter, not per sample
             param_bytes=self.param_bytes,
+            param_copies=self.param_copies,
         )
 
     @property

@@ -173,6 +173,18 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # it replays to the same actions (offcore.sim.replay; tests/core/test_sim_kinds.py) and has the
 # event names a real offload_parameters step feeds its scheduler (tests/torch/test_sim_memory.py).
 
+#
+# Note [Parameter copies pay one latency each]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# offload_parameters copies each parameter tensor on its own (``_copy_in``: one copy per slot),
+# so a layer's copy-in is ``LayerProfile.param_copies`` copies back to back on the H2D queue:
+# ``param_copies × latency_s + param_bytes / h2d_bandwidth`` (a TinyGPT block: 12 tensors per
+# use, about 100 copies per step with the embedding, the head and the backward refetch). The
+# latency is the profiler's, measured with small copies queued together (Note [The latency is
+# measured with small copies] in offcore_torch/profiler.py), not the intercept of a fit through
+# two large copies, whose noise (0 to 1.3 ms per copy on a loaded host) this term multiplied.
+# The scheduler's own copy durations stay one latency per object, as the runtime's estimator has them.
+
 
 @dataclass(frozen=True)
 class TimelineEvent:
@@ -604,6 +616,7 @@ class _Step:
         self.stream = plan.parameters == "stream"
         self.params = [layer.param_bytes or layer.grad_bytes for layer in layers]
         self.rest_params = max(0, profile.param_bytes - sum(self.params))
+        self.param_copies = [max(1, layer.param_copies) for layer in layers]
         self.static = profile.resident_bytes
         if self.offload_optimizer:
             self.static -= profile.optimizer_state_bytes
@@ -922,12 +935,17 @@ class _Step:
         nbytes = self.params[i]
         self.p_resident[i] = True
         self.change(nbytes)
-        begin, land = self.h2d_link.run(self.now, self.copy_s(nbytes, "h2d"))
+        begin, land = self.h2d_link.run(self.now, self.param_copy_s(i))
         self.h2d_bytes += nbytes
         self.last_copy_end = max(self.last_copy_end, land)
         self.p_ready[i] = land
         self.event("h2d", f"h2d:param:{phase}:{self.names[i]}", begin, land, "h2d", i)
         return _SimEvent(self, land)
+
+    def param_copy_s(self, i: int) -> float:
+        """Link time of one copy-in of layer ``i``'s parameters: one copy per tensor, each paying the
+        latency (Note [Parameter copies pay one latency each])."""
+        return self.copy_s(self.params[i], "h2d") + (self.param_copies[i] - 1) * self.profile.latency_s
 
     def param_drop_hold(self, key: int) -> None:
         """A prefetch nobody used (or an evicted one) lets its copy go (``_drop_hold``)."""
@@ -1191,7 +1209,7 @@ class _Step:
         if self.psched is not None:  # the next step's first copies, after the host step (the device synchronises)
             issue = max(self.compute_end, self.host_end)
             for i in self.p_first_layers:
-                start, land = self.h2d_link.run(issue, self.copy_s(self.params[i], "h2d"))
+                start, land = self.h2d_link.run(issue, self.param_copy_s(i))
                 self.h2d_bytes += self.params[i]
                 self.last_copy_end = max(self.last_copy_end, land)
                 self.event("h2d", f"h2d:param:next-forward:{self.names[i]}", start, land, "h2d", i)
