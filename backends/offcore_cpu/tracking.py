@@ -295,6 +295,8 @@ _UNINITIALISED = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_
 _LIFT_FRESH = _aten.lift_fresh.default  # Note [Fresh tensors from Python data]
 
 _DISABLE_DISPATCH = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+# how many dispatch modes are active on this thread (a torch without the counter: assume some)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 _ACTIVE = threading.local()  # .stack: the StorageTrackers active on this thread, innermost last
 
 
@@ -387,6 +389,8 @@ class StorageTracker:
         ledger = self.ledger
         if ledger is None or nbytes <= 0 or _hook is None or _hook.get_current() is not ledger:
             return None
+        if not _DISPATCH_MODES():  # no mode could see it: the guard would cost more than the allocation
+            return torch.empty(nbytes, dtype=torch.uint8)
         with _DISABLE_DISPATCH():
             return torch.empty(nbytes, dtype=torch.uint8)
 
