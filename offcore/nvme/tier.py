@@ -52,6 +52,7 @@ from offcore.nvme.files import (
     open_private_file,
     private_directory,
     remove_private_directory,
+    remove_stale_directories,
 )
 from offcore.scheduler import BandwidthEstimator
 from offcore.trace import TraceRecorder
@@ -339,7 +340,9 @@ class NvmeTier:
 
     - ``path``: a directory you own, not writable by others (created 0700 if missing);
       the tier works in a fresh 0700 subdirectory of it, removed by :meth:`close`, when the
-      tier is garbage collected, and at interpreter exit.
+      tier is garbage collected, and at interpreter exit; subdirectories left by processes
+      that died without cleaning up (SIGKILL) are removed when a tier opens there
+      (:attr:`removed_stale`).
     - ``budget``: bytes on disk (``"64GiB"``), files padded to 4 KiB under ``O_DIRECT``;
       a write beyond it raises :class:`~offcore.CapacityExceededError` before any I/O.
     - ``verify``: keep a CRC-32 per chunk and check it on every read
@@ -383,6 +386,9 @@ class NvmeTier:
         self.trace = trace
         """A :class:`~offcore.trace.TraceRecorder` that gets one span per completed transfer (tracks ``n2h`` / ``h2n``)."""
         self.directory = private_directory(path)
+        self.removed_stale = remove_stale_directories(path)
+        """Directories of dead processes' tiers under ``path`` removed when this one opened (Note [Stale
+        directories: an owner lock] in offcore/nvme/files.py)."""
         try:
             supported, reason = direct_io_supported(self.directory)
         except BaseException:

@@ -19,7 +19,14 @@ import offcore
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
 from offcore.nvme import ALIGNMENT, NvmeTier, aligned_empty
+from offcore.nvme.files import OWNER_FILE
 from offcore.pool import HostBufferPool
+
+
+def data_files(directory: str) -> list[str]:
+    """The tier's object files in ``directory`` (not its owner marker, Note [Stale directories: an owner lock])."""
+    return [name for name in os.listdir(directory) if name != OWNER_FILE]
+
 
 CHUNK = 2 * ALIGNMENT  # small chunks so modest objects span several requests
 
@@ -118,7 +125,7 @@ def test_rewrite_in_place_grow_and_shrink(tier: NvmeTier) -> None:
         tier.read("k", out).synchronize()
         assert _same_bytes(out, a)
         assert tier.nbytes("k") == n
-    assert len(os.listdir(tier.directory)) == 1  # rewritten in place: one file
+    assert len(data_files(tier.directory)) == 1  # rewritten in place: one file
 
 
 def test_bad_buffers_and_sizes_are_configuration_errors(tier: NvmeTier) -> None:
@@ -146,11 +153,11 @@ def test_budget_exceeded_is_refused_before_any_io(tmp_path: Path) -> None:
             tier.write("b", np.zeros(2 * ALIGNMENT, np.uint8))
         assert isinstance(info.value, MemoryError)
         assert "b" not in tier and tier.used_bytes == 2 * ALIGNMENT
-        assert sorted(os.listdir(tier.directory)) == ["00000000.blk"]
+        assert sorted(data_files(tier.directory)) == ["00000000.blk"]
         tier.write("a", np.zeros(3 * ALIGNMENT, np.uint8)).synchronize()  # a rewrite counts its old size back
         assert tier.used_bytes == 3 * ALIGNMENT == tier.peak_used_bytes
         tier.delete("a")
-        assert tier.used_bytes == 0 and os.listdir(tier.directory) == []
+        assert tier.used_bytes == 0 and data_files(tier.directory) == []
 
 
 def test_direct_files_count_padded_bytes(tmp_path: Path) -> None:
@@ -166,7 +173,7 @@ def test_directory_0700_and_files_0600(tmp_path: Path) -> None:
         tier.write("a", np.ones(3)).synchronize()
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(tier.directory).st_mode) == 0o700
-        (name,) = os.listdir(tier.directory)
+        (name,) = data_files(tier.directory)
         assert stat.S_IMODE(os.stat(os.path.join(tier.directory, name)).st_mode) == 0o600
         assert os.path.dirname(tier.directory) == str(root)
 
