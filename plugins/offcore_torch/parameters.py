@@ -112,6 +112,32 @@ def _no_evict(key: int) -> None:
     """The handle itself holds no reservation (its per-step schedulers do)."""
 
 
+def _version_ref(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor sharing ``tensor``'s storage and version counter (Note [Versions are read through a plain alias])."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.detach(tensor)
+
+
+# Note [Versions are read through a plain alias]
+# Streaming compares a parameter's version counter before and after each use (a copy that
+# changed is written back). Reading ``param._version`` on the offloaded class goes through
+# ``__torch_function__`` (a Python call per read, hundreds per step); ``detach()`` of the
+# parameter shares its version counter and its storage object, so ``slot.vref._version`` reads
+# the same counter at C speed. The alias holds no memory of its own (the storage is resized
+# under both); it is made again whenever the parameter's storage is replaced (``_to_device_empty``).
+
+
+# Note [Small parameters stay on the device]
+# ``persist_below`` (bytes) keeps every parameter or buffer smaller than it on the device for
+# good, as DeepSpeed ZeRO-3's ``stage3_param_persistence_threshold`` does: a bias or a LayerNorm
+# weight costs a copy, a resize and its bookkeeping on every use (as much CPU as a large
+# weight's) for a few bytes of device memory. Such a tensor gets no slot and keeps its class
+# (no ``__torch_function__``), a module whose parameters are all small gets no unit (no hooks,
+# no scheduler use), and ``remove()``/``discard()`` leave it as it is. Its bytes count in
+# ``stats().persistent_bytes``, not in ``host_bytes``; a model built on the host has it moved to
+# the device with its values at setup.
+
+
 def _graph_task_id() -> int:
     return int(_GRAPH_TASK_ID()) if _GRAPH_TASK_ID is not None else -1
 
@@ -213,6 +239,7 @@ class _Slot:
         "klass",
         "unit",
         "from_host",
+        "vref",
     )
 
     def __init__(self, index: int, handle: ParameterOffloadHandle, tensor: torch.Tensor, name: str, is_buffer: bool):
@@ -232,7 +259,8 @@ class _Slot:
         self.holds = 0  # prefetches made ahead of a use, not yet used
         self.bwd_tasks: set[int] = set()  # backward passes that still need it
         self.outside = False  # fetched outside an announced use: kept until backward ends or the optimizer stepped
-        self.version = tensor._version
+        self.vref = _version_ref(tensor)  # Note [Versions are read through a plain alias]
+        self.version = self.vref._version
         self.dirty = False
         self.klass: type = type(tensor)
         self.unit: _Unit | None = None  # the unit of a use outside a module
@@ -283,7 +311,8 @@ class ParameterOffloadStats:
     ``prefetch_hits`` (uses whose copy was started ahead), ``stalls`` (uses that copied on
     demand), ``unplanned`` (uses the plan did not predict), ``outside_fetches`` (uses outside
     a module call), ``evicted``; ``exposed_wait_s`` and ``waits`` (seconds the compute stream
-    waited, per module).
+    waited, per module); ``persistent_bytes`` (parameters below ``persist_below``, kept on the
+    device, Note [Small parameters stay on the device]).
     """
 
     host_bytes: dict[str, int]
@@ -303,6 +332,7 @@ class ParameterOffloadStats:
     budget: int
     exposed_wait_s: float
     waits: dict[str, float]
+    persistent_bytes: int = 0
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -323,6 +353,8 @@ class ParameterOffloadHandle:
         pinned: bool,
         margin: float | str,
         prefetch: str,
+        persist_below: int = 0,
+        record: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"offload_parameters needs an nn.Module, got {type(model).__name__}")
@@ -334,6 +366,11 @@ class ParameterOffloadHandle:
         self.ledger = Ledger()
         self.buffers = buffers
         self.prefetch = prefetch
+        self.persist_below = persist_below
+        self.record = record
+        self._persistent: list[torch.Tensor] = []  # below persist_below: kept on the device, never offloaded
+        self._persistent_ids: set[int] = set()
+        self._recorded: list[dict[str, Any]] = []  # record=True: one entry per step (schedule log, settings, actions)
         self._margin = margin
         self._slots: list[_Slot] = []
         self._by_storage: dict[int, _Slot] = {}
@@ -355,6 +392,8 @@ class ParameterOffloadHandle:
         self._last_mode: tuple[bool, bool] | None = None  # the mode of the last step that ended
         self._host_optimizers: set[int] = set()  # ids of optimizers stepping the host copies (and their host ones)
 
+        # a device that is entered (``with dev:``) to place allocations on it, and can be inactive now
+        self._enterable = hasattr(device, "__enter__") and hasattr(device, "active")
         self._collect(model)
         self._param_ids = {id(s.tensor) for s in self._slots}
         largest = max((u.nbytes for u in self._units), default=0)
@@ -400,6 +439,17 @@ class ParameterOffloadHandle:
                 f"offload_parameters: {name} is a view into a larger storage; only tensors that own their whole "
                 "storage can be offloaded"
             )
+        if tensor.numel() * tensor.element_size() < self.persist_below:
+            # Note [Small parameters stay on the device]
+            if id(tensor) not in self._persistent_ids:
+                if tensor.device.type != "cpu" and not self.device.holds(tensor):
+                    raise ConfigurationError(
+                        f"offload_parameters: {name} is on {tensor.device}, neither in the device's memory nor on "
+                        "the host"
+                    )
+                self._persistent_ids.add(id(tensor))
+                self._persistent.append(tensor)
+            return None
         from_host = not self.device.holds(tensor)
         if from_host and tensor.device.type != "cpu":
             raise ConfigurationError(
@@ -436,6 +486,9 @@ class ParameterOffloadHandle:
 
     def _offload_all(self) -> None:
         dev, rt = self.device, self.runtime
+        for tensor in self._persistent:  # Note [Small parameters stay on the device]
+            if not dev.holds(tensor):
+                self._to_device_with_data(tensor)
         # one pinned block holding every host copy exactly (slices are 512-byte aligned)
         total = max(512, sum(-(-s.nbytes // 512) * 512 for s in self._slots))
         self._pool = dev.host_pool(total, pinned=True, block_size=total)
@@ -460,6 +513,17 @@ class ParameterOffloadHandle:
             slot.resident = False
         self.ledger.reset_step()  # peaks and copies count from here
 
+    def _to_device_with_data(self, tensor: torch.Tensor) -> None:
+        """A small tensor of a model built on the host moves to the device with its values (it stays there)."""
+        with self._device_active():
+            new = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=self.device.torch_device
+            )
+            with torch.no_grad():
+                new.copy_(tensor)
+        with torch.no_grad():
+            tensor.data = new
+
     def _to_device_empty(self, slot: _Slot) -> None:
         """A tensor of a model built on the host gets a device storage (one tensor on the device at a time,
         freed right after by the caller), so the whole model never has to fit on the device."""
@@ -472,7 +536,8 @@ class ParameterOffloadHandle:
             tensor.data = new
         slot.storage = new.untyped_storage()
         slot.alias = torch.empty(0, dtype=torch.uint8, device=new.device).set_(slot.storage)
-        slot.version = tensor._version
+        slot.vref = _version_ref(tensor)
+        slot.version = slot.vref._version
         self.ledger.add(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)
 
     def _set_class(self, slot: _Slot) -> None:
@@ -508,23 +573,31 @@ class ParameterOffloadHandle:
     # -- device memory -----------------------------------------------------------------
     def _resize(self, slot: _Slot, nbytes: int) -> None:
         """Allocate (``nbytes``) or free (0) the device memory under ``slot``'s storage, on the compute stream."""
-        with self._device_active():
-            if nbytes:
-                # an operator (not UntypedStorage.resize_ from Python): both of the fake device's
-                # accountings see it, and torch allocates with the storage's own allocator
-                slot.alias.resize_(nbytes)
-            else:
-                slot.storage.resize_(0)
-                slot.alias.set_(slot.storage)  # a dispatched op on the storage: the accounting sees the size
+        dev = self.device
+        if self._enterable and not dev.active:
+            with dev:
+                self._resize_now(slot, nbytes)
+        else:
+            self._resize_now(slot, nbytes)
         if nbytes:
             self.ledger.add(Tier.DEVICE, Kind.PARAMETER, nbytes)
         elif slot.resident:
             self.ledger.remove(Tier.DEVICE, Kind.PARAMETER, slot.nbytes)
 
+    @staticmethod
+    def _resize_now(slot: _Slot, nbytes: int) -> None:
+        if nbytes:
+            # an operator (not UntypedStorage.resize_ from Python): both of the fake device's
+            # accountings see it, and torch allocates with the storage's own allocator
+            slot.alias.resize_(nbytes)
+        else:
+            slot.storage.resize_(0)
+            slot.alias.set_(slot.storage)  # a dispatched op on the storage: the accounting sees the size
+
     @contextlib.contextmanager
     def _device_active(self) -> Iterator[None]:
         dev = self.device
-        if getattr(dev, "active", True) or not hasattr(dev, "__enter__"):
+        if not self._enterable or dev.active:
             yield
             return
         with dev:
@@ -567,7 +640,7 @@ class ParameterOffloadHandle:
                 )
             self.ledger.record_copy(Direction.H2D, slot.nbytes)
             slot.event = event
-            slot.version = slot.tensor._version
+            slot.version = slot.vref._version
         return event
 
     def _ready(self, slots: list[_Slot], label: str) -> None:
@@ -592,7 +665,7 @@ class ParameterOffloadHandle:
         if slot.event is not None:  # a prefetch nobody used: let it land first
             slot.event.synchronize()
             slot.event = None
-        if slot.dirty or slot.tensor._version != slot.version:
+        if slot.dirty or slot.vref._version != slot.version:
             self._write_back(slot)
         self._resize(slot, 0)
         slot.resident = False
@@ -604,7 +677,7 @@ class ParameterOffloadHandle:
         rt.d2h_stream.wait_stream(rt.h2d_stream)  # after any upload into it (an optimizer's, too)
         dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
         self.ledger.record_copy(Direction.D2H, slot.nbytes)
-        slot.version = slot.tensor._version
+        slot.version = slot.vref._version
         slot.dirty = False
 
     # -- steps -------------------------------------------------------------------------
@@ -635,6 +708,7 @@ class ParameterOffloadHandle:
             device_capacity=self._capacity,
             device_in_use=self._device_in_use if self._capacity else None,
             shared_budget=self._shared,
+            record=self.record,
         )
         ratio = history.predictor.backward_ratio
         rs.forward_began(t)
@@ -667,7 +741,11 @@ class ParameterOffloadHandle:
         return frozenset(out)
 
     def _device_in_use(self) -> int:
-        stats = self.device.memory_stats()
+        device = self.device
+        fast = getattr(device, "allocated_bytes", None)  # optional member (offcore.protocols.OPTIONAL_MEMBERS)
+        if fast is not None:
+            return int(fast())
+        stats = device.memory_stats()
         return int(getattr(stats, "allocated_bytes", None) or stats.get("allocated_bytes", 0))
 
     def _end_step(self) -> None:
@@ -680,6 +758,8 @@ class ParameterOffloadHandle:
         for key, slots in list(step.held.items()):
             self._drop_hold(step, key, slots)
         rs.detach_budget()
+        if self.record:
+            self._recorded.append({"log": list(rs.log), "settings": rs.settings(), "actions": list(rs.actions)})
         step.history.sequence = step.actual
         self._last_mode = step.mode
         self.runtime.resolve_timings()
@@ -814,7 +894,12 @@ class ParameterOffloadHandle:
             return
         if unit is not None and not failed and task < 0 and torch.is_grad_enabled():
             tensors = _output_tensors(output)
-            if tensors:
+            if len(tensors) == 1:
+                # one output: its tensor hook fires once per backward pass, before the module's backward
+                # nodes run, as register_multi_grad_hook(mode="any") would (without its per-call lock and
+                # wrapper, a measurable cost per module call)
+                tensors[0].register_hook(self._backward_hook(unit))
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_hook(unit), mode="any")
         for slot in pinned:
             self._maybe_free(slot)
@@ -978,7 +1063,7 @@ class ParameterOffloadHandle:
         for slot in updated:
             slot.outside = False
             slot.dirty = False
-            slot.version = slot.tensor._version
+            slot.version = slot.vref._version
         self.release()
         for slot in self._slots:
             if slot.resident and not (slot.pins or slot.bwd_tasks):
@@ -1040,12 +1125,28 @@ class ParameterOffloadHandle:
             budget=self.budget,
             exposed_wait_s=ledger.wait_seconds,
             waits=dict(ledger.waits),
+            persistent_bytes=sum(t.numel() * t.element_size() for t in self._persistent),
         )
         if reset:
             ledger.reset_step()
             for name in self._counters:
                 self._counters[name] = 0
         return out
+
+    @property
+    def schedules(self) -> list[dict[str, Any]]:
+        """Each finished step's schedule (needs ``record=True``): ``{"log", "settings", "actions"}``, the
+        events fed to that step's :class:`~offcore.residency.ResidencyScheduler` with their times, its
+        settings and the actions it returned. ``offcore.sim.replay.replay(s["log"], **s["settings"])``
+        decides ``s["actions"]`` again (without a shared device budget, which a replay does not model).
+
+            >>> s = handle.schedules[-1]                                        # doctest: +SKIP
+            >>> replay(s["log"], **s["settings"]) == s["actions"]               # doctest: +SKIP
+            True
+        """
+        if not self.record:
+            raise ConfigurationError("this handle records no schedule: pass record=True to offload_parameters")
+        return list(self._recorded)
 
     @property
     def parameter_bytes(self) -> int:
@@ -1135,6 +1236,8 @@ def offload_parameters(
     pinned: bool = True,
     margin: float | str = "0.5ms",
     prefetch: str = "deadline",
+    persist_below: int | str = 0,
+    record: bool = False,
 ) -> ParameterOffloadHandle:
     """Keep ``model``'s parameters on the host between uses, streamed in by next use (see the module doc).
 
@@ -1145,6 +1248,11 @@ def offload_parameters(
     - ``buffers``: offload buffers too (BatchNorm running statistics are written back when forward
       changed them).
     - ``margin``: slack before each predicted use; ``prefetch``: ``"deadline"`` or ``"on_demand"``.
+    - ``persist_below``: parameters (and buffers) smaller than this many bytes stay on the device
+      (biases, norms: each use of one costs as much CPU as a large weight's; Note [Small
+      parameters stay on the device]); default 0 (everything streamed).
+    - ``record``: keep each step's scheduler events and actions (:attr:`ParameterOffloadHandle.schedules`),
+      replayable through :func:`offcore.sim.replay.replay` to the same actions.
 
     Returns a :class:`ParameterOffloadHandle` (``stats()``, ``release()``, ``remove()``; also a
     context manager that removes itself).
@@ -1163,6 +1271,15 @@ def offload_parameters(
         margin = parse_duration(margin, what="margin")
     if not math.isfinite(float(margin)) or margin < 0:
         raise ConfigurationError(f"margin must be a non-negative duration, got {margin!r}")
+    persist = parse_size(persist_below, what="persist_below", allow_zero=True)
     return ParameterOffloadHandle(
-        model, device, budget=budget, buffers=buffers, pinned=pinned, margin=margin, prefetch=prefetch
+        model,
+        device,
+        budget=budget,
+        buffers=buffers,
+        pinned=pinned,
+        margin=margin,
+        prefetch=prefetch,
+        persist_below=persist,
+        record=bool(record),
     )
