@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
+from offcore.errors import ConfigurationError
+
 __all__ = ["pipelined", "Waitable"]
 
 G = TypeVar("G")
@@ -54,6 +56,7 @@ def pipelined(
     write: Callable[[G], Waitable],
     *,
     release: Callable[[G], Any] | None = None,
+    lookahead: int = 1,
 ) -> None:
     """Run ``compute`` over ``groups`` with the reads and writes around it overlapped.
 
@@ -62,13 +65,17 @@ def pipelined(
     returns a handle; ``release(g)`` (optional) frees its host buffers once the write
     completed. Group i+1 is read while group i is computed and group i−1 written; the
     results are those of the plain loop (same calls in the same order per group), and at
-    most three groups are between ``read`` and ``release`` at any time.
+    most three groups are between ``read`` and ``release`` at any time. ``lookahead=k``
+    keeps the reads of groups i+1 … i+k in flight while group i is computed (a deeper
+    queue for a disk that needs one): at most ``k + 2`` groups are live.
 
     A ``read`` or ``write`` call that raises (rather than returning a handle that fails)
     must leave nothing behind for that call: a ``read`` that raised frees what it
     acquired itself. On any failure the exception carries ``unwritten_groups``
     (Note [pipelined step and the host copy]).
     """
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+        raise ConfigurationError(f"lookahead must be a positive integer, got {lookahead!r}")
     order = list(groups)
     n = len(order)
     reads: dict[int, Waitable] = {}
@@ -84,13 +91,13 @@ def pipelined(
             release(order[j])
 
     try:
-        if n:
-            reads[0] = read(order[0])
+        for j in range(min(lookahead, n)):
+            reads[j] = read(order[j])
         for i in range(n):
             if i >= 2:
-                finish_write(i - 2)  # frees a slot: at most i-1, i, i+1 live below
-            if i + 1 < n:
-                reads[i + 1] = read(order[i + 1])
+                finish_write(i - 2)  # frees a slot: at most i-1, i, ..., i+lookahead live below
+            if i + lookahead < n:
+                reads[i + lookahead] = read(order[i + lookahead])
             reads[i].synchronize()
             del reads[i]
             computed.add(i)

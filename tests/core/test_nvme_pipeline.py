@@ -189,3 +189,28 @@ def test_two_hop_transfer_time_formula() -> None:
     assert two_hop_transfer_time(0, 1.0, 2.0, latency=0.5) == 1.0
     with pytest.raises(offcore.ConfigurationError):
         two_hop_transfer_time(10, 1.0, 1.0, chunk=-1)
+
+
+@pytest.mark.parametrize("lookahead", [2, 3])
+def test_a_deeper_lookahead_gives_the_same_bits_with_lookahead_plus_two_groups_live(
+    tmp_path: Path, lookahead: int
+) -> None:
+    with (
+        NvmeTier(tmp_path / "a", budget="4MiB", chunk_size="8KiB") as ta,
+        NvmeTier(tmp_path / "b", budget="4MiB", chunk_size="8KiB") as tb,
+    ):
+        seq, pipe = AdamGroups(ta), AdamGroups(tb)
+        for _ in range(3):
+            seq.step_sequential()
+            pipelined(range(GROUPS), pipe.read, pipe.compute, pipe.write, release=pipe.release, lookahead=lookahead)
+            pipe.step_no += 1
+        assert [p.tobytes() for p in seq.params] == [p.tobytes() for p in pipe.params]
+        assert seq.states() == pipe.states()
+        assert pipe.peak_live == min(GROUPS, lookahead + 2) and pipe.live == 0
+
+
+def test_lookahead_must_be_positive() -> None:
+    from offcore.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="lookahead"):
+        pipelined([1], lambda g: None, lambda g: None, lambda g: None, lookahead=0)  # type: ignore[arg-type,return-value]
