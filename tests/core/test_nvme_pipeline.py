@@ -138,9 +138,11 @@ def test_failed_write_keeps_that_groups_host_copy(tmp_path: Path, monkeypatch: p
     with NvmeTier(tmp_path, budget="4MiB") as tier:
         groups = AdamGroups(tier)
         real_write = groups.write
+        handles: dict[int, Any] = {}
 
         def write(g: int) -> Any:
             if g == 2:
+                handles[1].exception()  # group 1's write must not run into the failing pwritev below (a race)
                 real = os.pwritev
 
                 def fail(fd: int, buffers: Any, offset: int) -> int:
@@ -153,7 +155,8 @@ def test_failed_write_keeps_that_groups_host_copy(tmp_path: Path, monkeypatch: p
                 finally:
                     monkeypatch.setattr(os, "pwritev", real)
                 return handle
-            return real_write(g)
+            handles[g] = real_write(g)
+            return handles[g]
 
         with pytest.raises(offcore.StorageFullError) as info:
             pipelined(range(GROUPS), groups.read, groups.compute, write, release=groups.release)
