@@ -236,6 +236,16 @@ class StepProfile:
             compare`` times steps with and without them); the simulator adds them to the
             layers' backward (and, for streaming, half to their forward) in proportion to
             their parameter bytes. 0 by default.
+        parameter_budget_bytes: the prefetch budget of parameter streaming (device bytes of
+            parameters copied in ahead of use): offcore_torch.offload_parameters' default is
+            twice its largest module's own parameters, which the profiler measures (a module,
+            not a layer: a transformer block's largest Linear). 0 (the default) means twice
+            the largest layer's ``param_bytes``.
+        outside_param_bytes, outside_param_copies: what parameter streaming copies for the
+            modules outside the layers (embedding, final norm, output head: a tied weight
+            once per module using it) in one pass, and in how many copies. The simulator
+            copies them three times a step (Note [Parameters outside the layers are streamed
+            too] in simulator.py). 0 by default.
 
     >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
     >>> p.static_bytes, p.compute_s
@@ -258,6 +268,9 @@ class StepProfile:
     host_step_s_per_byte: float = 0.0
     optimizer_offload_overhead_s: float = 0.0
     parameter_stream_overhead_s: float = 0.0
+    parameter_budget_bytes: int = 0
+    outside_param_bytes: int = 0
+    outside_param_copies: int = 0
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -274,7 +287,15 @@ class StepProfile:
             raise ConfigurationError(f"layer names must be unique; repeated: {duplicates}")
         set_(self, "layers", layers)
         set_(self, "_names", names)
-        for attribute in ("param_bytes", "grad_bytes", "other_bytes", "head_bytes", "optimizer_state_bytes"):
+        for attribute in (
+            "param_bytes",
+            "grad_bytes",
+            "other_bytes",
+            "head_bytes",
+            "optimizer_state_bytes",
+            "parameter_budget_bytes",
+            "outside_param_bytes",
+        ):
             set_(self, attribute, parse_size(getattr(self, attribute), what=attribute, allow_zero=True))
         if self.optimizer_state_bytes > self.other_bytes - self.head_bytes:
             raise ConfigurationError(
@@ -282,6 +303,9 @@ class StepProfile:
                 f"({self.other_bytes - self.head_bytes} without head_bytes) that the device optimizer keeps: "
                 "it cannot exceed it"
             )
+        copies = self.outside_param_copies
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
+            raise ConfigurationError(f"outside_param_copies must be an integer >= 0, got {copies!r}")
         step = self.host_step_s_per_byte
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not (step >= 0 and math.isfinite(step)):
             raise ConfigurationError(f"host_step_s_per_byte must be a finite number >= 0, got {step!r}")
@@ -411,6 +435,9 @@ class StepProfile:
             "host_step_s_per_byte": self.host_step_s_per_byte,
             "optimizer_offload_overhead_s": self.optimizer_offload_overhead_s,
             "parameter_stream_overhead_s": self.parameter_stream_overhead_s,
+            "parameter_budget_bytes": self.parameter_budget_bytes,
+            "outside_param_bytes": self.outside_param_bytes,
+            "outside_param_copies": self.outside_param_copies,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -442,6 +469,9 @@ class StepProfile:
             "host_step_s_per_byte",
             "optimizer_offload_overhead_s",
             "parameter_stream_overhead_s",
+            "parameter_budget_bytes",
+            "outside_param_bytes",
+            "outside_param_copies",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

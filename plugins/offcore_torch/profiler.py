@@ -373,6 +373,32 @@ def _param_bytes(module: nn.Module) -> int:
     return sum(storages.values())
 
 
+def _largest_module_param_bytes(model: nn.Module) -> int:
+    """The largest bytes of one module's *own* parameters (one per storage, tied ones once per module):
+    offcore_torch.offload_parameters' unit of copy, whose double is its default prefetch budget
+    (``StepProfile.parameter_budget_bytes``)."""
+    largest = 0
+    for module in model.modules():
+        own = {storage_key(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters(recurse=False)}
+        largest = max(largest, sum(own.values()))
+    return largest
+
+
+def _outside_params(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, int]:
+    """Bytes and tensors of the modules' own parameters outside ``layers`` (a tied weight once per module
+    using it): what parameter streaming copies for them in one pass (``StepProfile.outside_param_bytes``,
+    ``outside_param_copies``)."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    nbytes = copies = 0
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        own = {storage_key(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters(recurse=False)}
+        nbytes += sum(own.values())
+        copies += len(own)
+    return {"outside_param_bytes": nbytes, "outside_param_copies": copies}
+
+
 def _param_copies(module: nn.Module) -> int:
     """``module``'s parameter tensors (one per storage): the H2D copies parameter streaming makes per use."""
     return len({storage_key(p.untyped_storage()) for p in module.parameters()})
@@ -692,6 +718,8 @@ def measure_step(
         reuse_in_flight=True,  # offcore_torch uses device copies still in flight (simulator.py Note)
         optimizer_state_bytes=state_bytes,
         host_step_s_per_byte=host_step,
+        parameter_budget_bytes=2 * _largest_module_param_bytes(model),
+        **_outside_params(model, [module for _, module in named]),
         **(link_measurement.as_profile_fields() if link_measurement is not None else {}),
     )
     # Note [Calibrated other bytes]: the layers' lifetimes are modelled; the rest (head, loss,
