@@ -31,9 +31,11 @@ on a simulated clock (:mod:`offcore.sim.replay`).
 Events (methods): ``produced``, ``register``, ``offload_started``/``offload_failed``,
 ``landed``, ``forward_ended``, ``backward_began``, ``used``, ``started``/``refused``
 (the outcome of a prefetch the binding was asked to start), ``device_copy_alive``,
-``consumed``, ``released``, ``backward_ended``. Actions (:class:`Action`): ``free`` the
-device copy (its D2H landed), ``hold`` it as a prefetch, ``prefetch`` (H2D into a new
-device buffer), ``evict`` a held or prefetched device copy (the host copy stays valid).
+``consumed``, ``released``, ``backward_ended``; for objects on the NVMe tier ``spilled``,
+``stage_started``/``stage_refused``, ``staged``, ``stage_failed`` (Note [Two hops from NVMe]).
+Actions (:class:`Action`): ``free`` the device copy (its D2H landed), ``hold`` it as a
+prefetch, ``prefetch`` (H2D into a new device buffer), ``evict`` a held or prefetched device
+copy (the host copy stays valid), ``stage`` (read an object's host copy back from NVMe).
 A ``prefetch`` action is offered lazily: the binding executes it and reports
 ``started(key)`` or ``refused(key, reason)`` before taking the next one, so the budget
 and the device's room are judged on what really happened.

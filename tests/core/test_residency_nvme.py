@@ -220,3 +220,22 @@ def test_the_log_records_the_nvme_events() -> None:
     assert [a for a in rs.actions if a.kind is ActionKind.STAGE] == [Action(ActionKind.STAGE, 3, MiB)]
     plan_inputs = [entry[1] for entry in rs.log if entry[0] == "plan_inputs"]
     assert len(plan_inputs[0]) == 3 and plan_inputs[0][2] == {MiB: step.n2h}  # the stage durations it planned with
+
+
+def test_a_failed_stage_leaves_the_object_on_nvme_and_is_offered_again() -> None:
+    rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 0.001, stage_duration=lambda n: 1.0)
+    rs.forward_began(0.0)
+    for key in range(2):
+        rs.produced(key, 0.001 * key)
+        rs.register(key, Kind.ACTIVATION, MiB)
+        rs.offload_started(key, DONE)
+        rs.landed(key)
+    rs.spilled(0)
+    first = list(rs.forward_ended(0.002))
+    assert [(a.kind, a.key) for a in first][0] == (ActionKind.STAGE, 0)  # a slow link: due at once
+    rs.stage_started(0)
+    rs.stage_failed(0)
+    assert rs.on_nvme(0)
+    rs.backward_began(0.003)
+    again = list(rs.used(1, 0.003, managed_key=1))
+    assert (ActionKind.STAGE, 0) in [(a.kind, a.key) for a in again]
