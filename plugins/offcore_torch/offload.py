@@ -103,7 +103,9 @@ from offcore.residency import NO_ACTIONS, Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
+from offcore_torch.activation_nvme import ActivationSpill
 from offcore_torch.budget import shared_budget_for
+from offcore_torch.nvme import open_nvme
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
 from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
 from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
@@ -347,6 +349,16 @@ class OffloadHandle:
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
         self._d2h_copies = self._d2h_bytes = self._h2d_copies = self._h2d_bytes = 0
         self._flushed = (0, 0, 0, 0)
+        # the NVMe hop (tier="nvme" / nvme=...): host copies spilled to disk and read back (activation_nvme.py)
+        self._spill: ActivationSpill | None = None
+        if policy.tier == "nvme":
+            tier, owned = open_nvme(device, policy.nvme)
+            if tier is None:
+                raise ConfigurationError(
+                    "offload_activations(tier='nvme') needs an NVMe tier: pass nvme=PATH (or an offcore.nvme.NvmeSpec) "
+                    "or set one for the device first with offcore_torch.nvme_tier(device, PATH, budget=...)"
+                )
+            self._spill = ActivationSpill(self, tier, owned=owned, read_ahead=policy.nvme_read_ahead)
 
     @property
     def _round(self) -> int:
@@ -445,6 +457,12 @@ class OffloadHandle:
             # last; starting the plan now keeps (or starts reloading) it before backward's
             # first use instead of stalling on it.
             self._execute(self._sched.forward_ended(self._t_exit, readers=self._readers()))
+        spill = self._spill
+        if spill is not None:
+            spill.poll()
+            if exc_type is None:
+                spill.read_ahead(self._sched.plan)  # the reads from disk lead the host-to-device prefetches
+            spill.close_if_idle(False, len(self._by_key))
 
     # -- pack ----------------------------------------------------------------------------
     def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> Kept:
@@ -458,6 +476,8 @@ class OffloadHandle:
         self._sched.produced(key, time.perf_counter())
         self._stats.saved_tensors += 1
         poll(self.runtime)
+        if self._spill is not None and self._spill.pending:
+            self._spill.poll()
         rules = self._rules
         reason = rules.before_storage(tensor)
         if reason is not None:
@@ -682,6 +702,8 @@ class OffloadHandle:
         if sched.landed_held(entry.key, needed=needed):
             return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
+        if self._spill is not None and not sched.in_backward:  # on to the NVMe tier, in forward only
+            self._spill.landed(entry)  # (Note [Spilled host buffers go back after their write])
 
     def _copy_failed(self, entry: Entry, exc: Exception, what: str) -> None:
         self._stats.copy_failures += 1
@@ -784,6 +806,10 @@ class OffloadHandle:
         runtime = self.runtime
         if runtime._d2h_in_flight or runtime._deferred_total or runtime._landed or runtime._timed_pending:
             poll(runtime)  # (in backward usually nothing is in flight: the call is skipped)
+        spill = self._spill
+        if spill is not None:
+            spill.poll()
+            spill.read_ahead(self._sched.plan)
         if _current_autograd_node() is not None:
             if not self._sched.in_backward:
                 self._begin_backward()
@@ -887,6 +913,8 @@ class OffloadHandle:
         return storage
 
     def _reload_now(self, entry: Entry) -> torch.UntypedStorage:
+        if entry.nvme is not None:
+            self._host_from_nvme(entry)
         device, runtime = self.device, self.runtime
         compute = device.current_stream()
         dst = self._allocate_device(entry.nbytes)
@@ -923,6 +951,13 @@ class OffloadHandle:
         entry.restored = storage
         entry.restored_ref = weakref.ref(storage)
         return storage
+
+    def _host_from_nvme(self, entry: Entry) -> None:
+        """The host copy of a spilled ``entry`` read back (waited for) before a host-to-device copy reads it."""
+        spill = self._spill
+        assert spill is not None
+        with _range("offcore::wait"):
+            spill.ensure_host(entry)
 
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
         dst = self.device.allocate(nbytes, Tier.DEVICE)
@@ -997,10 +1032,14 @@ class OffloadHandle:
                     for item in entry.live_items():
                         self._release_keeper(item)
             entry.restored = None
+            if entry.nvme is not None:
+                self._spill.consumed(entry)  # type: ignore[union-attr]
             return
         if self._sched.consumed(entry.key):  # it was held on landing: offcore's device copy goes
             self._release_device(entry)
         self._drop_restored(entry)
+        if entry.nvme is not None:
+            self._spill.consumed(entry)  # type: ignore[union-attr]
 
     def _drop_restored(self, entry: Entry) -> None:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
@@ -1073,6 +1112,12 @@ class OffloadHandle:
         left reloads on demand).
         """
         sched = self._sched
+        if entry.nvme is not None:
+            try:
+                self._host_from_nvme(entry)
+            except CopyFailedError:  # raised again at its use (the on-demand reload reads it again)
+                sched.refused(entry.key, "failed")
+                return False
         try:
             dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
@@ -1115,6 +1160,11 @@ class OffloadHandle:
                     del self._by_storage[entry.skey]
         self._by_key.pop(entry.key, None)  # keys are never reused: no check needed (pop is atomic)
         self._sched.released(entry.key)
+        spill = self._spill
+        if spill is not None:
+            if entry.nvme is not None:  # its transfers waited for and its file deleted, before its buffers go
+                spill.dispose(entry)
+            spill.close_if_idle(self.active, len(self._by_key))
         obj = entry.obj
         state = obj.state
         host, host_view = entry.host, entry.host_view
@@ -1181,6 +1231,15 @@ class OffloadHandle:
             if self._sched.counters[reason]:
                 kept[reason] += self._sched.counters[reason]
         out.kept = dict(kept)
+        spill = self._spill
+        if spill is not None:
+            out.spilled_bytes = spill.written_bytes
+            out.nvme_read_bytes = spill.read_bytes
+            out.peak_nvme_bytes = spill.peak_disk_bytes
+            out.nvme_stalls = spill.stalls
+            out.nvme_wait_s = spill.stall_s
+            out.nvme_failures = spill.failures
+            out.nvme_full = spill.full
         return out
 
     def write_trace(self, path: Any) -> None:
@@ -1280,6 +1339,12 @@ def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
     - ``trace`` (False): record a Chrome trace (``handle.write_trace(path)``).
     - ``record`` (False): keep the scheduler's events and actions (``handle.schedule_log``,
       ``handle.schedule_actions``) for replay through :func:`offcore.sim.replay.replay`.
+    - ``nvme`` (None): a directory (or an :class:`offcore.nvme.NvmeSpec`: a path and a byte
+      budget) for a tier of this region's own: host copies go on to disk once their
+      device-to-host copy landed and come back (NVMe -> host -> device) before backward
+      needs them (:mod:`offcore_torch.activation_nvme`); ``tier="nvme"`` without ``nvme=``
+      uses the device's tier (:func:`offcore_torch.nvme_tier`). ``nvme_read_ahead``
+      (``"256MiB"``): bytes read back from disk ahead of use at once.
 
         >>> with offcore_torch.offload_activations(dev, min_bytes="1MiB") as handle:   # doctest: +SKIP
         ...     loss = model(x)

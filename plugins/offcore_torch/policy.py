@@ -19,6 +19,7 @@ per-thread switch.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from offcore.errors import ConfigurationError
+from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
@@ -56,6 +58,7 @@ def no_offload() -> Iterator[None]:
 
 
 FALLBACKS = ("pageable", "keep")
+TIERS = ("host", "nvme")
 
 
 def _modules(value: Any, what: str) -> tuple[nn.Module, ...] | None:
@@ -93,6 +96,9 @@ class OffloadPolicy:
     schedule: Scheduler | None = None
     trace: bool = False
     record: bool = False
+    tier: str = "host"
+    nvme: NvmeSpec | None = None
+    nvme_read_ahead: int = 256 * 1024**2
 
     @classmethod
     def parse(
@@ -112,6 +118,9 @@ class OffloadPolicy:
         schedule: Scheduler | None = None,
         trace: bool = False,
         record: bool = False,
+        tier: str | None = None,
+        nvme: NvmeSpec | str | os.PathLike[str] | None = None,
+        nvme_read_ahead: int | str = "256MiB",
         **unknown: Any,
     ) -> OffloadPolicy:
         if unknown:
@@ -148,6 +157,16 @@ class OffloadPolicy:
             raise ConfigurationError(
                 f"schedule must be an offcore.scheduler.Scheduler (reused across steps), got {type(schedule).__name__}"
             )
+        spec = as_spec(nvme)
+        if tier is None:
+            tier = "nvme" if spec is not None else "host"
+        if tier not in TIERS:
+            raise ConfigurationError(
+                f"tier={tier!r}: activations go to 'host' memory (the default) or on to 'nvme' (the tier given by "
+                "nvme=PATH, or the device's, set with offcore_torch.nvme_tier(device, PATH))"
+            )
+        if spec is not None and tier != "nvme":
+            raise ConfigurationError(f"nvme={nvme!r} was given with tier={tier!r}: pass tier='nvme' (or leave it out)")
         return cls(
             min_bytes=parse_size(min_bytes, what="min_bytes", allow_zero=True),
             prefetch=prefetch,
@@ -163,6 +182,9 @@ class OffloadPolicy:
             schedule=schedule,
             trace=trace,
             record=record,
+            tier=tier,
+            nvme=spec,
+            nvme_read_ahead=parse_size(nvme_read_ahead, what="nvme_read_ahead"),
         )
 
 

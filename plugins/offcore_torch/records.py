@@ -133,6 +133,7 @@ class Entry:
         "modified_in_flight",
         "keepers_pointed",
         "alive_elsewhere",
+        "nvme",
         "__weakref__",
     )
 
@@ -165,6 +166,9 @@ class Entry:
         self.keepers_pointed = False
         # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
         self.alive_elsewhere = False
+        # where its host copy is on the NVMe tier (offcore_torch.activation_nvme): None (never spilled), or
+        # "writing", "disk", "both", "reading"
+        self.nvme: str | None = None
 
     @property
     def name(self) -> str:

@@ -52,6 +52,11 @@ class OffloadStats:
     - ``copy_failures``: copies that failed and were recovered from (a failed
       device-to-host copy keeps the device copy; a failed prefetch is reloaded
       synchronously); each also raises an :class:`offcore.OffcoreWarning`.
+    - NVMe tier (``nvme=`` / ``tier="nvme"``; zero otherwise): ``spilled_bytes`` written
+      host→NVMe, ``nvme_read_bytes`` read back, ``peak_nvme_bytes`` this region's bytes on
+      disk at once, ``nvme_stalls`` / ``nvme_wait_s`` host-to-device copies that waited for
+      their read, ``nvme_failures`` writes that failed (the host copy stayed the data),
+      ``nvme_full`` storages kept in host memory because the tier's budget was used up.
     """
 
     offloaded_bytes: int = 0
@@ -77,6 +82,13 @@ class OffloadStats:
     saved_tensors: int = 0
     kept: dict[str, int] = field(default_factory=dict)
     copy_failures: int = 0
+    spilled_bytes: int = 0
+    nvme_read_bytes: int = 0
+    peak_nvme_bytes: int = 0
+    nvme_stalls: int = 0
+    nvme_wait_s: float = 0.0
+    nvme_failures: int = 0
+    nvme_full: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
