@@ -69,6 +69,7 @@ from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.units import parse_size
 from offcore_torch.budget import shared_budget_for
+from offcore_torch.nvme import open_nvme
 from offcore_torch.runtime import DeviceRuntime, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
@@ -240,6 +241,9 @@ class _Slot:
         "unit",
         "from_host",
         "vref",
+        "disk_key",
+        "reading",
+        "landing",
     )
 
     def __init__(self, index: int, handle: ParameterOffloadHandle, tensor: torch.Tensor, name: str, is_buffer: bool):
@@ -265,6 +269,9 @@ class _Slot:
         self.klass: type = type(tensor)
         self.unit: _Unit | None = None  # the unit of a use outside a module
         self.from_host = False  # the model was built on the host: the tensor moves to the device empty
+        self.disk_key: Any = None  # its key on the NVMe tier (Note [Parameters on NVMe]); None: host memory
+        self.reading: Any = None  # the NVMe -> host read into ``host`` in flight
+        self.landing: Any = None  # the last H2D copy out of ``host`` (the staging buffer is reused after it)
 
 
 class _ParameterScheduler(ResidencyScheduler):
@@ -327,6 +334,7 @@ class _Step:
     mode: tuple[bool, bool] = (True, True)
     prestarted: bool = False  # begun at the end of the previous backward (Note [The next step starts early])
     forward_seen: bool = False
+    staging: dict[int, list[_Slot]] = field(default_factory=dict)  # stages (NVMe -> host) in flight, by key
 
 
 @dataclass(frozen=True)
@@ -361,6 +369,8 @@ class ParameterOffloadStats:
     exposed_wait_s: float
     waits: dict[str, float]
     persistent_bytes: int = 0
+    nvme_bytes: int = 0
+    staging_bytes: int = 0
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -383,6 +393,7 @@ class ParameterOffloadHandle:
         prefetch: str,
         persist_below: int = 0,
         record: bool = False,
+        nvme: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"offload_parameters needs an nn.Module, got {type(model).__name__}")
@@ -399,6 +410,9 @@ class ParameterOffloadHandle:
         self._persistent: list[torch.Tensor] = []  # below persist_below: kept on the device, never offloaded
         self._persistent_ids: set[int] = set()
         self._recorded: list[dict[str, Any]] = []  # record=True: one entry per step (schedule log, settings, actions)
+        self._tier: Any = None  # Note [Parameters on NVMe]
+        self._tier_owned = False
+        self._nvme = nvme
         self._margin = margin
         self._slots: list[_Slot] = []
         self._by_storage: dict[int, _Slot] = {}
@@ -442,6 +456,8 @@ class ParameterOffloadHandle:
                 self.budget = self._shared.capacity_bytes
             self._shared.attach(self, _no_evict, minimum=largest, what="the largest module's parameters")
         try:
+            if nvme is not False:
+                self._tier, self._tier_owned = open_nvme(device, nvme)
             self._offload_all()
             self._install()
         except BaseException:
@@ -517,6 +533,9 @@ class ParameterOffloadHandle:
         for tensor in self._persistent:  # Note [Small parameters stay on the device]
             if not dev.holds(tensor):
                 self._to_device_with_data(tensor)
+        if self._tier is not None:
+            self._offload_all_to_nvme()
+            return
         # one pinned block holding every host copy exactly (slices are 512-byte aligned)
         total = max(512, sum(-(-s.nbytes // 512) * 512 for s in self._slots))
         self._pool = dev.host_pool(total, pinned=True, block_size=total)
@@ -540,6 +559,148 @@ class ParameterOffloadHandle:
             self._resize(slot, 0)
             slot.resident = False
         self.ledger.reset_step()  # peaks and copies count from here
+
+    # -- the NVMe tier (Note [Parameters on NVMe]) ----------------------------------------
+    # Note [Parameters on NVMe]
+    # With an NVMe tier (``nvme=`` per call, or the device's ``offcore_torch.nvme_tier``) each storage's
+    # copy between uses is a file of the tier (key ``(id(handle), slot index)``), written once at setup
+    # and again whenever a device copy changed (``_write_back``: D2H into a staging buffer, then the
+    # write, both awaited). Host memory is a pinned *staging* pool (the budget plus four of the largest
+    # module's parameters, at most every parameter), not a copy of every parameter. A use is two hops:
+    # NVMe -> staging buffer (the tier's read) and staging buffer -> device (the H2D copy). Every key
+    # of a step whose storages are only on disk is ``spilled`` to the ResidencyScheduler, which plans
+    # the reads on the tier's measured read link (``stage_duration``: ``tier.read_link``) so that each
+    # lands by the trigger that starts its H2D copy (Note [Two hops from NVMe] in offcore/residency.py):
+    # the prefetch of such a key starts earlier by the read's time. STAGE actions start the reads
+    # (refused when the pool is full: offered again); each trigger tells the scheduler which reads
+    # landed (``staged``, itself a trigger). A use whose read has not landed waits for it (or reads
+    # on demand). A staging buffer goes back once its H2D copy landed (``_ready``; on a GPU that
+    # waits for the copy on the host), when the device copy is freed, and at the end of a step; when
+    # the pool is full on a use, buffers no use holds go first, then the stages in flight
+    # (``stage_failed``). The host copy is never the data, so ``host_tensor`` (an OffloadOptimizer
+    # stepping the host copies in place) is refused with a ConfigurationError. ``remove()`` brings the
+    # parameters back a storage at a time and removes the files (the handle's own tier is closed, its
+    # directory removed; a device's tier loses the handle's keys).
+    def _offload_all_to_nvme(self) -> None:
+        dev, rt = self.device, self.runtime
+        largest = max((u.nbytes for u in self._units), default=0)
+        rounded = sum(-(-s.nbytes // 512) * 512 for s in self._slots)
+        staging = max(512, min(rounded, self.budget + 4 * largest + 512 * len(self._slots)))
+        self._pool = dev.host_pool(staging, pinned=True, block_size=staging)
+        rt.d2h_stream.wait_stream(dev.current_stream())
+        for slot in self._slots:  # one at a time through one staging buffer
+            buffer = self._pool.acquire(slot.nbytes)
+            try:
+                if slot.from_host:
+                    buffer.view.copy_(slot.alias)
+                else:
+                    dev.copy_(buffer.view, slot.alias, stream=rt.d2h_stream).synchronize()
+                key = (id(self), slot.index)
+                self._tier.write(key, buffer.view.numpy(), kind=Kind.PARAMETER).synchronize()
+                slot.disk_key = key
+                self.ledger.add(Tier.NVME, Kind.PARAMETER, slot.nbytes)
+            finally:
+                self._pool.release(buffer)
+            if slot.from_host:
+                self._to_device_empty(slot)
+            self._set_class(slot)
+            self._resize(slot, 0)
+            slot.resident = False
+        self.ledger.reset_step()
+
+    def _acquire_host(self, slot: _Slot, *, reclaim: bool) -> bool:
+        """A staging buffer for ``slot``; with ``reclaim``, buffers no use needs now are given back first
+        when the pool is full (False: no room)."""
+        try:
+            buffer = self._pool.acquire(slot.nbytes)
+        except CapacityExceededError:
+            if not reclaim:
+                return False
+            self._reclaim_host(keep=slot)
+            try:
+                buffer = self._pool.acquire(slot.nbytes)
+            except CapacityExceededError:
+                self._reclaim_host(keep=slot, stages=True)  # the stages in flight go too (read again later)
+                buffer = self._pool.acquire(slot.nbytes)  # only the storages in use hold buffers now
+        slot.host = buffer
+        slot.host_view = buffer.view
+        self.ledger.add(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
+        return True
+
+    def _start_read(self, slot: _Slot) -> None:
+        assert slot.host_view is not None
+        slot.reading = self._tier.read(slot.disk_key, slot.host_view.numpy())
+
+    def _finish_read(self, slot: _Slot) -> None:
+        reading, slot.reading = slot.reading, None
+        if reading is not None:
+            try:
+                reading.synchronize()  # raises the tier's error (missing, truncated, checksum) naming the file
+            except BaseException:
+                self._release_host(slot)
+                raise
+
+    def _host_in(self, slots: list[_Slot]) -> None:
+        """The host copies of ``slots`` in host memory (read from NVMe on demand, or the stage awaited)."""
+        for slot in slots:
+            if slot.host is None:
+                self._acquire_host(slot, reclaim=True)
+                self._start_read(slot)
+        for slot in slots:
+            self._finish_read(slot)
+
+    def _release_host(self, slot: _Slot) -> None:
+        """Give ``slot``'s staging buffer back once no copy out of it or read into it is in flight."""
+        if slot.host is None or self._tier is None:
+            return
+        if slot.reading is not None:
+            with contextlib.suppress(Exception):  # its error was reported where it was needed, or never will be
+                slot.reading.synchronize()
+            slot.reading = None
+        landing, slot.landing = slot.landing, None
+        if landing is not None and not landing.query():
+            landing.synchronize()
+        self._pool.release(slot.host)
+        self.ledger.remove(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
+        slot.host = None
+        slot.host_view = None
+
+    def _reclaim_host(self, keep: _Slot | None = None, *, stages: bool = False) -> None:
+        """Give back every staging buffer no use holds now (their data stays on NVMe); ``stages``: those of
+        the stages in flight too (the scheduler offers them again)."""
+        step = self._step
+        if stages and step is not None:
+            for key in list(step.staging):
+                del step.staging[key]
+                step.rs.stage_failed(key)
+        staged = {id(s) for slots in step.staging.values() for s in slots} if step is not None else set()
+        for slot in self._slots:
+            if slot.host is not None and slot is not keep and not slot.pins and id(slot) not in staged:
+                self._release_host(slot)
+
+    def _stage(self, step: _Step, key: int) -> bool:
+        """Start the NVMe -> host reads of ``key``'s storages not in host memory (False: no staging room)."""
+        unit = self._units[step.sequence[key][0]]
+        started: list[_Slot] = []
+        for slot in unit.slots:
+            if slot.host is None and not slot.resident:
+                if not self._acquire_host(slot, reclaim=False):
+                    for done in started:
+                        self._release_host(done)
+                    return False
+                self._start_read(slot)
+                started.append(slot)
+        step.staging[key] = unit.slots
+        return True
+
+    def _poll_stages(self, step: _Step, t: float) -> None:
+        """Tell the scheduler which stages landed (each a trigger: its prefetches may start now)."""
+        for key, slots in list(step.staging.items()):
+            if all(s.reading is None or s.reading.query() for s in slots):
+                del step.staging[key]
+                for slot in slots:
+                    self._finish_read(slot)
+                self._execute(step, step.rs.staged(key, t))
 
     def _to_device_with_data(self, tensor: torch.Tensor) -> None:
         """A small tensor of a model built on the host moves to the device with its values (it stays there)."""
@@ -637,6 +798,8 @@ class ParameterOffloadHandle:
         if not need:
             return None
         dev, rt = self.device, self.runtime
+        if self._tier is not None:
+            self._host_in(need)  # Note [Parameters on NVMe]: the first hop, if its stage has not landed
         done: list[_Slot] = []
         try:
             for slot in need:
@@ -668,6 +831,7 @@ class ParameterOffloadHandle:
                 )
             self.ledger.record_copy(Direction.H2D, slot.nbytes)
             slot.event = event
+            slot.landing = event
             slot.version = slot.vref._version
         return event
 
@@ -686,6 +850,10 @@ class ParameterOffloadHandle:
             t0 = time.perf_counter()
             compute.wait_event(event)
             self.ledger.record_wait(time.perf_counter() - t0, what=label)
+        if self._tier is not None:  # the staging buffers go back once their copies landed
+            for slot in slots:
+                if slot.host is not None and slot.resident:
+                    self._release_host(slot)
 
     def _maybe_free(self, slot: _Slot) -> None:
         if not slot.resident or slot.pins or slot.holds or slot.bwd_tasks or slot.outside or self._removed:
@@ -697,14 +865,21 @@ class ParameterOffloadHandle:
             self._write_back(slot)
         self._resize(slot, 0)
         slot.resident = False
+        if slot.host is not None and self._tier is not None:
+            self._release_host(slot)
 
     def _write_back(self, slot: _Slot) -> None:
         """Copy a device copy that changed (its version moved, or ``.data`` escaped) back to the host."""
         dev, rt = self.device, self.runtime
         rt.d2h_stream.wait_stream(dev.current_stream())
         rt.d2h_stream.wait_stream(rt.h2d_stream)  # after any upload into it (an optimizer's, too)
+        if self._tier is not None and slot.host is None:
+            self._acquire_host(slot, reclaim=True)  # overwritten whole by the D2H below
         dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
         self.ledger.record_copy(Direction.D2H, slot.nbytes)
+        if self._tier is not None:  # the disk copy is the data between uses (Note [Parameters on NVMe])
+            assert slot.host_view is not None
+            self._tier.write(slot.disk_key, slot.host_view.numpy(), kind=Kind.PARAMETER).synchronize()
         slot.version = slot.vref._version
         slot.dirty = False
 
@@ -737,6 +912,7 @@ class ParameterOffloadHandle:
             device_in_use=self._device_in_use if self._capacity else None,
             shared_budget=self._shared,
             record=self.record,
+            stage_duration=self._tier.read_link.duration if self._tier is not None else None,
         )
         rs.handle = self
         ratio = history.predictor.backward_ratio
@@ -747,6 +923,8 @@ class ParameterOffloadHandle:
             rs.register(key, Kind.PARAMETER, self._units[uid].nbytes, name=self._units[uid].name)
             rs.offload_started(key, _DONE)
             rs.landed(key, needed=False)
+            if self._tier is not None and any(s.host is None and not s.resident for s in self._units[uid].slots):
+                rs.spilled(key)  # Note [Parameters on NVMe]: two hops, the stage planned on the NVMe link
         actions = rs.forward_ended(t)
         rs.backward_began(t)  # one round on one clock from the step's start: forward and backward uses alike
         step = self._step = _Step(rs, history, list(sequence), t_last=t, mode=mode)
@@ -786,6 +964,9 @@ class ParameterOffloadHandle:
         rs.backward_ended(step.t_last)  # teaches the predictor; nothing is held on landing here
         for key, slots in list(step.held.items()):
             self._drop_hold(step, key, slots)
+        if self._tier is not None:  # stages nobody used: their buffers go back (the data stays on NVMe)
+            step.staging.clear()
+            self._reclaim_host()
         rs.detach_budget()
         if self.record:
             self._recorded.append({"log": list(rs.log), "settings": rs.settings(), "actions": list(rs.actions)})
@@ -832,6 +1013,11 @@ class ParameterOffloadHandle:
                     slot.holds += 1
                 step.held[key] = unit.slots
                 rs.started(key, event)
+            elif action.kind is ActionKind.STAGE:
+                if self._stage(step, key):
+                    rs.stage_started(key)
+                else:
+                    rs.stage_refused(key, "no_room")
             elif action.kind is ActionKind.EVICT:
                 slots = step.held.get(key)
                 self._counters["evicted"] += 1
@@ -858,6 +1044,8 @@ class ParameterOffloadHandle:
         if step is None:
             step = self._begin_step(t)
         self.runtime.poll()
+        if step.staging:
+            self._poll_stages(step, t)
         step.actual.append((unit.id, tag))
         step.t_last = t
         key = self._match(step, unit.id, tag)
@@ -1079,6 +1267,13 @@ class ParameterOffloadHandle:
         slot = getattr(tensor, "_offcore_slot", None)
         if slot is None or slot.handle is not self:
             raise ConfigurationError("host_tensor: this tensor is not offloaded by this handle")
+        if self._tier is not None:
+            raise ConfigurationError(
+                "the parameters of this handle live on NVMe (offload_parameters(..., nvme=...) or the device's "
+                "nvme_tier): they have no host copy to step in place, so OffloadOptimizer cannot use them as its "
+                "masters yet; pass params_on_host=False to OffloadOptimizer (its own host masters), or "
+                "offload_parameters(..., nvme=False) to keep the parameters in host memory"
+            )
         assert slot.host_view is not None
         return slot.host_view.view(tensor.dtype).view(tensor.shape)
 
@@ -1144,8 +1339,12 @@ class ParameterOffloadHandle:
         ledger = self.ledger
         h2d, d2h = ledger.copies[Direction.H2D], ledger.copies[Direction.D2H]
         host = {"parameter": 0, "buffer": 0}
+        nvme = 0
         for slot in self._slots:
-            host["buffer" if slot.is_buffer else "parameter"] += slot.nbytes
+            if slot.disk_key is not None:
+                nvme += slot.nbytes  # on disk between uses; its host bytes are the staging pool's
+            else:
+                host["buffer" if slot.is_buffer else "parameter"] += slot.nbytes
         out = ParameterOffloadStats(
             host_bytes=host,
             device_bytes=ledger.bytes(Tier.DEVICE, Kind.PARAMETER),
@@ -1165,6 +1364,8 @@ class ParameterOffloadHandle:
             exposed_wait_s=ledger.wait_seconds,
             waits=dict(ledger.waits),
             persistent_bytes=sum(t.numel() * t.element_size() for t in self._persistent),
+            nvme_bytes=nvme,
+            staging_bytes=self._pool.reserved_bytes if self._tier is not None and self._pool is not None else 0,
         )
         if reset:
             ledger.reset_step()
@@ -1209,8 +1410,13 @@ class ParameterOffloadHandle:
             slot.holds = 0
             slot.bwd_tasks.clear()
             self._maybe_free(slot)  # writes back what changed
-        self._copy_in(self._slots)
-        self._ready(self._slots, "remove")
+        if self._tier is not None:  # through the staging buffers, a storage at a time
+            for slot in self._slots:
+                self._copy_in([slot])
+                self._ready([slot], "remove")
+        else:
+            self._copy_in(self._slots)
+            self._ready(self._slots, "remove")
         self._teardown()
 
     def discard(self) -> None:
@@ -1238,6 +1444,8 @@ class ParameterOffloadHandle:
                 del slot.tensor._offcore_slot  # type: ignore[attr-defined]
                 slot.tensor.__class__ = slot.klass
             if not slot.resident and restore:  # setup failed half-way: restore from the host copy
+                if slot.host_view is None and slot.disk_key is not None and self._tier is not None:
+                    self._host_in([slot])  # its copy is on NVMe
                 self._resize(slot, slot.nbytes)
                 slot.resident = True
                 assert slot.host_view is not None
@@ -1247,11 +1455,32 @@ class ParameterOffloadHandle:
                 self.ledger.remove(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
                 slot.host = None
                 slot.host_view = None
+        self._close_tier()
         if self._pool is not None:
             with contextlib.suppress(Exception):
                 self._pool.trim()
         if getattr(self.model, "_offcore_parameter_handle", None) is self:
             del self.model._offcore_parameter_handle
+
+    def _close_tier(self) -> None:
+        """Remove this handle's files: its own tier is closed (its directory goes), a device's shared tier
+        loses this handle's keys."""
+        tier, self._tier = self._tier, None
+        if tier is None:
+            return
+        for slot in self._slots:
+            if slot.reading is not None:
+                with contextlib.suppress(Exception):
+                    slot.reading.synchronize()
+                slot.reading = None
+            if slot.disk_key is not None:
+                if not self._tier_owned:
+                    with contextlib.suppress(Exception):
+                        tier.delete(slot.disk_key)
+                self.ledger.remove(Tier.NVME, Kind.PARAMETER, slot.nbytes)
+                slot.disk_key = None
+        if self._tier_owned:
+            tier.close()
 
     def __enter__(self) -> ParameterOffloadHandle:
         return self
@@ -1277,6 +1506,7 @@ def offload_parameters(
     prefetch: str = "deadline",
     persist_below: int | str = 0,
     record: bool = False,
+    nvme: Any = None,
 ) -> ParameterOffloadHandle:
     """Keep ``model``'s parameters on the host between uses, streamed in by next use (see the module doc).
 
@@ -1290,6 +1520,9 @@ def offload_parameters(
     - ``persist_below``: parameters (and buffers) smaller than this many bytes stay on the device
       (biases, norms: each use of one costs as much CPU as a large weight's; Note [Small
       parameters stay on the device]); default 0 (everything streamed).
+    - ``nvme``: a directory or an :class:`offcore.nvme.NvmeSpec` (a path and a byte budget): the parameters
+      live on that disk between uses, staged NVMe -> pinned host -> device (Note [Parameters on NVMe]);
+      None (default) uses the device's tier when :func:`offcore_torch.nvme_tier` set one, ``False`` never.
     - ``record``: keep each step's scheduler events and actions (:attr:`ParameterOffloadHandle.schedules`),
       replayable through :func:`offcore.sim.replay.replay` to the same actions.
 
@@ -1321,4 +1554,5 @@ def offload_parameters(
         prefetch=prefetch,
         persist_below=persist,
         record=bool(record),
+        nvme=nvme,
     )
