@@ -12,7 +12,7 @@
 
 One file per object (Note [one file per object]); ``O_DIRECT`` where the filesystem takes
 it, buffered I/O where it refuses (tmpfs); ``os.preadv`` / ``os.pwritev`` on two thread
-pools, one for reads and one for writes, each object split into ``chunk_size`` requests
+pools (Note [I/O workers]), one for reads and one for writes, each object split into ``chunk_size`` requests
 so one large object keeps several requests in flight (docs/nvme.md has the measurements
 behind this choice).
 """
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import threading
 import time
 import weakref
 import zlib
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,7 +349,75 @@ def _transfer_all(
         done += n
 
 
-def _shutdown(directory: str, pools: tuple[ThreadPoolExecutor, ...], entries: dict[Hashable, _Entry]) -> None:
+_STOP = object()
+
+
+def _work(tasks: queue.SimpleQueue[Any]) -> None:
+    """A worker thread's loop: run queued calls until the stop mark (errors are the caller's: ``_run`` keeps them)."""
+    while True:
+        task = tasks.get()
+        if task is _STOP:
+            return
+        fn, args = task
+        fn(*args)
+        del task, fn, args  # hold nothing of the tier between requests (its finalizer must be able to run)
+
+
+class _Workers:
+    """``threads`` worker threads on one FIFO queue: ``submit(fn, *args)`` and ``shutdown()`` (drains the queue).
+
+    What the tier needs of ``ThreadPoolExecutor``, without a Future per request (the IOHandle is
+    the request's result): Note [I/O workers]. Threads start on demand, up to ``threads``; they are
+    daemon threads, stopped (after every queued request ran) by :meth:`shutdown`, which the tier's
+    finalizer calls at close, garbage collection or interpreter exit.
+    """
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._max = threads
+        self._name = name
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._closed:
+            raise RuntimeError("cannot submit to a stopped NVMe worker pool")
+        if len(self._threads) < self._max:
+            with self._lock:
+                if len(self._threads) < self._max and not self._closed:
+                    thread = threading.Thread(
+                        target=_work, args=(self._tasks,), name=f"{self._name}_{len(self._threads)}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
+        self._tasks.put((fn, args))
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._tasks.put(_STOP)
+        if wait:
+            current = threading.current_thread()
+            for thread in threads:
+                if thread is not current:
+                    thread.join()
+
+
+# Note [I/O workers]
+# The tier runs its requests on its own small pools (``_Workers``: daemon threads on one
+# SimpleQueue each, reads and writes apart) rather than ``ThreadPoolExecutor``: a transfer's
+# result is its IOHandle, so the executor's Future (a Condition per request, set running,
+# set result, notify) was pure cost, paid per request on the hot path (a few µs each on the
+# benchmark machine; docs/nvme.md). Shutdown puts one stop mark per thread after every
+# queued request, so close() still waits for every transfer in flight. Daemon threads: at
+# interpreter exit the tier's finalizer (an atexit hook) stops and joins them; non-daemon
+# threads blocked on the queue would make the interpreter wait for them before atexit runs.
+
+
+def _shutdown(directory: str, pools: tuple[_Workers, ...], entries: dict[Hashable, _Entry]) -> None:
     """Finalizer of a tier (close, garbage collection, interpreter exit): drain the queues, remove the files."""
     for pool in pools:
         pool.shutdown(wait=True)
@@ -427,8 +495,8 @@ class NvmeTier:
             raise ConfigurationError(f"O_DIRECT was required but does not work under {os.fspath(path)!r}: {reason}")
         self.direct = supported if direct is None else bool(direct)
         self.direct_reason = reason
-        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-read")
-        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="offcore-nvme-write")
+        self._readers = _Workers(threads, "offcore-nvme-read")
+        self._writers = _Workers(threads, "offcore-nvme-write")
         self._lock = threading.Lock()
         self._entries: dict[Hashable, _Entry] = {}
         self._idle_fds: dict[Hashable, _Entry] = {}  # entries with an open, unused fd, least recently used first
