@@ -66,6 +66,9 @@ def test_timings_are_read_only_between_steps_where_reading_is_a_barrier(
         assert "step" in reads, "without the capability timings are read as copies land (the case must show it)"
 
 
+HOST_WORK = 0.040  # seconds of host-side work inside copy_ before the transfer
+
+
 def test_copy_timings_start_at_the_copy_not_at_the_request(
     backend: Any, make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,7 +79,7 @@ def test_copy_timings_start_at_the_copy_not_at_the_request(
     count_copy = type(dev)._count_copy
 
     def slow_host_side(self: Any) -> Any:
-        time.sleep(0.003)  # host work before the copy is enqueued (checks, staging, dispatch)
+        time.sleep(HOST_WORK)  # host work before the copy is enqueued (checks, staging, dispatch)
         return count_copy(self)
 
     monkeypatch.setattr(type(dev), "_count_copy", slow_host_side)
@@ -92,5 +95,7 @@ def test_copy_timings_start_at_the_copy_not_at_the_request(
     per_copy = 4 * 1024**2 / link + 100e-6
     assert stats.d2h_bandwidth > 0
     seconds_per_copy = 4 * 1024**2 / stats.d2h_bandwidth
-    # the 3 ms of host work would make each 4.0 ms copy look like 7 ms
-    assert seconds_per_copy == pytest.approx(per_copy, rel=0.25), (seconds_per_copy, per_copy)
+    # Timed from the request, each 4 ms copy would read as >= 4 + 40 ms. The copy itself may take
+    # longer than the emulated link on a loaded machine (9 ms seen at load 4 on 2 cores), so the
+    # bound sits halfway: it separates "host work timed" from "not timed" under any load we run.
+    assert per_copy * 0.75 <= seconds_per_copy < per_copy + HOST_WORK / 2, (seconds_per_copy, per_copy)
