@@ -427,19 +427,27 @@ def optimizer_step(args: argparse.Namespace, direct: bool) -> dict[str, Any]:
         for fn in variants.values():
             fn()  # warm-up
         times: dict[str, list[float]] = {k: [] for k in variants}
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
             for name, fn in variants.items():
+                start = time.process_time()
                 times[name].append(_timed(fn))
+                cpu[name].append(time.process_time() - start)
         same = all(a.tobytes() == b.tobytes() for p in piped for a, b in zip(seq.params, p.params, strict=True))
     shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     state = args.groups * 2 * n * 4
     print(
         f"\nAdam step, {args.groups} groups x {format_bytes(2 * n * 4)} of state ({format_bytes(state)} on the tier),"
     )
     print(f"medians of {args.rounds} rounds (baseline: sequential):")
     for k, v in med.items():
-        print(f"  {k:12s} {v * 1e3:8.1f} ms   {med['sequential'] / v:5.2f} x sequential")
+        print(
+            f"  {k:14s} {v * 1e3:8.1f} ms   {med['sequential'] / v:5.2f} x sequential   "
+            f"CPU {med_cpu[k] * 1e3:6.1f} ms of this process ({med_cpu[k] / v:.2f} cores)"
+        )
+    print(f"  (load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: an overlap needs a free core)")
     floor = max(med["host memory"], med["I/O only"])
     best = med["sequential"] / floor
     print(f"  floor of any overlap: max(host memory, I/O only) = {floor * 1e3:.1f} ms: at most {best:.2f} x sequential")
@@ -451,6 +459,7 @@ def optimizer_step(args: argparse.Namespace, direct: bool) -> dict[str, Any]:
     print(f"{TARGET_PIPELINE}); pipelined params bit-identical to sequential: {same}")
     return {
         "ms": {k: v * 1e3 for k, v in med.items()},
+        "cpu_ms": {k: v * 1e3 for k, v in med_cpu.items()},
         "speedup": speedup,
         "best_possible_speedup": best,
         "bit_identical": same,
