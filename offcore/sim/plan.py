@@ -37,6 +37,7 @@ _PLAN_FORMAT = "offcore.plan/1"
 PrefetchMode = Literal["deadline", "lead", "on_demand"]
 OptimizerPlacement = Literal["device", "offload"]
 ParameterPlacement = Literal["resident", "stream"]
+OptimizerTier = Literal["host", "nvme"]
 
 
 def _brief(value: object) -> str:
@@ -159,6 +160,10 @@ class Plan:
         parameters: ``"resident"`` (the default) or ``"stream"``
             (``offcore_torch.offload_parameters``: each layer's parameters copied in before
             its forward and its backward, freed after each).
+        optimizer_tier: where ``optimizer="offload"`` keeps the optimizer states between steps:
+            ``"host"`` (the default) or ``"nvme"`` (``OffloadOptimizer(tier="nvme")``: the host
+            step runs at ``step()``, pipelined over state groups read from and written to the
+            NVMe tier; Note [The optimizer's NVMe tier in the simulator] in simulator.py).
 
     >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
     [(0, 1), (2, 3)]
@@ -171,12 +176,19 @@ class Plan:
     layer_names: Sequence[str] | None = None
     optimizer: OptimizerPlacement = "device"
     parameters: ParameterPlacement = "resident"
+    optimizer_tier: OptimizerTier = "host"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("device", "offload"):
             raise ConfigurationError(f"optimizer must be 'device' or 'offload', got {_brief(self.optimizer)}")
         if self.parameters not in ("resident", "stream"):
             raise ConfigurationError(f"parameters must be 'resident' or 'stream', got {_brief(self.parameters)}")
+        if self.optimizer_tier not in ("host", "nvme"):
+            raise ConfigurationError(f"optimizer_tier must be 'host' or 'nvme', got {_brief(self.optimizer_tier)}")
+        if self.optimizer_tier == "nvme" and self.optimizer != "offload":
+            raise ConfigurationError(
+                "optimizer_tier='nvme' needs optimizer='offload' (the host optimizer's states on disk)"
+            )
         if isinstance(self.actions, (str, bytes, Mapping, Set)) or not isinstance(self.actions, Iterable):
             raise ConfigurationError(
                 "actions must be a list of 'keep' / 'offload' / 'recompute', one per layer in forward order, "
@@ -267,7 +279,7 @@ class Plan:
         if self.parameters == "stream":
             word += "+param-stream"
         if self.optimizer == "offload":
-            word += "+optimizer-offload"
+            word += "+optimizer-offload" + ("-nvme" if self.optimizer_tier == "nvme" else "")
         return word + ("+accumulate" if self.microbatches > 1 else "")
 
     def check(self, profile: StepProfile) -> None:
@@ -295,8 +307,10 @@ class Plan:
         letters = "".join({"keep": "K", "offload": "O", "recompute": "R"}[a.value] for a in self.actions)
         prefetch = self.prefetch
         budget = "∞" if prefetch.budget_bytes is None else str(prefetch.budget_bytes)
-        kinds = (" optimizer=offload" if self.optimizer == "offload" else "") + (
-            " parameters=stream" if self.parameters == "stream" else ""
+        kinds = (
+            (" optimizer=offload" if self.optimizer == "offload" else "")
+            + ("/nvme" if self.optimizer_tier == "nvme" else "")
+            + (" parameters=stream" if self.parameters == "stream" else "")
         )
         return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}{kinds}"
 
@@ -316,6 +330,8 @@ class Plan:
             data["optimizer"] = self.optimizer
         if self.parameters != "resident":
             data["parameters"] = self.parameters
+        if self.optimizer_tier != "host":
+            data["optimizer_tier"] = self.optimizer_tier
         return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -339,6 +355,7 @@ class Plan:
             "layer_names",
             "optimizer",
             "parameters",
+            "optimizer_tier",
         }
         unknown = set(data) - known
         if unknown:
@@ -361,6 +378,7 @@ class Plan:
             layer_names=data.get("layer_names"),
             optimizer=data.get("optimizer", "device"),
             parameters=data.get("parameters", "resident"),
+            optimizer_tier=data.get("optimizer_tier", "host"),
         )
         if profile is not None:
             plan.check(profile)

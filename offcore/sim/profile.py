@@ -246,6 +246,12 @@ class StepProfile:
             once per module using it) in one pass, and in how many copies. The simulator
             copies them three times a step (Note [Parameters outside the layers are streamed
             too] in simulator.py). 0 by default.
+        nvme_read_bandwidth, nvme_write_bandwidth, nvme_read_latency_s, nvme_write_latency_s:
+            the NVMe tier's two links (NVMe → host and host → NVMe, ``latency + bytes /
+            bandwidth`` each; :func:`offcore.bandwidth.measure_nvme_link` measures them). What
+            is on NVMe reaches the device in two hops (NVMe → host, then the H2D link). Used by
+            plans that put something there (``Plan.optimizer_tier == "nvme"``); unlimited by
+            default.
 
     >>> p = StepProfile([LayerProfile("l0", 1.0, 2.0, 100)], param_bytes=10, duplex=False)
     >>> p.static_bytes, p.compute_s
@@ -271,6 +277,10 @@ class StepProfile:
     parameter_budget_bytes: int = 0
     outside_param_bytes: int = 0
     outside_param_copies: int = 0
+    nvme_read_bandwidth: float = math.inf
+    nvme_write_bandwidth: float = math.inf
+    nvme_read_latency_s: float = 0.0
+    nvme_write_latency_s: float = 0.0
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -320,6 +330,10 @@ class StepProfile:
         set_(self, "d2h_bandwidth", parse_bandwidth(self.d2h_bandwidth, what="d2h_bandwidth"))
         set_(self, "h2d_bandwidth", parse_bandwidth(self.h2d_bandwidth, what="h2d_bandwidth"))
         set_(self, "latency_s", parse_duration(self.latency_s, what="latency_s"))
+        for attribute in ("nvme_read_bandwidth", "nvme_write_bandwidth"):
+            set_(self, attribute, parse_bandwidth(getattr(self, attribute), what=attribute))
+        for attribute in ("nvme_read_latency_s", "nvme_write_latency_s"):
+            set_(self, attribute, parse_duration(getattr(self, attribute), what=attribute))
         if not isinstance(self.duplex, bool):
             raise ConfigurationError(f"duplex must be True or False, got {self.duplex!r}")
         if self.capacity_bytes is not None:
@@ -378,11 +392,38 @@ class StepProfile:
 
     def with_link(self, **changes: Any) -> StepProfile:
         """A copy with other link or capacity settings, e.g. ``with_link(h2d_bandwidth="64GB/s")``."""
-        allowed = {"d2h_bandwidth", "h2d_bandwidth", "latency_s", "duplex", "capacity_bytes", "reuse_in_flight"}
+        allowed = {
+            "d2h_bandwidth",
+            "h2d_bandwidth",
+            "latency_s",
+            "duplex",
+            "capacity_bytes",
+            "reuse_in_flight",
+            "nvme_read_bandwidth",
+            "nvme_write_bandwidth",
+            "nvme_read_latency_s",
+            "nvme_write_latency_s",
+        }
         unknown = set(changes) - allowed
         if unknown:
             raise ConfigurationError(f"with_link() accepts {sorted(allowed)}, not {sorted(unknown)}")
         return replace(self, **changes)
+
+    def with_nvme_link(self, link: Any) -> StepProfile:
+        """A copy with an NVMe tier's measured links (an :class:`offcore.bandwidth.NvmeLinkMeasurement`).
+
+        >>> from offcore.bandwidth import NvmeLinkMeasurement
+        >>> p = StepProfile([LayerProfile("l", 1.0, 2.0, 0)])
+        >>> p.with_nvme_link(NvmeLinkMeasurement(2e9, 1e9, 1e-4, 2e-4, True)).nvme_write_bandwidth
+        1000000000.0
+        """
+        return replace(
+            self,
+            nvme_read_bandwidth=link.read_bandwidth,
+            nvme_write_bandwidth=link.write_bandwidth,
+            nvme_read_latency_s=link.read_latency_s,
+            nvme_write_latency_s=link.write_latency_s,
+        )
 
     def split_microbatches(self, microbatches: int) -> StepProfile:
         """The profile of one micro-batch when the step is split for gradient accumulation.
@@ -438,6 +479,10 @@ class StepProfile:
             "parameter_budget_bytes": self.parameter_budget_bytes,
             "outside_param_bytes": self.outside_param_bytes,
             "outside_param_copies": self.outside_param_copies,
+            "nvme_read_bandwidth": bandwidth(self.nvme_read_bandwidth),
+            "nvme_write_bandwidth": bandwidth(self.nvme_write_bandwidth),
+            "nvme_read_latency_s": self.nvme_read_latency_s,
+            "nvme_write_latency_s": self.nvme_write_latency_s,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -472,6 +517,10 @@ class StepProfile:
             "parameter_budget_bytes",
             "outside_param_bytes",
             "outside_param_copies",
+            "nvme_read_bandwidth",
+            "nvme_write_bandwidth",
+            "nvme_read_latency_s",
+            "nvme_write_latency_s",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

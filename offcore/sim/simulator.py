@@ -179,6 +179,26 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # event names a real offload_parameters step feeds its scheduler (tests/torch/test_sim_memory.py).
 
 #
+# Note [The optimizer's NVMe tier in the simulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``Plan.optimizer_tier == "nvme"`` models OffloadOptimizer(tier="nvme") (Note [Optimizer states on
+# NVMe] in plugins/offcore_torch/optimizer.py): gradients go D2H under backward as with the host tier,
+# but nothing steps before ``step()`` (Note [One host step at step()] there); once compute ended and
+# every gradient landed, the host worker runs offcore.nvme.pipelined over groups — one layer, or
+# consecutive ones up to _NVME_GROUP_BYTES of parameters (the optimizer's own grouping, per
+# parameter; a layer above it split evenly) — with the layer's share of ``optimizer_state_bytes``
+# (the profiled state / parameter ratio: AdamW 2) read on the NVMe read link before its step and
+# written on the write link after it; group i waits for the write of group i-2 (three groups live:
+# the bounce buffers, SimResult.optimizer_host_bytes). The NVMe tier is one more link per
+# direction with its own measured ``latency + bytes / bandwidth`` (StepProfile.nvme_*:
+# offcore.bandwidth.measure_nvme_link), independent of each other and of the device's links (the
+# tier's reads and writes have their own thread pools; a disk that slows one while the other runs
+# would need the "both" figure measure_copy_bandwidth takes for the device). The parameters are
+# uploaded after their group's step (resident parameters); the step ends when the last write and
+# upload completed. An object that is on NVMe and needed on the device crosses two links in series,
+# NVMe → host then H2D (offcore.sim.formulas.two_hop_transfer_time; Note [Two hops from NVMe] in
+# offcore/residency.py for the scheduler's staging).
+#
 # Note [Parameters outside the layers are streamed too]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # offload_parameters streams every module's parameters, the embedding, the final norm and the
@@ -274,6 +294,14 @@ class SimResult:
     parameter_schedule_settings: Mapping[str, Any] = field(default_factory=dict, repr=False)
     """That scheduler's settings (:meth:`~offcore.residency.ResidencyScheduler.settings`: the keywords of
     :func:`offcore.sim.replay.replay`)."""
+    optimizer_host_bytes: int = 0
+    """Host bytes of the host optimizer (``Plan.optimizer == "offload"``): the fp32 masters and the
+    gradients (``param_bytes`` each), and its states (``optimizer_state_bytes``) or, on the NVMe tier,
+    the most that three consecutive groups' states hold in the bounce buffers at once."""
+    nvme_read_bytes: int = 0
+    """Bytes read from the NVMe tier (``Plan.optimizer_tier == "nvme"``: the optimizer states)."""
+    nvme_write_bytes: int = 0
+    """Bytes written to the NVMe tier."""
 
     @property
     def compute_s(self) -> float:
@@ -332,6 +360,9 @@ class SimResult:
             "d2h_busy_s": self.d2h_busy_s,
             "h2d_busy_s": self.h2d_busy_s,
             "oom": self.oom,
+            "optimizer_host_bytes": self.optimizer_host_bytes,
+            "nvme_read_bytes": self.nvme_read_bytes,
+            "nvme_write_bytes": self.nvme_write_bytes,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -462,6 +493,26 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
     )
 
 
+def _nvme_groups(parts: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+    """Consecutive parts merged up to ``_NVME_GROUP_BYTES`` of parameters, a bigger part split in equal
+    groups below it: OffloadOptimizer's groups (Note [The optimizer's NVMe tier in the simulator])."""
+    groups: list[tuple[int, str, int]] = []
+    size = _NVME_GROUP_BYTES
+    for nbytes, label, layer in parts:
+        if nbytes > _NVME_GROUP_BYTES:
+            pieces = -(-nbytes // _NVME_GROUP_BYTES)
+            groups.extend((nbytes // pieces, f"{label}/{j}", layer) for j in range(pieces))
+            size = _NVME_GROUP_BYTES
+            continue
+        if size + nbytes > _NVME_GROUP_BYTES:
+            groups.append((0, label, layer))
+            size = 0
+        merged, first, _ = groups[-1]
+        groups[-1] = (merged + nbytes, first if merged else label, layer)
+        size += nbytes
+    return groups
+
+
 def _simulate_once(profile: StepProfile, plan: Plan, record_events: bool, record_schedule: bool = False) -> SimResult:
     return _Step(profile, plan, record_events, record_schedule).run()
 
@@ -506,6 +557,10 @@ _UNBOUNDED = 1 << 62  # no prefetch byte budget
 _PARAMETER_MARGIN_S = 0.5e-3
 _PARAMETER_BUDGET_MODULES = 2
 _PARAMETER_UNIT_S = 1e-3
+
+# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer.py):
+# a group is one parameter or consecutive small ones up to this many master bytes
+_NVME_GROUP_BYTES = 4 * 1024**2
 
 # event priorities at one instant (Note [Simulated lifetimes]: frees before allocations)
 _END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
@@ -645,6 +700,13 @@ class _Step:
         self.host_free = 0.0  # when the host worker is free
         self.host_busy = 0.0
         self.host_end = 0.0
+        # Note [The optimizer's NVMe tier in the simulator]: gradients still to land, their groups
+        self.nvme = plan.optimizer_tier == "nvme"
+        self.grads_in_flight = 0
+        self.compute_done = False
+        self.nvme_groups: list[tuple[int, str, int]] = []  # (parameter bytes, label, layer) per landed gradient
+        self.host_state_window = 0  # the most state bytes in host buffers at once (three groups)
+        self.nvme_bytes = 0  # state bytes read (and written again) this step
         self.tasks = self._tasks()
         self.sched = self._make_scheduler(record_schedule)
         # parameter streaming (Note [Parameter streaming drives a ResidencyScheduler]): per layer, whether
@@ -850,11 +912,18 @@ class _Step:
         start, end = self.d2h_link.run(self.now, self.copy_s(nbytes, "d2h"))
         self.last_copy_end = max(self.last_copy_end, end)
         self.event("d2h", f"d2h:grad:{label}", start, end, "d2h", layer)
+        self.grads_in_flight += 1
 
         def landed() -> None:
             if i is not None and self.grads_left[i]:
                 self.grads_left[i] = 0
                 self.change(-device_grads)  # freed as its D2H lands
+            self.grads_in_flight -= 1
+            if self.nvme:  # stepped at step(), pipelined over the states on disk
+                self.nvme_groups.append((params, label, layer))
+                if self.compute_done and self.grads_in_flight == 0:
+                    self.at(self.now, _START, self.nvme_step)
+                return
             seconds = params * self.profile.host_step_s_per_byte
             begin = max(self.now, self.host_free)
             self.host_free = begin + seconds
@@ -871,6 +940,60 @@ class _Step:
             self.event("h2d", f"h2d:param:{label}", begin, land, "h2d", layer)
 
         self.at(end, _LAND, landed)
+
+    # Note [The optimizer's NVMe tier in the simulator]
+    def nvme_step(self) -> None:
+        """``step()`` with the states on NVMe: once every gradient landed, the host worker steps the groups
+        pipelined (read i+1 on the NVMe read link, step i, write i on the write link; group i waits for
+        the write of i-2), and uploads each group's parameters after its step (parameters resident)."""
+        if self.grads_in_flight or self.host_end > 0 or not self.nvme_groups:
+            return
+        profile = self.profile
+        ratio = profile.optimizer_state_bytes / profile.param_bytes if profile.param_bytes else 0.0
+        groups = _nvme_groups(sorted(self.nvme_groups, key=lambda g: g[2]))
+        states = [int(nbytes * ratio) for nbytes, _, _ in groups]
+        self.nvme_bytes = sum(states)
+        self.host_state_window = max(
+            (sum(states[max(0, k - 2) : k + 1]) for k in range(len(states))), default=0
+        )  # groups i-1 (writing), i (stepping) and i+1 (read ahead)
+
+        def read_s(k: int) -> float:
+            return transfer_time(states[k], profile.nvme_read_bandwidth, profile.nvme_read_latency_s)
+
+        def write_s(k: int) -> float:
+            return transfer_time(states[k], profile.nvme_write_bandwidth, profile.nvme_write_latency_s)
+
+        read_free = write_free = worker = max(self.now, self.host_free)
+        read_end: list[float] = []
+        write_end: list[float] = []
+
+        def read(k: int, at: float) -> None:
+            nonlocal read_free
+            begin = max(at, read_free)
+            read_free = begin + read_s(k)
+            read_end.append(read_free)
+            self.event("n2h", f"n2h:state:{groups[k][1]}", begin, read_free, "n2h", groups[k][2])
+
+        read(0, worker)
+        for k, (nbytes, label, layer) in enumerate(groups):
+            if k >= 2:
+                worker = max(worker, write_end[k - 2])
+            if k + 1 < len(groups):
+                read(k + 1, worker)
+            begin = max(worker, read_end[k])
+            worker = begin + nbytes * profile.host_step_s_per_byte
+            self.host_busy += worker - begin
+            self.event("host", f"host-step:{label}", begin, worker, "host", layer)
+            start = max(worker, write_free)
+            write_free = start + write_s(k)
+            write_end.append(write_free)
+            self.event("h2n", f"h2n:state:{label}", start, write_free, "h2n", layer)
+            if not self.stream and nbytes > 0:
+                up, land = self.h2d_link.run(worker, self.copy_s(nbytes, "h2d"))
+                self.h2d_bytes += nbytes
+                self.last_copy_end = max(self.last_copy_end, land)
+                self.event("h2d", f"h2d:param:{label}", up, land, "h2d", layer)
+        self.host_free = self.host_end = max([worker, *write_end])
 
     # -- parameter streaming ----------------------------------------------------------------------
     # Note [Parameter streaming drives a ResidencyScheduler]
@@ -1089,8 +1212,11 @@ class _Step:
                 self.end_parameter_round()
             for action in sched.backward_ended(self.now):  # frees what was held
                 self.free(self.objects[action.key])
+            self.compute_done = True
             if self.offload_optimizer:
                 self.optimizer_after_backward(None)
+                if self.nvme:
+                    self.at(self.now, _START, self.nvme_step)  # runs once every gradient landed
             else:
                 self.change(-sum(self.grads_left))  # the optimizer step takes the gradients over
             return
@@ -1315,4 +1441,15 @@ class _Step:
             parameter_schedule_log=tuple(psched.log) if psched is not None else (),
             parameter_schedule_actions=tuple(psched.actions) if psched is not None else (),
             parameter_schedule_settings=psched.settings() if psched is not None else {},
+            optimizer_host_bytes=self.optimizer_host_bytes(),
+            nvme_read_bytes=self.nvme_bytes,
+            nvme_write_bytes=self.nvme_bytes,
         )
+
+    def optimizer_host_bytes(self) -> int:
+        """:attr:`SimResult.optimizer_host_bytes`."""
+        if not self.offload_optimizer:
+            return 0
+        profile = self.profile
+        states = self.host_state_window if self.nvme else profile.optimizer_state_bytes
+        return 2 * profile.param_bytes + states
