@@ -18,11 +18,14 @@ the keep-all backward time measured in a calibration (the target's precondition:
 0.8 x the backward window; the run prints the fill it really had). Targets: offcore's step
 <= 1.10 x keep-all and <= 0.75 x synchronous.
 
-Scenario (b): the host step alone, over the same host tensors (offcore's masters): offcore's
-``step()`` (host steps in chunks, H2D issued after each) against one bare
-``torch.optim.AdamW(fused=True).step()``, on an unlimited link. Target: <= 1.15 x bare.
-Also printed: parameters/s and GB/s (fp32 AdamW touches ~28 bytes per parameter) against the
-machine's memory bandwidth measured in the same run (a large ``copy_``: read + write bytes / s).
+Scenario (b): the host step, over the same host tensors (offcore's masters), every gradient
+landed first: what offcore's ``step()`` costs the user (the call until it returns, plus the time
+the next forward waits for the parameters it uploads) against one bare
+``torch.optim.AdamW(fused=True).step()``, on an unlimited link. Target: <= 1.15 x bare. Also
+printed: the uploads separately (when the last one landed; the same copies alone, the floor of
+the copies), the next forward with the uploads in flight and with nothing in flight, and
+parameters/s and GB/s (fp32 AdamW touches ~28 bytes per parameter) against the machine's memory
+bandwidth measured in the same run (a large ``copy_``: read + write bytes / s).
 
 Scenario (nvme) (``--scenario nvme``, issue 13): ``OffloadOptimizer.step()`` alone (gradients
 landed first; its time includes waiting for the H2D copies) with the AdamW states **on NVMe**
@@ -217,48 +220,91 @@ def memory_bandwidth(nbytes: int = 256 * 1024**2, repeats: int = 5) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def host_step_scenario(work: Any, *, rounds: int) -> dict[str, Any]:
-    """(b): offcore's step() against a bare fused AdamW step over the same host tensors (the masters)."""
+def host_step_scenario(work: Any, *, rounds: int, warmup: int = 2) -> dict[str, Any]:
+    """(b): what offcore's ``step()`` costs the user against a bare fused AdamW step over the same host
+    tensors (offcore's masters), every gradient landed first.
+
+    Per round, in this order: forward + backward (the gradients land; drained), the bare step,
+    ``opt.step()`` timed until it returns, the next forward timed with the time it waited for
+    parameters (the optimizer's ``"wait"`` spans: the uploads it blocked on or issued itself),
+    ``opt.synchronize()`` (when the last upload landed, from the device's copy log), the same forward
+    again with nothing in flight, and the uploads alone (the same H2D copies, nothing else running).
+    What the user pays for the step is ``step()`` + the next forward's waits; nothing is left out of
+    the window. The target figure is the median over rounds of that sum over the bare step run
+    right before it (adjacent in time, so both see the same load).
+    """
     dev = make_device({"h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0})
     model = build(work, dev)
     trace = TraceRecorder()
+    cpu = torch.device("cpu")
     with dev:
         opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, trace=trace, **ADAMW)
         params = list(model.parameters())
         masters = [opt.master(p) for p in params]
+        scratch = [torch.empty_like(p) for p in params]  # device memory the uploads-alone floor writes into
+        copy_stream = dev.new_stream()
         train_step(work, model, 0)
         opt.step()
         bare = torch.optim.AdamW(masters, **ADAMW)
         bare.step()  # its state exists from here on, as offcore's does
-        offcore_t, offcore_sync_t, bare_t, host_only = [], [], [], []
-        for r in range(rounds):
+        opt.zero_grad()
+        keys = ("step", "waits", "user", "uploads_landed", "forward_uploading", "forward_clean", "bare", "copies")
+        t: dict[str, list[float]] = {k: [] for k in keys}
+        ratios: list[float] = []  # per round: (step() + waits) / the bare step next to it
+        for r in range(warmup + rounds):
             train_step(work, model, r)
-            opt.host_grads()  # gradients landed and accumulated: time the step alone
+            opt.host_grads()  # every gradient landed and accumulated: the step alone is timed
+            # the bare step right before offcore's, over the same tensors with nothing in flight: the
+            # two are adjacent in time, so each round's ratio sees the same load
+            b = time.perf_counter()
+            bare.step()
+            bare_s = time.perf_counter() - b
+            batch = work.make_batch(r + 1, cpu)  # made first: the next forward starts as soon as step() returns
             n_spans = len(trace.to_dict()["traceEvents"])
+            dev.clear_copy_log()
             began = time.perf_counter()
             opt.step()
-            offcore_t.append(time.perf_counter() - began)
-            opt.synchronize()
-            offcore_sync_t.append(time.perf_counter() - began)
+            step_s = time.perf_counter() - began
+            fwd = time.perf_counter()
+            loss = work.loss(model, batch)
+            forward_s = time.perf_counter() - fwd
+            del loss
             events = trace.to_dict()["traceEvents"][n_spans:]
-            host_only.append(sum(e["dur"] for e in events if e.get("name") == "step") / 1e6)
-            began = time.perf_counter()
-            bare.step()
-            bare_t.append(time.perf_counter() - began)
+            waits = sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("name", "").startswith("param ")) / 1e6
+            opt.synchronize()
+            landed = max((c["end"] for c in dev.copy_log() if c["direction"] == "h2d"), default=began) - began
+            fwd = time.perf_counter()
+            loss = work.loss(model, batch)
+            clean_s = time.perf_counter() - fwd
+            del loss
+            opt.zero_grad()
+            c = time.perf_counter()
+            done = [dev.copy_(d, m, stream=copy_stream) for d, m in zip(scratch, masters, strict=True)]
+            for event in done:
+                event.synchronize()
+            copies_s = time.perf_counter() - c
+            if r >= warmup:
+                values = (step_s, waits, step_s + waits, landed, forward_s, clean_s, bare_s, copies_s)
+                for k, v in zip(keys, values, strict=True):
+                    t[k].append(v)
+                ratios.append((step_s + waits) / bare_s)
         opt.close()
+        del scratch
     n = sum(p.numel() for p in params)
     bw = memory_bandwidth()
-    med = statistics.median
+    med = {k: statistics.median(v) for k, v in t.items()}
     return {
         "parameters": n,
-        "bare_s": med(bare_t),
-        "offcore_step_s": med(offcore_t),
-        "offcore_step_sync_s": med(offcore_sync_t),
-        "offcore_host_step_spans_s": med(host_only),
-        "ratio": med(offcore_t) / med(bare_t),
-        "params_per_s": n / med(offcore_t),
-        "adamw_gb_per_s": 28 * n / med(offcore_t) / 1e9,
-        "bare_gb_per_s": 28 * n / med(bare_t) / 1e9,
+        "rounds": rounds,
+        **{f"{k}_s": v for k, v in med.items()},
+        "ratio": statistics.median(ratios),
+        "ratio_of_medians": med["user"] / med["bare"],
+        "ratio_of_fastest": min(t["user"]) / min(t["bare"]),  # load only adds time: the quiet-machine estimate
+        "ratios": ratios,
+        "step_ratio": med["step"] / med["bare"],
+        "params_per_s": n / med["user"],
+        "adamw_gb_per_s": 28 * n / med["user"] / 1e9,
+        "bare_gb_per_s": 28 * n / med["bare"] / 1e9,
         "memory_gb_per_s": bw / 1e9,
     }
 
@@ -429,20 +475,38 @@ def scenario_a(args: argparse.Namespace, work: Any, nbytes: int, out: dict[str, 
 
 
 def scenario_b(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> list[dict[str, Any]]:
-    b = host_step_scenario(work, rounds=args.rounds)
-    print("\n(b) host step over the same host tensors (baseline: bare torch.optim.AdamW(fused=True).step())\n")
+    b = host_step_scenario(work, rounds=args.rounds, warmup=args.warmup)
     print(
-        f"bare {b['bare_s'] * 1e3:.1f} ms, offcore step() {b['offcore_step_s'] * 1e3:.1f} ms "
-        f"(x{b['ratio']:.3f}; + waiting for its H2D copies: {b['offcore_step_sync_s'] * 1e3:.1f} ms; "
-        f"its host-step spans alone {b['offcore_host_step_spans_s'] * 1e3:.1f} ms)"
+        f"\n(b) host step over the same host tensors, {b['parameters'] / 1e6:.1f} M fp32 parameters, median of "
+        f"{b['rounds']} rounds (baseline: bare torch.optim.AdamW(fused=True).step(); every gradient landed first)\n"
     )
+    bare = b["bare_s"]
+    rows = [
+        ("bare fused AdamW step (the floor)", bare),
+        ("offcore step() until it returns", b["step_s"]),
+        ("  + the next forward's waits for parameters", b["waits_s"]),
+        ("**what the user pays: step() + those waits**", b["user_s"]),
+        ("step() start until its last upload landed", b["uploads_landed_s"]),
+        ("the uploads alone (same H2D copies, nothing else running)", b["copies_s"]),
+        ("next forward, uploads in flight", b["forward_uploading_s"]),
+        ("the same forward, nothing in flight", b["forward_clean_s"]),
+    ]
+    print("| measure | ms | x bare |")
+    print("|---|---:|---:|")
+    for name, value in rows:
+        print(f"| {name} | {value * 1e3:.2f} | {value / bare:.3f} |")
     print(
-        f"{b['parameters'] / 1e6:.1f} M parameters: {b['params_per_s'] / 1e6:.0f} M params/s, "
-        f"{b['adamw_gb_per_s']:.1f} GB/s at 28 B/param (bare {b['bare_gb_per_s']:.1f} GB/s) against "
-        f"{b['memory_gb_per_s']:.1f} GB/s memory bandwidth (copy_, read + write) measured in this run"
+        f"\noffcore: {b['params_per_s'] / 1e6:.0f} M params/s, {b['adamw_gb_per_s']:.1f} GB/s at 28 B/param "
+        f"(bare {b['bare_gb_per_s']:.1f} GB/s) against {b['memory_gb_per_s']:.1f} GB/s memory bandwidth "
+        "(copy_, read + write) measured in this run"
     )
     out["b"] = b
-    return [check("(b) offcore host step <= 1.15 x bare fused AdamW", b["ratio"] <= 1.15, f"{b['ratio']:.3f}")]
+    print(
+        f"per-round ratio (step() + waits) / the bare step run right before it: median {b['ratio']:.3f} "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in b['ratios'])}); ratio of the medians {b['ratio_of_medians']:.3f}; "
+        f"of the fastest rounds {b['ratio_of_fastest']:.3f} (load only adds time)"
+    )
+    return [check("(b) offcore step() + waits <= 1.15 x bare fused AdamW", b["ratio"] <= 1.15, f"{b['ratio']:.3f}")]
 
 
 def _sequential(

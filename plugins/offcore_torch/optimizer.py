@@ -38,6 +38,26 @@ next forward waiting per parameter on its own event.
 # tracker counts tensors created on the activating thread only). ``step()``, ``zero_grad()``,
 # ``state_dict()`` ... drain the worker first, re-raising the first exception it met.
 #
+# Note [One host step at step()]
+# By the time ``step()`` steps, every gradient has landed (it drains the worker first): there is
+# no backward left to overlap, so cutting the step into chunks only adds optimizer calls (each
+# with its Python and kernel-launch overhead) and runs the uploads of early chunks beside the
+# later chunks' arithmetic (on the fake device a memcpy contending for the same cores and
+# memory bandwidth). So ``step()`` makes one submission to the worker: it steps a *lead* (the
+# first-needed parameters, up to 1/_LEAD_FRACTION of the master bytes, when there is more than
+# _LEAD_MIN_BYTES to step) and issues its uploads, so the first layer's copy lands under the rest
+# of the step, then steps all the others in ONE optimizer call (torch's fused/foreach kernel over
+# every tensor at once, as a bare ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their
+# uploads due (``_Slot.upload_due``) and returns. ``step()`` returns there, when the arithmetic
+# finished; the due uploads are issued in need order by a second worker job queued after the
+# round's bookkeeping (``_issue_due``), or by whoever needs a parameter first, under the sched
+# lock, whichever comes first (``_flush_due``): the forward's pre-hook (its issue time traced as a
+# ``"wait"`` of that forward), ``wait_for_parameters`` / a module's ``state_dict``, and the round's
+# end (``_upload_rest``: ``synchronize()``, the next round's first gradient). A refused upload stays
+# offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
+# last_micro_step) are unchanged: one per parameter as its gradient lands. tier="nvme" steps in
+# its pipelined groups (Note [Optimizer states on NVMe]), uploads issued as each group is stepped.
+#
 # Note [Masters are refreshed when the device parameter changed]
 # The host master is the truth the optimizer updates. If the device parameter was written
 # by someone else (``model.load_state_dict`` after the optimizer was built), the master is
@@ -151,7 +171,8 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 (only when the masters' dtype differs from the device parameters'; torch optimizers ignore it)."""
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_CHUNK_BYTES = 8 * 1024**2  # host steps at step(): batches of about this many master bytes
+_LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
+_LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
 _NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
@@ -177,6 +198,7 @@ class _Slot:
         "state_nbytes",
         "state_buf",
         "host_param",
+        "upload_due",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -202,6 +224,8 @@ class _Slot:
         # Note [Parameters on the host with offload_parameters]: the handle's host copy of the parameter
         # (None: the parameter lives on the device and the step is uploaded into it)
         self.host_param: torch.Tensor | None = None
+        # Note [One host step at step()]: stepped by step(), its upload not issued yet (sched lock)
+        self.upload_due = False
 
 
 class _AllOf:
@@ -223,6 +247,21 @@ class _AllOf:
 
 def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     return buffer.view.view(dtype).view(shape)
+
+
+def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
+    """``step()``'s two optimizer calls (Note [One host step at step()]): the first-needed parameters
+    up to 1/_LEAD_FRACTION of the master bytes (none when there is little to step), then the rest."""
+    total = sum(s.master.numel() * s.master.element_size() for s in slots)
+    if len(slots) < 2 or total < _LEAD_MIN_BYTES:
+        return [], slots
+    lead, size = [], 0
+    for slot in slots[:-1]:
+        lead.append(slot)
+        size += slot.master.numel() * slot.master.element_size()
+        if size * _LEAD_FRACTION >= total:
+            break
+    return lead, slots[len(lead) :]
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -804,6 +843,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if rs is not None:
             self._host_updated(rs, slots)
 
+    def _step_lead_and_rest(self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler) -> None:
+        """Worker, for ``step()`` (Note [One host step at step()]): step ``lead`` and issue its uploads,
+        then step ``rest`` in one optimizer call; their uploads are due (``_issue_due``, or the forward)."""
+        if lead:
+            self._step_slots(lead, rs)
+        if rest:
+            self._step_slots(rest)
+            with self._sched_lock:
+                for slot in rest:
+                    slot.upload_due = slot.host_param is None
+
+    def _issue_due(self, slots: list[_Slot]) -> None:
+        """Worker: the uploads of ``slots`` stepped by ``step()``, in need order, unless a use or the
+        round's end issued them first (Note [One host step at step()])."""
+        for slot in slots:
+            with self._sched_lock:
+                if slot.upload_due and self._rs is not None:
+                    with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
+                        self._flush_due(self._rs, slot)
+
+    def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
+        """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""
+        slot.upload_due = False
+        self._execute(rs, rs.host_updated(slot.index))
+
     def _h2d_after_compute(self) -> None:
         """Order the H2D stream after the work queued so far on this thread's compute stream.
 
@@ -885,6 +949,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rs = None
 
     def _upload_rest(self, rs: ResidencyScheduler) -> None:
+        for slot in self._slots:
+            if slot.upload_due:
+                self._flush_due(rs, slot)
         rest = [k for k, o in rs.objects.items() if k >= 0 and o.state is State.OFFLOADED]
         if rest:
             self._h2d_after_compute()
@@ -915,6 +982,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the budget held it back) and the compute stream waits for it (sched lock held)."""
         rs = self._rs
         if rs is not None:
+            if slot.upload_due:  # stepped by step(), the worker has not issued its upload yet
+                began = time.perf_counter()
+                self._flush_due(rs, slot)
+                if self.trace is not None:  # the use pays it: a wait of the forward
+                    self.trace.span(
+                        "wait", f"param {slot.index} (upload issued by its use)", began, time.perf_counter() - began
+                    )
             obj = rs.objects.get(slot.index)
             if obj is not None:
                 if obj.state is State.OFFLOADED:
@@ -1036,7 +1110,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run the host steps not run yet (first-used parameters first) and issue their H2D copies.
 
-        Returns when the host steps finished; the next forward waits per parameter for its copy.
+        Returns when the host steps finished (Note [One host step at step()]); the uploads are issued
+        in need order from there, and the next forward waits per parameter for its copy.
         """
         loss = None
         if closure is not None:
@@ -1057,42 +1132,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             remaining = [self._slots[k] for k in rs.upload_order(keys)]  # first needed, first stepped
         for slot in remaining:
             self._check_fresh(slot)
-        chunks: list[list[_Slot]] = [[]]
-        size = 0
-        for slot in remaining:
-            chunks[-1].append(slot)
-            size += slot.master.numel() * slot.master.element_size()
-            if size >= _CHUNK_BYTES:
-                chunks.append([])
-                size = 0
         self._h2d_after_compute()
-        if self._nvme is not None:
-            groups = self._groups(remaining)
-            try:
-                self._worker.submit(self._step_groups, groups, rs).result()
-            except StorageError as exc:
-                self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
-            except BaseException:
+        # Note [One host step at step()]
+        rest: list[_Slot] = []
+        try:
+            if self._nvme is not None:
+                self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
+            else:
+                lead, rest = _lead_and_rest(remaining)
+                self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
+        except StorageError as exc:
+            if self._nvme is None:
                 self._end_round()
                 raise
+            self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
+        except BaseException:
             self._end_round()
-            return loss
-        # the worker steps chunk k+1 while this thread carries out the uploads chunk k made due
-        futures = [(self._worker.submit(self._step_slots, chunk), chunk) for chunk in chunks if chunk]
-        error: BaseException | None = None
-        try:
-            for future, chunk in futures:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    error = error or exc
-                    continue
-                if error is None:
-                    self._host_updated(rs, chunk)
-        finally:
-            self._end_round()
-        if error is not None:
-            raise error
+            raise
+        self._end_round()
+        if rest:
+            self._submit(self._issue_due, rest)  # after _end_round: the two never wait for each other
         return loss
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------

@@ -135,7 +135,9 @@ def test_budget_holds_uploads_until_the_forward(make_fake_device: Any) -> None:
                 opt.zero_grad()
             opt.synchronize()  # uploads what the budget still holds back
             phases = [phase for _, phase in log]
-            assert phases[0] == "collect"  # at step(), within the budget (the first copy is always allowed)
+            # at step(), or right after it by the worker (Note [One host step at step()]), within the budget
+            # (the first copy is always allowed)
+            assert phases[0] in ("collect", "stepped")
             assert "uses" in phases  # the rest at the forward's triggers
             assert sorted(i for i, _ in log) == sorted(2 * list(range(len(list(model.parameters())))))
         finally:

@@ -1,0 +1,104 @@
+"""``OffloadOptimizer.step()`` (Note [One host step at step()]), on the sanitized fake device.
+
+- with every gradient landed, ``step()`` makes one optimizer call over the first-needed lead
+  (whose uploads it issues) and one over all the rest, never one per chunk;
+- the rest's uploads, due when ``step()`` returns, are issued by the worker, or by the forward /
+  ``synchronize()`` when the worker has not got there yet: the numbers stay bit-identical to the
+  host reference either way (the sanitizer poisons what an unwaited copy would leave behind).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import offcore_torch  # noqa: E402
+import offcore_torch.optimizer as optimizer_module  # noqa: E402
+from offcore_torch.models import mlp_workload  # noqa: E402
+from optimizer_offload_helpers import assert_equivalent, place, run  # noqa: E402
+
+MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
+
+
+@pytest.fixture
+def always_lead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lead even for the small test model (the default needs more than 1 MiB of masters)."""
+    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+
+
+def test_step_makes_two_optimizer_calls(make_fake_device: Any, always_lead: None) -> None:
+    dev = make_fake_device(link="slow")
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, fused=True)
+        calls: list[int] = []
+        host_step = opt.host_optimizer.step
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(sum(len(g["params"]) for g in opt.host_optimizer.param_groups))
+            return host_step(*args, **kwargs)
+
+        opt.host_optimizer.step = counting  # type: ignore[method-assign]
+        issued: list[int] = []
+        copy_up = opt._copy_up
+
+        def spy(slot: Any) -> Any:
+            issued.append(slot.index)
+            return copy_up(slot)
+
+        opt._copy_up = spy  # type: ignore[method-assign]
+        try:
+            n = len(list(model.parameters()))
+            for step in range(3):
+                MLP.loss(model, MLP.make_batch(step, torch.device("cpu"))).backward()
+                opt.host_grads()  # every gradient landed
+                calls.clear()
+                issued.clear()
+                opt.step()
+                lead = calls[0]
+                assert len(calls) == 2 and 1 <= lead < n and sum(calls) == n, calls
+                assert len(issued) >= lead  # the lead's uploads were issued before step() returned
+                opt.zero_grad()
+                assert sorted(issued) == list(range(n))  # the worker issued the rest, each once
+        finally:
+            opt.close()
+
+
+class _NoWorkerUploads:
+    """The worker never gets to the due uploads: every one is issued by a use or the round's end."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_issue_due", lambda self, slots: None)
+
+
+@pytest.mark.parametrize("worker", ["worker", "uses"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_due_uploads_bit_identical(
+    make_fake_device: Any, always_lead: None, monkeypatch: pytest.MonkeyPatch, worker: str, accumulation: int
+) -> None:
+    if worker == "uses":
+        _NoWorkerUploads(monkeypatch)
+    want = run(MLP, device=make_fake_device(), offload=False, steps=4, accumulation=accumulation)
+    got = run(MLP, device=make_fake_device(link="slow"), steps=4, accumulation=accumulation)
+    assert_equivalent(got, want)
+
+
+def test_model_state_dict_right_after_step_with_uploads_not_issued(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _NoWorkerUploads(monkeypatch)
+    dev = make_fake_device(link="slow")
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=0.5)
+        try:
+            MLP.loss(model, MLP.make_batch(0, torch.device("cpu"))).backward()
+            opt.step()
+            saved = model.state_dict()  # Note [A checkpoint reads landed parameters]: issues and waits
+            for name, param in model.named_parameters():
+                assert torch.equal(saved[name], opt.master(param)), name
+        finally:
+            opt.close()
