@@ -18,6 +18,9 @@ Part 2: an Adam step (numpy) over ``--groups`` groups of state on the tier: sequ
 (read, step, write, one group at a time) vs :func:`offcore.nvme.pipelined` (target ≥ 1.5 ×
 faster) vs states in host memory (the floor: compute alone).
 
+Part 3: the CPU time per object of the tier next to a bare thread pool's ``pwritev`` /
+``preadv`` (4 KiB objects, buffered, in memory): what each object costs beyond its bytes.
+
 Say where it ran: the filesystem type of ``--dir`` is printed (use a disk-backed directory;
 /tmp may be tmpfs, i.e. memory).
 
@@ -475,6 +478,57 @@ def _configs(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def per_object_cost(args: argparse.Namespace) -> dict[str, float]:
+    """CPU time per object of the tier vs a bare thread pool's ``pwritev`` / ``preadv``: 4 KiB objects, buffered, in
+    memory (``/dev/shm`` where it exists) so that the disk costs nothing and only the per-object work is left."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else args.dir
+    work = os.path.join(base, f"offcore-nvme-bench-{os.getpid()}")
+    os.makedirs(work, mode=0o700, exist_ok=True)
+    count, block = 2000, 4096
+    bufs = _arena(block, count)
+    out: dict[str, float] = {}
+    try:
+        with NvmeTier(work, budget=2 * count * block, direct=False, threads=args.threads) as tier:
+            pool = ThreadPoolExecutor(args.threads)
+            fd = os.open(os.path.join(work, "raw"), os.O_RDWR | os.O_CREAT, 0o600)
+
+            def bare(call: Callable[[int, list[memoryview], int], int]) -> None:
+                for f in [pool.submit(call, fd, [memoryview(b)], i * block) for i, b in enumerate(bufs)]:
+                    f.result()
+
+            def tier_write() -> None:
+                for h in [tier.write(i, b) for i, b in enumerate(bufs)]:
+                    h.synchronize()
+
+            def tier_read() -> None:
+                for h in [tier.read(i, b) for i, b in enumerate(bufs)]:
+                    h.synchronize()
+
+            variants = {
+                "bare pool write": lambda: bare(os.pwritev),
+                "tier write": tier_write,
+                "bare pool read": lambda: bare(os.preadv),
+                "tier read": tier_read,
+            }
+            samples: dict[str, list[float]] = {k: [] for k in variants}
+            for fn in variants.values():
+                fn()  # warm-up: files created, threads started
+            for _ in range(args.rounds):
+                for name, fn in variants.items():
+                    start = time.process_time()
+                    fn()
+                    samples[name].append((time.process_time() - start) / count)
+            os.close(fd)
+            pool.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nCPU per object ({count} objects of {format_bytes(block)}, buffered in {base}, medians of {args.rounds}):")
+    for name, values in samples.items():
+        out[name] = statistics.median(values) * 1e6
+        print(f"  {name:16s} {out[name]:6.1f} us")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=os.path.expanduser("~/.cache/offcore-nvme-bench"), help="where to write")
@@ -497,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lookahead", type=int, default=2, help="part 2: also time pipelined(lookahead=K) reads K groups ahead"
     )
     parser.add_argument("--group-params", type=int, default=2_000_000, help="parameters per group (part 2)")
-    parser.add_argument("--skip", choices=["throughput", "step"], action="append", default=[], help="skip a part")
+    parser.add_argument(
+        "--skip", choices=["throughput", "step", "overhead"], action="append", default=[], help="skip a part"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.chunk % ALIGNMENT:
@@ -514,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         results["throughput"] = throughput(args, direct)
     if "step" not in args.skip:
         results["step"] = optimizer_step(args, direct)
+    if "overhead" not in args.skip:
+        results["per_object_cpu_us"] = per_object_cost(args)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)
