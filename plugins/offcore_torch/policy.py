@@ -351,10 +351,15 @@ class PackRules:
         if id(module) in self.module_names:
             return
         root = type(module).__name__
+        names, keys = self.module_names, self.param_keys
+        # one walk of the tree (module.parameters() and .buffers() would walk it twice more): each
+        # submodule's own parameters and buffers, as those two calls would yield them
         for name, sub in module.named_modules():
-            self.module_names.setdefault(id(sub), f"{root}.{name}" if name else root)
-        for tensor in (*module.parameters(), *module.buffers()):
-            self.param_keys.add(storage_key(tensor.untyped_storage()))
+            names.setdefault(id(sub), f"{root}.{name}" if name else root)
+            for tensors in (sub._parameters, sub._buffers):
+                for tensor in tensors.values():
+                    if tensor is not None:
+                        keys.add(storage_key(tensor.untyped_storage()))
 
     def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
         name = self.module_names.get(id(module))
