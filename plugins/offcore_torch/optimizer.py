@@ -58,6 +58,21 @@ next forward waiting per parameter on its own event.
 # last_micro_step) are unchanged: one per parameter as its gradient lands. tier="nvme" steps in
 # its pipelined groups (Note [Optimizer states on NVMe]), uploads issued as each group is stepped.
 #
+# Note [In-flight gradients are capped]
+# A gradient's device copy is held from its D2H's start until the copy landed (then the core frees
+# it). When the link is slower than backward makes gradients, held gradients pile up: the device
+# peak would grow with the link's speed and the machine's load instead of being a bound the user
+# can plan for. ``max_inflight_gradients`` caps the bytes held (the optimizer's ledger of device
+# gradients, which is what the device holds for it): before starting a gradient's D2H, while the
+# held bytes plus this gradient's would exceed the cap, backward's thread waits on the OLDEST
+# copy's event (the D2H stream is in order, so it lands first) and the landed copies are freed;
+# never a sleep. Waiting before the copy costs no overlap: the D2H stream is in order, the new
+# copy would queue behind the oldest anyway. A gradient is always let through when nothing is
+# held, so a cap below one gradient is "one at a time". A copy that failed completes its event
+# too: it is left to the worker's retry (Note [Failed copies in the optimizer]) and no longer
+# waited for here. The bound: held <= max(cap, largest gradient), device peak <= the peak without
+# optimizer gradients + that (tests/torch/test_optimizer_inflight.py).
+#
 # Note [Masters are refreshed when the device parameter changed]
 # The host master is the truth the optimizer updates. If the device parameter was written
 # by someone else (``model.load_state_dict`` after the optimizer was built), the master is
@@ -173,6 +188,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
+_INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
 _NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
@@ -283,6 +299,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
       in the next forward; the rest is uploaded at the forward's triggers, in the core's need
       order (Note [The optimizer's moves go through the core]).
+    - ``max_inflight_gradients`` (None: the larger of 64 MiB and twice the largest gradient):
+      bytes of device gradients whose D2H has not landed; past it, backward waits for the
+      oldest copy's event before going on (Note [In-flight gradients are capped]). One gradient
+      is always let through, however large.
     - ``params_on_host`` (None): the :func:`offcore_torch.offload_parameters` handle of these
       parameters; None finds it on the parameters, False ignores it (then the step is uploaded
       into the device parameters, which the handle writes back). With a handle, the host step
@@ -311,6 +331,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         accumulation_steps: int | None = None,
         host_budget: int | str | None = None,
         upload_budget: int | str | None = None,
+        max_inflight_gradients: int | str | None = None,
         tier: str = "host",
         nvme_path: str | None = None,
         nvme_budget: int | str | None = None,
@@ -367,6 +388,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # the core scheduler (Note [The optimizer's moves go through the core])
         self._predictor = Scheduler(margin=0.0)
         self._upload_budget = 1 << 62 if upload_budget is None else parse_size(upload_budget, what="upload_budget")
+        self._max_inflight = (
+            None
+            if max_inflight_gradients is None
+            else parse_size(max_inflight_gradients, what="max_inflight_gradients")
+        )
         self._rs: ResidencyScheduler | None = None
         self._phase = _COLLECT
         self._used: set[int] = set()  # parameters the forward of this round's uses phase used
@@ -383,6 +409,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             p for g in groups for p in (g["params"] if not isinstance(g["params"], torch.Tensor) else [g["params"]])
         ]
         need = sum(self._persistent_bytes(p) for p in flat if isinstance(p, torch.Tensor))
+        if self._max_inflight is None:
+            largest_grad = max((p.numel() * p.element_size() for p in flat if isinstance(p, torch.Tensor)), default=0)
+            self._max_inflight = max(_INFLIGHT_DEFAULT_BYTES, 2 * largest_grad)
         if host_budget is None:
             largest = max((p.numel() * p.element_size() for p in flat), default=0)
             budget = need + max(4 * largest, min(need, 64 * 1024**2)) + 512 * (4 * len(flat) + 8)
@@ -660,6 +689,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "of this round ran; call opt.step() before the next backward, or raise accumulation_steps "
                 "(Note [Host step rounds])"
             )
+        self._cap_in_flight(grad.numel() * grad.element_size())
         dev, rt = self._device, self._runtime
         produced = dev.new_event()
         dev.current_stream().record_event(produced)
@@ -705,6 +735,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._submit(self._land, slot, done, entry, staging, target, accumulate, run_step)
         self._release_landed()
         return done
+
+    def _cap_in_flight(self, nbytes: int) -> None:
+        """Note [In-flight gradients are capped]: before holding ``nbytes`` more, wait for the oldest
+        D2H copies while the held gradients and these would exceed the cap (main thread)."""
+        cap = self._max_inflight
+        assert cap is not None
+        while self.ledger.bytes(Tier.DEVICE, Kind.GRADIENT) + nbytes > cap:
+            with self._lock:
+                if not self._in_flight:
+                    return  # nothing held (one gradient is always let through), or failed copies the worker retries
+                done = self._in_flight[0][0]
+            began = time.perf_counter()
+            with contextlib.suppress(Exception):  # a failed copy completed too: the worker copies it again
+                done.synchronize()
+            if self.trace is not None:
+                self.trace.span("wait", "gradient cap", began, time.perf_counter() - began)
+            self._release_landed()
+            with self._lock:
+                if self._in_flight and self._in_flight[0][0] is done:
+                    self._in_flight.popleft()  # failed: the worker's _land owns it now (Note [Failed copies ...])
 
     def _acquire_staging(self, nbytes: int) -> HostBuffer:
         while True:
