@@ -52,6 +52,10 @@ class CopyTotals:
 class Ledger:
     """Bytes per (tier, kind), current and peak; copies per direction; waits.
 
+    Directions are the device's (``d2h``, ``h2d``, ``h2h``, ``d2d``) and the NVMe tier's
+    (``h2n``, ``n2h``: an :class:`~offcore.nvme.NvmeTier` given this ledger records each completed
+    transfer, Note [The NVMe tier's copies in the ledger and the trace]).
+
     Thread-safe: copy workers may record from their own threads. ``reset_step()``
     starts a new step: peaks restart from the current level, copy and wait totals
     from zero. Every record is O(1) (a running total per tier, not a sum over kinds):
