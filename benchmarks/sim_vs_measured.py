@@ -37,7 +37,12 @@ predicted / measured peak and the same ratio for the bytes *above* the resident 
 (what a plan changes, not diluted by the six models), and the largest batch that fits
 the planning budget's headroom above the resident state: predicted by the simulator
 (``offcore_torch.compare._max_batch``) and extrapolated from the measured peak as
-``offcore compare`` does. Offloaded steps free a device copy when its host copy has
+``offcore compare`` does ("batch"), and from two measured peaks ("2-pt": each strategy also
+runs, on a second copy of its model, steps of half the batch; the slope between the two
+peaks is what grows with the batch, Note [The measured max batch has two points]; median
+over the rounds). "worst" is the simulator's bound on the peak under the plan's prefetch
+budget whatever the copies' timing (SimResult.worst_peak_bytes, Note [The worst peak within
+the prefetch budget]) over the measured peak: never below 1 in backward-peaking plans. Offloaded steps free a device copy when its host copy has
 landed, so their peak depends on how long copies take *while the step runs*; the
 "rt link" columns predict with the link the offcore runtime measured during the timed
 steps (the same estimator its scheduler plans with) instead of the idle
@@ -80,6 +85,24 @@ def _as_resident(measurement: Any, plan: Any) -> Any:
     if plan.parameters == "stream":
         other += min(profile.param_bytes, sum(layer.param_bytes or layer.grad_bytes for layer in profile.layers))
     return replace(measurement, profile=replace(profile, optimizer_state_bytes=0, other_bytes=other))
+
+
+def _two_point_batch(batch: int, half: int, capacity: int, peak: int, half_peak: int, multiple: int) -> int | None:
+    """The largest batch that fits ``capacity``, from the peaks measured at ``batch`` and ``half``.
+
+    Note [The measured max batch has two points]: a peak is a fixed part (the resident state,
+    the gradients a backward holds, what a checkpointed step leaves allocated) plus a part that
+    grows with the batch; one measured point cannot tell them apart, and extrapolating
+    ``peak − resident`` through zero counts the fixed bytes above the resident state as growing
+    (the checkpoint strategy's gradients at its backward peak: 14 "measured" against 15-18
+    predicted). Two batches measure the slope. ``None`` when the peak did not grow.
+    """
+    slope = (peak - half_peak) / (batch - half) if batch > half else 0.0
+    if slope <= 0:
+        return None
+    fixed = peak - slope * batch
+    fits = max(0, int((capacity - fixed) / slope))
+    return fits - fits % max(1, multiple)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,23 +186,29 @@ def main(argv: list[str] | None = None) -> int:
 
     torch_device = torch.device(device.torch_device)
     state: dict[str, Any] = {}
+    halves: dict[str, Any] = {}  # the same strategy on half batches: the measured max batch's second point
     handles: list[tuple[Any, Any]] = []
     for name, plan in plans.items():
         if plan is None:
             continue
-        with device:
-            model, optimizer, handle = _optimizer_for(work.build(settings.seed), plan, device, settings)
-        executor = PlanExecutor(model, plan, device).__enter__()
-        state[name] = (model, optimizer, executor)
-        handles.append((optimizer, handle))
+        for into in (state, halves):
+            with device:
+                model, optimizer, handle = _optimizer_for(work.build(settings.seed), plan, device, settings)
+            executor = PlanExecutor(model, plan, device).__enter__()
+            into[name] = (model, optimizer, executor)
+            handles.append((optimizer, handle))
     profiler_model = work.build(settings.seed)
     with device:
         profiler_optimizer = torch.optim.AdamW(profiler_model.parameters(), lr=settings.lr)
 
-    def one_step(name: str, step: int) -> tuple[float, int, float]:
-        model, optimizer, executor = state[name]
+    half = settings.batch // 2
+
+    def one_step(name: str, step: int, *, halved: bool = False) -> tuple[float, int, float]:
+        model, optimizer, executor = (halves if halved else state)[name]
         with device:
             batch = work.make_batch(step, torch_device)
+            if halved:
+                batch = tuple(part[:half] for part in batch)
         device.synchronize()
         device.reset_peak_memory_stats()
         torch.manual_seed(step)
@@ -197,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.warmup):
         for name in names:
             one_step(name, step)
+            one_step(name, step, halved=True)
         batch = work.make_batch(step, torch_device)
         with device:
             work.loss(profiler_model, batch).backward()
@@ -239,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             seconds, peak, wait = one_step(name, step)
+            rows[name].setdefault("peak_half", []).append(one_step(name, step, halved=True)[1])
             fresh_all, before_all = fresh, before
             fresh, before = _as_resident(fresh_all, plans[name]), _as_resident(before_all, plans[name])
             result, predicted = fresh.predict(plans[name], microbatch_overhead_s=overhead)
@@ -251,11 +282,18 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["wait"].append(wait)
             rows[name]["peak"].append(peak)
             rows[name].setdefault("predicted_peak", []).append(fresh.predicted_peak(result))
+            # Note [The worst peak within the prefetch budget]: no timing of the runtime's copies peaks above it
+            rows[name].setdefault("worst_peak", []).append(max(fresh.predicted_peak(result), result.worst_peak_bytes))
             # the same headroom above the resident state as the planning budget had for one model
             capacity = fresh_all.resident_bytes + (budget - first.resident_bytes)
             sized = fresh.profile.with_link(capacity_bytes=capacity)
             rows[name].setdefault("max_batch", []).append(
                 _extrapolated_batch(settings.batch, capacity, fresh, peak, multiple=plans[name].microbatches)
+            )
+            rows[name].setdefault("max_batch_2pt", []).append(
+                _two_point_batch(
+                    settings.batch, half, capacity, peak, rows[name]["peak_half"][-1], plans[name].microbatches
+                )
             )
             rows[name].setdefault("predicted_max_batch", []).append(
                 _max_batch(sized, fresh, plans[name], settings.batch)
@@ -313,7 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             summary[-1][f"{key}_above_resident_ratio"] = above
             summary[-1][batch_key] = r[batch_key][worst]
         summary[-1]["max_batch"] = r["max_batch"][worst]
-        memory_rows.append(f"{name:<28} {format_bytes(peak):>10} {r['max_batch'][worst]!s:>6}   " + "   ".join(cells))
+        bound = r["worst_peak"][worst] / peak
+        summary[-1]["worst_peak_ratio"] = bound
+        cells.append(f"{bound:>6.3f}")
+        two_point = statistics.median(r["max_batch_2pt"])
+        summary[-1]["max_batch_two_point"] = two_point
+        memory_rows.append(
+            f"{name:<28} {format_bytes(peak):>10} {r['max_batch'][worst]!s:>6} {two_point!s:>6}   " + "   ".join(cells)
+        )
         print(
             f"{name:<28} {plans[name].describe():<34} {statistics.median(r['measured']) * 1e3:>11.1f} "
             f"{statistics.median(r['predicted']) * 1e3:>12.1f} {error:>+7.0%} "
@@ -326,11 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         "max batch in the planning budget's headroom):"
     )
     print(
-        f"{'strategy':<28} {'peak':>10} {'batch':>6}   {'pred/meas':>6} {'above':>7} {'batch':>5}   "
-        f"{'rt link':>6} {'above':>7} {'batch':>5}"
+        f"{'strategy':<28} {'peak':>10} {'batch':>6} {'2-pt':>6}   {'pred/meas':>6} {'above':>7} {'batch':>5}   "
+        f"{'rt link':>6} {'above':>7} {'batch':>5}   {'worst':>6}"
     )
     print("\n".join(memory_rows))
-    for _, _, executor in state.values():
+    for _, _, executor in (*state.values(), *halves.values()):
         executor.__exit__(None, None, None)
     for optimizer, handle in handles:
         if hasattr(optimizer, "close"):

@@ -199,6 +199,27 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # NVMe → host then H2D (offcore.sim.formulas.two_hop_transfer_time; Note [Two hops from NVMe] in
 # offcore/residency.py for the scheduler's staging).
 #
+# Note [The worst peak within the prefetch budget]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An offloaded step's measured peak moves 20-30 % from run to run on the loaded fake device, and
+# what moves is in backward: how many reloads are outstanding (issued, not yet consumed) at the
+# peak. The runtime issues a reload at the trigger whose successor comes after the reload's latest
+# start, by its *own* online estimate of the link, which carries the copy threads' wake-up delays
+# under load (about 1 ms per copy where the idle link measures 10-20 us): a slower estimate
+# starts reloads earlier, more of them are outstanding at once, and the peak rises; a quiet run
+# starts them late and peaks low. Nothing in that estimate is the simulator's to know. What the
+# runtime does enforce is the prefetch budget (``PrefetchPolicy.budget_bytes``, passed by
+# PlanExecutor as ``prefetch_budget``): reloaded bytes not yet consumed never exceed it (a single
+# copy larger than it goes alone). So besides the peak of its own timing, the simulator gives
+# SimResult.worst_peak_bytes: at every instant of backward, its level plus the reload bytes the
+# budget still allows beyond those it has outstanding — min(budget, outstanding + not yet
+# reloaded) − outstanding, over saves not consumed yet whose device copy is gone. Every timing
+# the runtime can reach peaks at or below it; with no budget (``None``: the capacity, in
+# PlanExecutor) it is every remaining reload at once, i.e. as high as keeping them. Forward's
+# side — device copies waiting for their D2H to land — has no budget in the runtime and is not
+# bounded here. The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a
+# finite budget is the way to a peak that holds in every run.
+#
 # Note [Parameters outside the layers are streamed too]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # offload_parameters streams every module's parameters, the embedding, the final norm and the
@@ -302,6 +323,9 @@ class SimResult:
     """Bytes read from the NVMe tier (``Plan.optimizer_tier == "nvme"``: the optimizer states)."""
     nvme_write_bytes: int = 0
     """Bytes written to the NVMe tier."""
+    worst_peak_bytes: int = 0
+    """The highest device peak the runtime can reach under the plan's prefetch budget, whatever its
+    copies' timing (Note [The worst peak within the prefetch budget]); ``peak_bytes`` without offload."""
 
     @property
     def compute_s(self) -> float:
@@ -363,6 +387,7 @@ class SimResult:
             "optimizer_host_bytes": self.optimizer_host_bytes,
             "nvme_read_bytes": self.nvme_read_bytes,
             "nvme_write_bytes": self.nvme_write_bytes,
+            "worst_peak_bytes": self.worst_peak_bytes,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -582,6 +607,7 @@ class _Object:
         "resident",
         "backward_done",
         "managed",
+        "used",
     )
 
     def __init__(self, key: int, layer: int, nbytes: int, fraction: float, managed: bool) -> None:
@@ -597,6 +623,7 @@ class _Object:
         self.reloaded = False  # copied back at least once
         self.resident = False  # device bytes are allocated for it now
         self.backward_done = False
+        self.used = False  # backward consumed it
 
 
 class _Step:
@@ -726,6 +753,11 @@ class _Step:
         if self.stream:
             self.psched = self._make_parameter_scheduler(record_schedule)
         self.turned = False
+        # Note [The worst peak within the prefetch budget]
+        self.bounded = any(a is Action.OFFLOAD for a in actions)
+        self.reload_budget = _UNBOUNDED if plan.prefetch.budget_bytes is None else plan.prefetch.budget_bytes
+        self.room = 0
+        self.worst = 0
 
     # -- the scheduler ----------------------------------------------------------------------
     def _make_scheduler(self, record: bool) -> ResidencyScheduler:
@@ -785,6 +817,25 @@ class _Step:
         if delta:
             self.level += delta
             self.memory.append((self.now, self.level))
+            if self.level + self.room > self.worst:
+                self.worst = self.level + self.room
+
+    def refresh_room(self) -> None:
+        """Note [The worst peak within the prefetch budget]: the reload bytes the budget still lets the
+        runtime have outstanding beyond what this simulation has (0 outside backward)."""
+        if not self.bounded:
+            return
+        outstanding = missing = 0
+        for obj in self.objects.values():
+            if obj.used:
+                continue
+            if obj.resident and obj.reloaded:
+                outstanding += obj.nbytes
+            elif not obj.resident:
+                missing += obj.nbytes
+        self.room = max(0, min(self.reload_budget, outstanding + missing) - outstanding)
+        if self.level + self.room > self.worst:
+            self.worst = self.level + self.room
 
     def event(self, stream: str, name: str, start: float, end: float, kind: str, layer: int) -> None:
         if self.record_events:
@@ -1200,6 +1251,7 @@ class _Step:
                 self.execute(sched.forward_ended(self.now))
                 sched.backward_began(self.now)
                 self.change(-head)
+                self.refresh_room()
                 land = self.outside_copy("turn")  # Note [Parameters outside the layers are streamed too]
                 if land > self.now:
                     self.wait(self.n - 1, self.now, land)
@@ -1210,6 +1262,7 @@ class _Step:
             self.outside_copy("backward")
             if self.psched is not None:
                 self.end_parameter_round()
+            self.room = 0
             for action in sched.backward_ended(self.now):  # frees what was held
                 self.free(self.objects[action.key])
             self.compute_done = True
@@ -1288,6 +1341,8 @@ class _Step:
         def go() -> None:
             self.at(max(ready[0], self.now), _START, lambda: self.run_group(index, i, g, t0))
 
+        self.refresh_room()
+
         for obj in group:
             key = obj.key
             if not obj.managed:
@@ -1331,6 +1386,8 @@ class _Step:
         for obj in group:
             if obj.managed:
                 self.sched.consumed(obj.key)
+                obj.used = True
+        self.refresh_room()
         if g == 0:
             self.change(self.work[i] + self.grads[i])  # its gradients appear with its backward
         following = groups[g + 1][0] if g + 1 < len(groups) else self.bwd[i]
@@ -1442,6 +1499,7 @@ class _Step:
             parameter_schedule_actions=tuple(psched.actions) if psched is not None else (),
             parameter_schedule_settings=psched.settings() if psched is not None else {},
             optimizer_host_bytes=self.optimizer_host_bytes(),
+            worst_peak_bytes=max(peak, self.worst),
             nvme_read_bytes=self.nvme_bytes,
             nvme_write_bytes=self.nvme_bytes,
         )

@@ -21,7 +21,7 @@ from offcore_torch.compare import CompareSettings, WorkloadProfiler, build_workl
 from offcore_torch.executor import PlanExecutor
 from offcore_torch.runtime import runtime_for
 
-from offcore.sim import Plan, PrefetchPolicy, simulate
+from offcore.sim import Action, Plan, PrefetchPolicy, simulate
 
 SETTINGS = CompareSettings(batch=8, seq_len=32, layers=4, d_model=32, heads=2, warmup=1, iters=1)
 PLANS = {
@@ -64,6 +64,11 @@ def test_predicted_peaks_are_within_10_percent_of_the_measured_ones(make_fake_de
     for name, plan in PLANS.items():
         result, _ = measurement.predict(plan)
         ratios[name] = round(measurement.predicted_peak(result) / measured[name], 3)
+        if Action.OFFLOAD in plan.actions:
+            # Note [The worst peak within the prefetch budget]: whatever the copies' timing, not above it
+            # (within the 3 % the layers' model misses by when nothing moves: checkpoint's 0.974)
+            bound = max(measurement.predicted_peak(result), result.worst_peak_bytes)
+            assert measured[name] <= 1.03 * bound, (name, measured[name], bound)
     assert all(abs(ratio - 1.0) <= 0.10 for ratio in ratios.values()), ratios
 
 
