@@ -1056,16 +1056,17 @@ _KIND_ROUNDS = 5  # timed rounds (one step of each variant) after two warm-up ro
 # difference, less what the simulator already predicts for that difference on an unlimited link
 # (streaming: the copies; the optimizer: the device optimizer step the baseline pays), is the overhead
 # (StepProfile.optimizer_offload_overhead_s, parameter_stream_overhead_s), never negative.
-# Both differences are taken in the compute thread's CPU time (``time.thread_time``), not in
-# wall time: the runtimes' own work is on that thread (hooks, the scheduler's rounds, copies
-# issued, storages resized: ~130 us per module call for streaming on the fake device), and the
-# wall-time difference of two ~50 ms steps on a shared 2-core host moved from -26 to +14 ms
-# across ten paired rounds (streaming: median 5 ms in one run, 18 ms or 0 in others; the
-# optimizer: 12 to 84 ms) while the CPU-time differences stayed within 6.5-7.8 ms (streaming)
-# and 1.3-6.7 ms (optimizer). What waits on copies is the simulator's part (the links), and the
-# host worker's step is its "host" stream (StepProfile.host_step_s_per_byte, timed on a host
-# thread): neither belongs in this constant. What the model then misses is the host worker
-# and the fake device's copy threads taking the compute thread's core on a loaded 2-core host.
+# Parameter streaming's difference is taken in the compute thread's CPU time
+# (``time.thread_time``), not in wall time: its work is all on that thread (hooks, the
+# scheduler's round, copies issued, storages resized: ~130 us per module call on the fake
+# device), and the wall-time difference of two ~50 ms steps on a shared 2-core host moved
+# from -26 to +14 ms across ten paired rounds (median 5 ms in one run, 18 ms or 0 in others)
+# while the CPU-time difference stayed within 6.5-7.8 ms. What waits on copies is the
+# simulator's part (the link). The optimizer's stays in wall time: most of it is the host
+# worker taking the compute thread's core on a loaded 2-core host (CPU time of the compute
+# thread: 1.3-6.7 ms; wall: 12-84 ms), which the simulator's separate "host" stream does not
+# see; in CPU time the optimizer strategies ran 1.4-2 x their prediction at load 5.7 (wall
+# time: within 15 % at load 4.3).
 def measure_kind_overheads(
     device: Any, work: Workload, settings: CompareSettings, measurement: StepMeasurement, report: Progress
 ) -> tuple[float, float]:
@@ -1079,6 +1080,7 @@ def measure_kind_overheads(
     ]
     torch_device = torch.device(device.torch_device)
     built: list[tuple[Any, Any, Any]] = []
+    times: list[list[float]] = [[] for _ in variants]
     cpu: list[list[float]] = [[] for _ in variants]
     try:
         for step_plan in variants:
@@ -1090,14 +1092,15 @@ def measure_kind_overheads(
                 with device:
                     batch = work.make_batch(number % max(1, settings.iters), torch_device)
                     device.synchronize()
-                    start_cpu = time.thread_time()
+                    start, start_cpu = time.perf_counter(), time.thread_time()
                     work.loss(model, batch).backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     device.synchronize()
-                    cpu_seconds = time.thread_time() - start_cpu
+                    seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - start_cpu
                     del batch
                 if number >= 2:
+                    times[index].append(seconds)
                     cpu[index].append(cpu_seconds)
                 report(1, "profile")
     finally:
@@ -1112,12 +1115,10 @@ def measure_kind_overheads(
         gc.collect()
     unlimited = replace(measurement, profile=measurement.profile.with_link(d2h_bandwidth="inf", h2d_bandwidth="inf"))
     predicted = [unlimited.predict(step_plan)[1] for step_plan in variants]
-    optimizer_diff = statistics.median(b - a for a, b in zip(cpu[0], cpu[1], strict=True))
+    optimizer_diff = statistics.median(b - a for a, b in zip(times[0], times[1], strict=True))
     stream_diff = statistics.median(c - b for b, c in zip(cpu[1], cpu[2], strict=True))
-    # on the compute thread the baseline also ran the device optimizer step, which the host
-    # optimizer runs on its worker (its time there is the simulator's host stream)
     return (
-        max(0.0, optimizer_diff + measurement.optimizer_s),
+        max(0.0, optimizer_diff - (predicted[1] - predicted[0])),
         max(0.0, stream_diff - (predicted[2] - predicted[1])),
     )
 
