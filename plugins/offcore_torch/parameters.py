@@ -1163,11 +1163,18 @@ class ParameterOffloadHandle:
         if last:
             self._release_outside()
             if not self._frames and self._step is not None and not self._removed and not self._host_optimizers:
-                # Note [The next step starts early]: its first copies of what is still on the device cost nothing
-                step = self._begin_step(time.perf_counter())
+                # Note [The next step starts early]: its first copies of what is still on the device cost nothing.
+                # In the mode of the step that ends: autograd runs this callback with grad disabled, and a
+                # round begun in that mode would never be taken over by the next (grad-enabled) forward
+                step = self._begin_step(time.perf_counter(), mode=self._step.mode)
                 step.prestarted = True
+        # what the next forward needs first stays, whether or not the new round's plan holds it yet (its
+        # copy would otherwise be freed here and made again, exposed, at the forward: Note [The next step
+        # starts early]); its first use frees it after the module, as any copy
+        keep = self._early if last and self._step is not None and self._step.prestarted else frozenset()
         for slot in self._slots:
-            self._maybe_free(slot)
+            if slot.index not in keep:
+                self._maybe_free(slot)
 
     # Note [The next step starts early]
     # When a backward ends (outside any forward), the next step's round begins at once, in the

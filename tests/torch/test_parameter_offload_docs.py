@@ -45,4 +45,9 @@ def test_scale_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     rows = result["scale"]["rows"]
     assert rows[0]["variant"] == "keep-all" and rows[0]["width"] > 0
     assert rows[1]["parameters"] > rows[0]["parameters"]
-    assert [r["variant"] for r in result["time"]["rows"]] == ["keep-all", "params", "params, unlimited link"]
+    assert [r["variant"] for r in result["time"]["rows"]] == [
+        "keep-all",
+        "params",
+        "params, persist_below=64KiB",
+        "params, unlimited link",
+    ]

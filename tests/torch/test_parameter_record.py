@@ -96,3 +96,34 @@ def test_a_model_built_on_the_host_keeps_its_small_parameters_on_the_device(make
     with dev:
         handle.remove()
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want, strict=True))
+
+
+def test_the_next_forwards_first_parameters_are_not_copied_again(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [The next step starts early]: backward's last uses are the next forward's first, so those storages
+    stay on the device and a training step copies them once (for backward), not twice. Regression: the round
+    begun at the end of backward took autograd's grad-disabled mode and was never taken over by the next
+    forward, so the first layers were copied again at the forward (exposed)."""
+    dev = make_fake_device(link="slow")
+    copied: list[str] = []
+    with dev:
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+        handle = offload_parameters(model, dev)  # budget: two layers' parameters
+        copy_in = handle._copy_in
+
+        def counting(slots: list[Any]) -> Any:
+            copied.extend(s.name for s in slots if not s.resident)
+            return copy_in(slots)
+
+        monkeypatch.setattr(handle, "_copy_in", counting)
+        x = torch.randn(8, 64)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        copied.clear()
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        first = copied.count("0.weight")
+        handle.remove()
+    assert first == 1, copied
