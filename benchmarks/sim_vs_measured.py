@@ -81,6 +81,10 @@ def _as_resident(measurement: Any, plan: Any) -> Any:
     profile = measurement.profile
     if plan.optimizer == "device" and plan.parameters == "resident":
         return measurement
+    if plan.optimizer_tier == "nvme":  # its state bytes are what the NVMe step reads and writes: kept, and resident
+        return replace(
+            measurement, profile=replace(profile, other_bytes=profile.other_bytes + profile.optimizer_state_bytes)
+        )
     other = profile.other_bytes
     if plan.parameters == "stream":
         other += min(profile.param_bytes, sum(layer.param_bytes or layer.grad_bytes for layer in profile.layers))
@@ -117,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-fraction", type=float, default=0.7, help="plan under this share of the keep-all peak")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument(
+        "--nvme-path",
+        default=None,
+        help="a directory on the NVMe disk: adds the row optimizer-offload-nvme (OffloadOptimizer(tier='nvme'), "
+        "its links measured by offcore.bandwidth.measure_nvme_link there)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -133,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy_plans,
     )
     from offcore_torch.executor import PlanExecutor
+    from offcore_torch.optimizer import OffloadOptimizer
     from offcore_torch.profiler import measure_link, measure_step
     from offcore_torch.runtime import runtime_for
 
@@ -172,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     plans = {name: plan for name, (plan, _) in strategy_plans(settings, profile, measurement, budget, overhead).items()}
     # parameter streaming's own model, without the activation-offload part of param-stream's error
     plans["param-stream, acts kept"] = Plan.keep_all(settings.layers, optimizer="offload", parameters="stream")
+    nvme_link = None
+    if args.nvme_path is not None:
+        from offcore.bandwidth import measure_nvme_link
+        from offcore.nvme import NvmeTier
+
+        plans["optimizer-offload-nvme"] = Plan.keep_all(settings.layers, optimizer="offload", optimizer_tier="nvme")
+        with NvmeTier(args.nvme_path, budget="1GiB") as probe:
+            nvme_link = measure_nvme_link(probe, max_bytes="64MiB")
+        print(f"NVMe tier at {args.nvme_path}: {nvme_link}", file=sys.stderr)
+        profile = profile.with_nvme_link(nvme_link)
+        measurement = replace(measurement, profile=profile)
     print(f"link: {why}", file=sys.stderr)
     print(
         f"measured link: D2H {format_bandwidth(link.d2h_bandwidth)}, H2D {format_bandwidth(link.h2d_bandwidth)}",
@@ -194,6 +216,16 @@ def main(argv: list[str] | None = None) -> int:
         for into in (state, halves):
             with device:
                 model, optimizer, handle = _optimizer_for(work.build(settings.seed), plan, device, settings)
+                if plan.optimizer_tier == "nvme":  # _optimizer_for builds the host tier: the same on NVMe
+                    optimizer.close()
+                    optimizer = OffloadOptimizer(
+                        model.parameters(),
+                        torch.optim.AdamW,
+                        device=device,
+                        lr=settings.lr,
+                        tier="nvme",
+                        nvme_path=args.nvme_path,
+                    )
             executor = PlanExecutor(model, plan, device).__enter__()
             into[name] = (model, optimizer, executor)
             handles.append((optimizer, handle))
@@ -266,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             before = replace(before, profile=replace(before.profile, reuse_in_flight=False, **kinds))
             fresh = replace(fresh, profile=replace(fresh.profile, **kinds))
+            if nvme_link is not None:
+                fresh = replace(fresh, profile=fresh.profile.with_nvme_link(nvme_link))
+                before = replace(before, profile=before.profile.with_nvme_link(nvme_link))
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             seconds, peak, wait = one_step(name, step)
