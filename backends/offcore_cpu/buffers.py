@@ -47,6 +47,9 @@ class BufferOps(Protocol):
     def copy(self, dst: Any, src: Any) -> None:
         """``dst[...] = src`` for buffers of equal byte size (layouts: :func:`offcore_layout.match_layout`)."""
 
+    def copy_plain(self, dst: Any, src: Any) -> bool:
+        """:meth:`copy` when it needs no operator the device would count (True: done), else False (not copied)."""
+
     def poison(self, buffer: Any) -> None:
         """Overwrite every byte of ``buffer`` with 0xFF (NaN for floating point, -1 for integers)."""
 
@@ -93,6 +96,10 @@ class NumpyBuffers:
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         dst, src = match_layout(dst, src, NUMPY)
         np.copyto(dst, src, casting="no")
+
+    def copy_plain(self, dst: np.ndarray, src: np.ndarray) -> bool:
+        self.copy(dst, src)  # numpy runs no torch operator: nothing to count
+        return True
 
     def poison(self, buffer: np.ndarray) -> None:
         if not buffer.size:

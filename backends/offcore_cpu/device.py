@@ -509,7 +509,8 @@ class FakeDevice:
         if sanitizer.enabled:  # Note [Copies ordered by the program]
             self._check_order(ops, dst, src, direction, stream, number)
         if stream is compute:
-            with self._untracked():
+            # Note [Plain copies need no suspension]: only the sanitizer's poisoning runs operators here
+            with self._untracked() if sanitizer.enabled else _NOTHING:
                 self._run_copy(ops, dst, src, direction, nbytes, jitter, compute.name, time.perf_counter(), number)
             return compute.record_event(FakeEvent(compute, enable_timing=True))
         if sanitizer.enabled:
@@ -646,6 +647,21 @@ class FakeDevice:
             ops.poison(dst)
         raise fault
 
+    # Note [Plain copies need no suspension]
+    # A copy's bytes move with ``ops.copy``; for a torch buffer that is a ``Tensor.copy_`` (an
+    # operator: the accounting must not count it, so it runs inside ``_untracked()``), except
+    # for small plain copies, which are one ``memmove`` (Note [Small copies keep the GIL]) that
+    # no dispatch mode or allocator hook sees. ``_copy_bytes`` tries that first and suspends
+    # the accounting only for the operator path; the suspension (a thread-local count, the
+    # dispatch guard and the hook's ledger swapped out and back) cost about as much as the
+    # memmove of 16 KiB. On the compute stream only the sanitizer's poisoning runs operators
+    # around the copy, so only then is the whole copy suspended.
+    def _copy_bytes(self, ops: BufferOps, dst: Any, src: Any) -> None:
+        """Move the bytes of a copy, suspending the device's accounting only where an operator runs."""
+        if not ops.copy_plain(dst, src):
+            with self._untracked():
+                ops.copy(dst, src)
+
     def _inline_copy(
         self,
         ops: BufferOps,
@@ -663,8 +679,7 @@ class FakeDevice:
         if span is None:  # a queued copy holds the link right now
             return None
         start, end = span
-        with self._untracked():
-            ops.copy(dst, src)
+        self._copy_bytes(ops, dst, src)
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         self._copy_log.append(
             (stream_name, direction, nbytes, enqueued, start, end, 0.0, number, ops.address(src), ops.address(dst))
@@ -694,7 +709,11 @@ class FakeDevice:
         if state is not None and self._gates.any_closed_for(state, direction):  # Note [Gates]
             self._gates.pass_copy(state, direction, _held(number, stream_name, direction, nbytes))
         start, end = self._link.transfer(
-            direction, nbytes, functools.partial(ops.copy, dst, src), extra_delay=jitter, data_first=not sanitize
+            direction,
+            nbytes,
+            functools.partial(self._copy_bytes, ops, dst, src),
+            extra_delay=jitter,
+            data_first=not sanitize,
         )
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         # a tuple per copy; copy_log() builds the dicts only when asked

@@ -48,6 +48,20 @@ class TorchBuffers:
         else:  # raw byte buffers: no autograd to switch off (no_grad costs more than the copy setup)
             self._copy(dst, src)
 
+    def copy_plain(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """A small copy between plain contiguous buffers, as one ``memmove`` (Note [Small copies keep the GIL]):
+        no torch operator runs, so the device need not suspend its accounting around it (True: copied)."""
+        nbytes = dst.numel() * dst.element_size()
+        if (
+            nbytes <= _GIL_HELD_COPY_LIMIT
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and not (src.is_conj() or src.is_neg())
+        ):
+            _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
+            return True
+        return False
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
         if (
