@@ -148,8 +148,26 @@ next forward waiting per parameter on its own event.
 # in their buffers (the only valid copy, still the optimizer's state) and the next step
 # writes them again. ``step()`` then raises the StorageError with a note saying how many
 # parameters were stepped, and keeps the round open: calling ``step()`` again steps only the
-# others, so the result is that of one uninterrupted step. The fp32 masters stay in host
-# memory (they are the upload's source and the staleness check's reference).
+# others, so the result is that of one uninterrupted step. Keys are ``(id(optimizer), index)``,
+# so a tier shared by the device's bindings (``offcore_torch.nvme_tier``) holds several
+# optimizers' objects; a shared tier loses only this optimizer's keys when it is dropped, an own
+# one (``nvme=`` / ``nvme_path=``) is closed with it.
+#
+# Note [Masters on NVMe]
+# With tier="nvme" (``nvme_masters``, default on) the fp32 master of a bf16/fp16 parameter
+# (``master_weights=True``) is one more entry (``_MASTER``) of that parameter's object on disk, in
+# front of its states: read, stepped and written in the same pipelined groups, so host memory holds
+# only the host gradient and the cast stage (the upload's source, in the parameter's dtype) between
+# steps. The master tensor itself stays the same Python object (the host optimizer's state key and
+# ``param_groups`` entry, and ``.grad``'s shape match): while its object is in a state buffer it is
+# ``set_`` onto its region (``_attach``); once written it is *parked* on a stride-0 view of a
+# 64-byte storage (``_park``: its shape intact, no memory behind it, a write raises). Everything
+# that reads a master outside the step brings it in first: ``state_dict()`` reads it from disk,
+# ``master(param)`` returns a copy read from disk, a refresh from the device (Note [Masters are
+# refreshed ...]) and ``load_state_dict`` read the object, change the master, write it back. The
+# object's layout is made again when its set of tensors changes (the first step adds the states).
+# Masters in the parameter's own dtype are not moved: the host copy is what is uploaded. The bytes
+# on disk are booked in the tier's ledger as the object's kind (OPTIMIZER_STATE).
 """
 
 from __future__ import annotations
@@ -158,7 +176,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
-import shutil
+import os
 import threading
 import time
 import weakref
@@ -170,13 +188,14 @@ import torch
 from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, StorageError
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
-from offcore.nvme import NvmeTier, pipelined
+from offcore.nvme import NvmeSpec, NvmeTier, pipelined
 from offcore.objects import State
 from offcore.pool import HostBuffer
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
+from offcore_torch.nvme import nvme_tier_for, open_nvme
 from offcore_torch.runtime import runtime_for
 
 __all__ = ["OffloadOptimizer", "OffloadGradScaler", "MASTER_WEIGHTS_KEY"]
@@ -188,6 +207,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
+_MASTER = "offcore_master"  # the fp32 master's entry in a parameter's object on NVMe (Note [Masters on NVMe])
 _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
 _NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
@@ -215,6 +235,7 @@ class _Slot:
         "state_buf",
         "host_param",
         "upload_due",
+        "nvme_master",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -242,6 +263,7 @@ class _Slot:
         self.host_param: torch.Tensor | None = None
         # Note [One host step at step()]: stepped by step(), its upload not issued yet (sched lock)
         self.upload_due = False
+        self.nvme_master = False  # its master lives in its NVMe object between steps (Note [Masters on NVMe])
 
 
 class _AllOf:
@@ -308,10 +330,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
       into the device parameters, which the handle writes back). With a handle, the host step
       updates the handle's host copies in place and the next forward streams them in (Note
       [Parameters on the host with offload_parameters]).
-    - ``tier`` (``"host"``): ``"nvme"`` keeps the optimizer states in files under ``nvme_path``
-      (an :class:`offcore.nvme.NvmeTier` of ``nvme_budget`` bytes, default: the free space there;
-      ``verify``: CRC-checked reads), stepped with :func:`offcore.nvme.pipelined`
-      (Note [Optimizer states on NVMe]); the files go when the optimizer is closed or dropped.
+    - ``tier`` (``"host"``): ``"nvme"`` keeps the optimizer states in files on an NVMe tier, stepped
+      with :func:`offcore.nvme.pipelined` (Note [Optimizer states on NVMe]); the files go when the
+      optimizer is closed or dropped. The tier: ``nvme=`` (a directory or an
+      :class:`offcore.nvme.NvmeSpec` with a byte budget: a tier of its own), or ``nvme_path=`` with
+      ``nvme_budget`` (default: the free space there) and ``verify`` (CRC-checked reads), or else the
+      device's shared tier set by :func:`offcore_torch.nvme_tier`.
+    - ``nvme_masters`` (None: on with ``tier="nvme"``): the fp32 masters of bf16/fp16 parameters
+      (``master_weights=True``) live on disk with their states (Note [Masters on NVMe]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
     keyed by the host masters); ``state_dict()`` is in torch's format.
@@ -333,6 +359,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         upload_budget: int | str | None = None,
         max_inflight_gradients: int | str | None = None,
         tier: str = "host",
+        nvme: NvmeSpec | str | os.PathLike[str] | None = None,
+        nvme_masters: bool | None = None,
         nvme_path: str | None = None,
         nvme_budget: int | str | None = None,
         verify: bool = False,
@@ -356,10 +384,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigurationError("params must be an iterable of tensors or of param-group dicts, not one tensor")
         if tier not in ("host", "nvme"):
             raise ConfigurationError(f"tier must be 'host' or 'nvme', got {tier!r}")
-        if tier == "nvme" and nvme_path is None:
-            raise ConfigurationError("tier='nvme' needs nvme_path= (a directory on the NVMe disk, owned by you)")
-        if tier == "host" and (nvme_path is not None or nvme_budget is not None):
-            raise ConfigurationError("nvme_path= / nvme_budget= need tier='nvme'")
+        if tier == "host" and (
+            nvme_path is not None or nvme_budget is not None or nvme is not None or nvme_masters is not None
+        ):
+            raise ConfigurationError("nvme= / nvme_path= / nvme_budget= / nvme_masters= need tier='nvme'")
+        if nvme is not None and nvme_path is not None:
+            raise ConfigurationError(
+                "give the NVMe tier once: nvme= (a path or an offcore.nvme.NvmeSpec) or nvme_path="
+            )
+        if tier == "nvme" and nvme is None and nvme_path is None and nvme_tier_for(device) is None:
+            raise ConfigurationError(
+                "tier='nvme' needs a directory on the NVMe disk: nvme= (a path or an offcore.nvme.NvmeSpec), "
+                "nvme_path=, or a tier set for the device with offcore_torch.nvme_tier(device, path)"
+            )
         groups = list(params)
         if not groups:
             raise ConfigurationError("OffloadOptimizer got an empty parameter list")
@@ -369,6 +406,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._device = device
         self._runtime = runtime_for(device)
         self._master_weights = master_weights
+        # Note [Masters on NVMe]: default on with tier="nvme" (it applies to masters of another dtype)
+        self._nvme_masters = tier == "nvme" and (nvme_masters is None or nvme_masters)
         self._params_handle = self._find_handle(groups, params_on_host)
         self._offload_gradients = offload_gradients
         self._accumulation_steps = accumulation_steps
@@ -421,16 +460,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._host: torch.optim.Optimizer | None = None
         self._nvme: NvmeTier | None = None
         self._state_pool: Any = None
+        self._nvme_owned = True
+        self._nvme_base = id(self)  # keys (id, index): unique in a tier shared by the device's bindings
         if tier == "nvme":
-            assert nvme_path is not None
-            disk = nvme_budget if nvme_budget is not None else shutil.disk_usage(nvme_path).free
-            self._nvme = NvmeTier(nvme_path, budget=disk, verify=verify, ledger=self.ledger)
+            if nvme_path is not None:
+                nvme = NvmeSpec(nvme_path, nvme_budget, verify)
+            elif nvme_budget is not None or verify:
+                spec = NvmeSpec(os.fspath(nvme), nvme_budget, verify) if not isinstance(nvme, NvmeSpec) else nvme
+                nvme = NvmeSpec(
+                    spec.path, nvme_budget if nvme_budget is not None else spec.budget, verify or spec.verify
+                )
+            self._nvme, self._nvme_owned = open_nvme(device, nvme, ledger=self.ledger)
             # bounce buffers: three groups live in the pipeline (read i+1, step i, write i-1), each of
-            # up to ~4 x its master bytes of state (AdamW: 2 x), a failed write's groups kept besides
+            # up to ~4 x its master bytes of state and master (AdamW: 3 x), a failed write's groups kept besides
             largest = max((p.numel() * 4 for p in flat), default=0)
             self._state_pool = device.host_pool(
                 4 * max(largest, _NVME_GROUP_BYTES) * 4 + 64 * 1024**2, pinned=pin_memory
             )
+        # Note [Masters on NVMe]: parked masters point here (made on the worker: host memory on the fake device)
+        self._parking: Any = self._worker.submit(torch.UntypedStorage, 64).result() if self._nvme_masters else None
 
         # torch.optim.Optimizer's own attributes (hooks, profiling names), without its param handling
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
@@ -452,7 +500,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._params_handle._attach_host_optimizer(self)
         self._state_dict_hooked: dict[int, Any] = {}  # id(module) -> its state_dict pre-hook's handle
         self._wait_handle = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook(self))
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._wait_handle, self._nvme)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._worker, self._wait_handle, self._nvme, self._nvme_owned, self._nvme_base
+        )
 
     # -- construction ------------------------------------------------------------------
     def _master_dtype(self, param: torch.Tensor) -> torch.dtype:
@@ -504,6 +554,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stage = n * param.element_size() if self._master_dtype(param) != param.dtype else 0
         if self._host_param(param) is not None:  # the handle's host copy is the master (same dtype) or the stage
             return 2 * master if stage else master
+        if stage and self._nvme_masters:  # Note [Masters on NVMe]: the master is on disk between steps
+            return master + stage
         return 2 * master + stage
 
     def _acquire(self, nbytes: int, what: str) -> HostBuffer:
@@ -535,6 +587,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.host_param = self._host_param(param)
             if slot.host_param is not None and dtype == param.dtype:
                 slot.master = slot.host_param  # the handle's host copy is the master: no copy of it
+            elif self._nvme_masters and dtype != param.dtype:
+                # Note [Masters on NVMe]: in a state buffer until written at the end of construction
+                slot.nvme_master = True
+                slot.master = torch.empty(0, dtype=dtype)
+                slot.layout = [(_MASTER, dtype, param.shape, 0)]
+                slot.state_nbytes = -(-nbytes // 64) * 64
+                slot.state_buf = self._acquire_state(slot.state_nbytes)
+                self._attach(slot)
             else:
                 master_buf = self._acquire(nbytes, "a master copy")
                 slot.buffers.append(master_buf)
@@ -556,6 +616,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot.host_param is None:
                 self._device_params[id(param)] = slot
             self._load_master(slot)
+            if slot.nvme_master:
+                assert self._nvme is not None
+                self._nvme.write(self._key(slot), self._state_view(slot), kind=Kind.OPTIMIZER_STATE).synchronize()
+                self._release_group([slot])
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
             masters.append(slot.master)
@@ -563,6 +627,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _load_master(self, slot: _Slot) -> None:
         """Copy the device parameter into its master (synchronously: construction, refresh, load)."""
+        if slot.nvme_master and slot.state_buf is None:  # parked on disk (Note [Masters on NVMe]): read, load, write
+            self._read_object(slot)
+            try:
+                self._load_master(slot)
+            finally:
+                self._write_object(slot)
+            return
         if slot.host_param is not None:  # read from the handle's host copy: nothing from the device
             self._params_handle.release()  # a device copy changed meanwhile (load_state_dict) is written back
             if slot.stage is not None:
@@ -609,8 +680,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return self._host
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
-        """The host master of device parameter ``param`` (its ``.grad`` is the host gradient)."""
-        return self._slot(param).master
+        """The host master of device parameter ``param`` (its ``.grad`` is the host gradient).
+
+        A master on NVMe between steps (Note [Masters on NVMe]) comes back as a copy read from disk."""
+        slot = self._slot(param)
+        if slot.nvme_master and slot.state_buf is None:
+            return self.run_on_host(self._master_value, slot)
+        return slot.master
 
     def host_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The accumulated host gradient of ``param`` (None after ``zero_grad(set_to_none=True)``)."""
@@ -1233,18 +1309,65 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         pipelined(groups, self._read_group, compute, self._write_group, release=self._release_group)
 
+    def _key(self, slot: _Slot) -> tuple[int, int]:
+        """``slot``'s object in the NVMe tier (unique in a tier shared by the device's bindings)."""
+        return (self._nvme_base, slot.index)
+
     def _state_view(self, slot: _Slot) -> Any:
         assert slot.state_buf is not None
         return slot.state_buf.view[: slot.state_nbytes].numpy()
 
-    def _attach(self, slot: _Slot) -> None:
-        """Point the host optimizer's state of ``slot`` at views of its state buffer."""
-        assert self._host is not None and slot.layout is not None and slot.state_buf is not None
-        state = self._host.state[slot.master]
+    def _attach(self, slot: _Slot, *, states: bool = True) -> None:
+        """Point the host optimizer's state of ``slot`` (``states``) and its NVMe master at views of its
+        state buffer (Note [Masters on NVMe])."""
+        assert slot.layout is not None and slot.state_buf is not None
         raw = slot.state_buf.view
         for name, dtype, shape, offset in slot.layout:
             n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            state[name] = raw[offset : offset + n].view(dtype).view(shape)
+            view = raw[offset : offset + n].view(dtype).view(shape)
+            if name == _MASTER:
+                slot.master.set_(view)
+            elif states:
+                assert self._host is not None
+                self._host.state[slot.master][name] = view
+
+    def _park(self, slot: _Slot) -> None:
+        """Note [Masters on NVMe]: the master keeps its shape (the host optimizer's key, ``.grad``'s
+        match) on a stride-0 view of a tiny storage: no memory; a write to it raises."""
+        slot.master.set_(self._parking, 0, slot.master.shape, (0,) * slot.master.dim())
+
+    def _read_object(self, slot: _Slot, *, states: bool = True) -> None:
+        """Worker: ``slot``'s object from disk into a state buffer, synchronously (states too when ``states``)."""
+        assert self._nvme is not None and slot.state_buf is None
+        slot.state_buf = self._acquire_state(slot.state_nbytes)
+        try:
+            self._nvme.read(self._key(slot), self._state_view(slot)).synchronize()
+        except BaseException:
+            self._state_pool.release(slot.state_buf)
+            slot.state_buf = None
+            raise
+        self._attach(slot, states=states)
+
+    def _write_object(self, slot: _Slot) -> None:
+        """Worker: pack ``slot``'s master and states, write them, wait, release the buffer (or delete)."""
+        assert self._nvme is not None
+        self._pack(slot)
+        if slot.state_buf is not None:
+            self._nvme.write(self._key(slot), self._state_view(slot), kind=Kind.OPTIMIZER_STATE).synchronize()
+            self._release_group([slot])
+        elif self._key(slot) in self._nvme:
+            self._nvme.delete(self._key(slot))
+
+    def _master_value(self, slot: _Slot) -> torch.Tensor:
+        """Worker: ``slot``'s master, read from disk into a new tensor when it is parked there."""
+        if not slot.nvme_master or slot.state_buf is not None:
+            return slot.master
+        assert self._nvme is not None and slot.layout is not None
+        whole = torch.empty(slot.state_nbytes, dtype=torch.uint8)
+        self._nvme.read(self._key(slot), whole.numpy()).synchronize()
+        _, dtype, shape, offset = next(e for e in slot.layout if e[0] == _MASTER)
+        n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return whole[offset : offset + n].view(dtype).view(shape).clone()
 
     def _read_group(self, group: list[_Slot]) -> Any:
         handles = []
@@ -1255,7 +1378,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.state_buf = self._acquire_state(slot.state_nbytes)
                 self._attach(slot)
                 assert self._nvme is not None
-                handles.append(self._nvme.read(slot.index, self._state_view(slot)))
+                handles.append(self._nvme.read(self._key(slot), self._state_view(slot)))
         except BaseException:
             for handle in handles:
                 with contextlib.suppress(Exception):
@@ -1265,30 +1388,49 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return _AllOf(handles)
 
     def _pack(self, slot: _Slot) -> None:
-        """After a step: the big state tensors of ``slot`` live in its state buffer (layout made once)."""
+        """After a step or a load: the master (Note [Masters on NVMe]) and the big state tensors of ``slot``
+        live in its state buffer, laid out again (a new buffer) when the set of tensors changed."""
         assert self._host is not None
-        state = self._host.state.get(slot.master)
-        if not state:
+        state = self._host.state.get(slot.master) or {}
+        entries: list[tuple[str, torch.dtype, torch.Size]] = []
+        if slot.nvme_master:
+            entries.append((_MASTER, slot.master.dtype, slot.master.shape))
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1:
+                entries.append((name, value.dtype, value.shape))
+        if not entries:
             return
-        if slot.layout is None:
+
+        def value_of(name: str) -> torch.Tensor:
+            return slot.master if name == _MASTER else state[name]
+
+        current = [(n, d, sh) for n, d, sh, _ in slot.layout or ()]
+        if entries != current or slot.state_buf is None:
             layout, offset = [], 0
-            for name, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1:
-                    layout.append((name, value.dtype, value.shape, offset))
-                    offset += -(-value.numel() * value.element_size() // 64) * 64
-            if not layout:
-                return
-            slot.layout, slot.state_nbytes = layout, offset
-        if slot.state_buf is None:
-            slot.state_buf = self._acquire_state(slot.state_nbytes)
+            for name, dtype, shape in entries:
+                layout.append((name, dtype, shape, offset))
+                offset += -(-shape.numel() * torch.empty((), dtype=dtype).element_size() // 64) * 64
+            buffer = self._acquire_state(offset)
+            for name, dtype, shape, at in layout:
+                n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+                buffer.view[at : at + n].view(dtype).view(shape).copy_(value_of(name))
+            old = slot.state_buf
+            slot.layout, slot.state_nbytes, slot.state_buf = layout, offset, buffer
+            self._attach(slot)
+            if old is not None:
+                self._state_pool.release(old)
+            return
         raw = slot.state_buf.view
-        for name, dtype, shape, offset in slot.layout:
-            value = state[name]
+        for name, dtype, shape, offset in slot.layout or ():
+            value = value_of(name)
             n = shape.numel() * torch.empty((), dtype=dtype).element_size()
             view = raw[offset : offset + n].view(dtype).view(shape)
-            if value.data_ptr() != view.data_ptr():  # created by the step (first step), or replaced
+            if value.data_ptr() != view.data_ptr():  # created by the step or a load, or replaced
                 view.copy_(value)
-                state[name] = view
+                if name == _MASTER:
+                    slot.master.set_(view)
+                else:
+                    state[name] = view
 
     def _write_group(self, group: list[_Slot]) -> Any:
         assert self._nvme is not None
@@ -1296,7 +1438,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             for slot in group:
                 if slot.state_buf is not None:
-                    handles.append(self._nvme.write(slot.index, self._state_view(slot), kind=Kind.OPTIMIZER_STATE))
+                    handles.append(self._nvme.write(self._key(slot), self._state_view(slot), kind=Kind.OPTIMIZER_STATE))
         except BaseException:
             for handle in handles:
                 with contextlib.suppress(Exception):
@@ -1305,14 +1447,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return _AllOf(handles)
 
     def _release_group(self, group: list[_Slot]) -> None:
-        """The disk holds ``group``'s states (or they were only read): their host copies go."""
-        assert self._host is not None
+        """The disk holds ``group``'s states and masters (or they were only read): their host copies go."""
         for slot in group:
             if slot.state_buf is None:
                 continue
-            state = self._host.state.get(slot.master, {})
-            for name, *_ in slot.layout or ():
-                state.pop(name, None)
+            if self._host is not None:
+                state = self._host.state.get(slot.master, {})
+                for name, *_ in slot.layout or ():
+                    if name != _MASTER:
+                        state.pop(name, None)
+            if slot.nvme_master:
+                self._park(slot)
             self._state_pool.release(slot.state_buf)
             slot.state_buf = None
 
@@ -1459,53 +1604,70 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- state dicts ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's ``state_dict()`` (torch's format), plus fp32 masters when they differ
-        from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`)."""
+        from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`); states and masters on NVMe are
+        read from disk."""
         self._drain()
         assert self._host is not None
-        sd = self.run_on_host(self._gather_state_dict) if self._nvme is not None else self._host.state_dict()
-        masters = {s.index: s.master.clone() for s in self._slots if s.stage is not None}
+        on_disk: dict[int, torch.Tensor] = {}
+        if self._nvme is not None:
+            sd = self.run_on_host(self._gather_state_dict, on_disk)
+        else:
+            sd = self._host.state_dict()
+        masters = {s.index: on_disk.get(s.index, s.master).clone() for s in self._slots if s.stage is not None}
         if masters:
             sd[MASTER_WEIGHTS_KEY] = masters
         return sd
 
-    def _gather_state_dict(self) -> dict[str, Any]:
-        """Worker: the host optimizer's state dict with the states on disk read into fresh tensors."""
+    def _gather_state_dict(self, masters: dict[int, torch.Tensor]) -> dict[str, Any]:
+        """Worker: the host optimizer's state dict with the states on disk read into fresh tensors (and
+        the masters on disk into ``masters``)."""
         assert self._host is not None and self._nvme is not None
         attached = []
         try:
             for slot in self._slots:
                 if slot.layout is None or slot.state_buf is not None:
                     continue
-                state = self._host.state[slot.master]
                 whole = torch.empty(slot.state_nbytes, dtype=torch.uint8)
-                self._nvme.read(slot.index, whole.numpy()).synchronize()
+                self._nvme.read(self._key(slot), whole.numpy()).synchronize()
                 attached.append(slot)
                 for name, dtype, shape, offset in slot.layout:
                     n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-                    state[name] = whole[offset : offset + n].view(dtype).view(shape).clone()
+                    value = whole[offset : offset + n].view(dtype).view(shape).clone()
+                    if name == _MASTER:
+                        masters[slot.index] = value
+                    else:
+                        self._host.state[slot.master][name] = value
             sd = self._host.state_dict()
             sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # torch's dict shares the per-parameter dicts
             return sd
         finally:
             for slot in attached:
-                state = self._host.state[slot.master]
+                state = self._host.state.get(slot.master, {})
                 for name, *_ in slot.layout or ():
                     state.pop(name, None)
 
-    def _store_all(self) -> None:
-        """Worker: after load_state_dict, write every parameter's states to disk, wait, drop them from memory."""
-        assert self._host is not None and self._nvme is not None
-        for slot in self._slots:
-            if slot.state_buf is not None:
-                self._state_pool.release(slot.state_buf)
-                slot.state_buf = None
-            slot.layout = None
-            self._pack(slot)
-            if slot.state_buf is not None:
-                self._nvme.write(slot.index, self._state_view(slot), kind=Kind.OPTIMIZER_STATE).synchronize()
-                self._release_group([slot])
-            elif slot.index in self._nvme:
-                self._nvme.delete(slot.index)
+    def _store_slot(self, slot: _Slot) -> None:
+        """Worker, after load_state_dict: write ``slot``'s loaded states to disk, wait, drop them from memory."""
+        if slot.state_buf is not None:  # in memory (a failed write): replaced by the loaded states
+            self._state_pool.release(slot.state_buf)
+            slot.state_buf = None
+        slot.layout = None
+        self._write_object(slot)
+
+    def _load_nvme_master(self, slot: _Slot, master: torch.Tensor | None) -> None:
+        """Worker, after load_state_dict (Note [Masters on NVMe]): ``slot``'s master from ``master`` (else
+        from the device parameter), its cast stage, and the loaded states, written to disk."""
+        if slot.state_buf is None:
+            self._read_object(slot, states=False)  # the loaded states stay what the state dict gave
+        try:
+            if master is None:
+                self._load_master(slot)
+            else:
+                slot.master.copy_(master)
+                if slot.stage is not None:
+                    slot.stage.copy_(slot.master)
+        finally:
+            self._write_object(slot)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` (of this class or of ``optimizer_class`` itself).
@@ -1520,14 +1682,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host = self._host
         self.run_on_host(host.load_state_dict, state_dict)
         if self._nvme is not None:
-            self.run_on_host(self._store_all)
+            for slot in self._slots:
+                if not slot.nvme_master:
+                    self.run_on_host(self._store_slot, slot)
         self._regroup()
         self.synchronize()
         with self._sched_lock:
             self._close_round()
         for slot in self._slots:
             master = masters.get(slot.index, masters.get(str(slot.index)))
-            if master is not None and slot.host_param is not None:
+            if slot.nvme_master:
+                self.run_on_host(self._load_nvme_master, slot, master)
+                if master is not None and slot.host_param is None:  # the stage from the loaded master goes up
+                    self._h2d_after_compute()
+                    self._copy_up(slot)
+                    self._wait_parameter(slot)
+                    slot.h2d.synchronize()
+                    slot.synced_version = slot.param._version
+            elif master is not None and slot.host_param is not None:
                 self.run_on_host(slot.master.copy_, master)
                 if slot.stage is not None:
                     self.run_on_host(slot.stage.copy_, slot.master)
@@ -1591,8 +1763,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._state_pool.release(slot.state_buf)
                     slot.state_buf = None
             self._state_pool.trim()
-            with contextlib.suppress(Exception):
-                self._nvme.close()
+            _drop_nvme(self._nvme, self._nvme_owned, self._nvme_base)
         self.ledger = Ledger()
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
@@ -1673,12 +1844,25 @@ def _state_dict_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
     return hook
 
 
-def _shutdown(worker: concurrent.futures.ThreadPoolExecutor, handle: Any, nvme: NvmeTier | None) -> None:
+def _shutdown(
+    worker: concurrent.futures.ThreadPoolExecutor, handle: Any, nvme: NvmeTier | None, owned: bool, base: int
+) -> None:
     handle.remove()
     worker.shutdown(wait=False)
     if nvme is not None:
-        with contextlib.suppress(Exception):
-            nvme.close()  # its files go with the optimizer
+        _drop_nvme(nvme, owned, base)
+
+
+def _drop_nvme(nvme: NvmeTier, owned: bool, base: int) -> None:
+    """The optimizer's files go with it: its own tier is closed, a shared one loses only its keys."""
+    with contextlib.suppress(Exception):
+        if owned:
+            nvme.close()
+            return
+        for key in list(nvme.keys()):
+            if isinstance(key, tuple) and key[0] == base:
+                with contextlib.suppress(Exception):
+                    nvme.delete(key)
 
 
 class OffloadGradScaler:

@@ -6,7 +6,11 @@
 - exact resume in a fresh process (6 steps = 3 + save + load + 3);
 - an injected read or write error during the step: a clear StorageError, nothing lost, and calling
   step() again after the fault is gone gives the numbers of an uninterrupted run;
-- the files go when the optimizer is closed or dropped.
+- the files go when the optimizer is closed or dropped;
+- fp32 masters of bf16 parameters live in the same objects on disk (Note [Masters on NVMe]): host
+  memory (the ledger, the pinned pool) lower by their bytes, resume exact with them;
+- ``nvme=`` (a path or an NvmeSpec), or the device's shared tier (``offcore_torch.nvme_tier``):
+  keys of one optimizer never collide with another's, and go when it is dropped, the tier stays.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from optimizer_offload_helpers import assert_equivalent, assert_same, place, run
 
 from offcore.errors import ConfigurationError, StorageError  # noqa: E402
 from offcore.kinds import Kind, Tier  # noqa: E402
+from offcore.nvme import NvmeSpec  # noqa: E402
 
 MLP = mlp_workload(d_in=16, width=32, depth=3, d_out=8, batch_size=8)
 
@@ -93,6 +98,14 @@ def test_bad_arguments(make_fake_device: Any, tmp_path: Path) -> None:
         offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="disk")
     with pytest.raises(ConfigurationError, match="need tier='nvme'"):
         offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, nvme_path=str(tmp_path))
+    with pytest.raises(ConfigurationError, match="need tier='nvme'"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, nvme_masters=True)
+    with pytest.raises(ConfigurationError, match="once"):
+        offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", nvme=str(tmp_path), nvme_path=str(tmp_path)
+        )
+    with pytest.raises(ConfigurationError, match="path or an offcore.nvme.NvmeSpec"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", nvme=42)
 
 
 def _failing(real: Any, calls: list[int], fail_at: int) -> Any:
@@ -160,10 +173,13 @@ _RESUME = textwrap.dedent(
     """
     import json, sys, torch, offcore, offcore_torch
     from offcore_torch.models import mlp_workload
-    first, last, ckpt, out, disk = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    first, last, ckpt, out, disk, mode = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7]
     work = mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=8)
     dev = offcore.device("cpu", capacity="1GiB", sanitize=True, h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s")
     model = work.build(0).to(torch.bfloat16)
+    where = {"nvme_path": disk} if mode == "path" else {}  # "shared": the device's tier
+    if mode == "shared":
+        offcore_torch.nvme_tier(dev, disk)
     with dev:
         dev.adopt(model)
         if first > 0:
@@ -171,7 +187,8 @@ _RESUME = textwrap.dedent(
             model.load_state_dict(saved["model"])
         opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, master_weights=True,
                                              accumulation_steps=2, fused=True, lr=1e-2, weight_decay=0.1,
-                                             tier="nvme", nvme_path=disk)
+                                             tier="nvme", **where)
+        assert all(s.nvme_master and s.state_buf is None for s in opt._slots)  # the masters are on disk
         if first > 0:
             opt.load_state_dict(saved["optim"])
         losses = []
@@ -183,6 +200,7 @@ _RESUME = textwrap.dedent(
                 losses.append(loss.float().item())
             opt.step()
             opt.zero_grad()
+            assert all(s.nvme_master and s.state_buf is None for s in opt._slots)
         opt.synchronize()
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
         opt.close()
@@ -191,7 +209,8 @@ _RESUME = textwrap.dedent(
 )
 
 
-def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["path", "shared"])
+def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "resume.py"
     script.write_text(_RESUME)
     disk = tmp_path / "nvme"
@@ -200,7 +219,7 @@ def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path) -> None:
 
     def train(first: int, last: int, ckpt: str, out: str) -> None:
         subprocess.run(
-            [sys.executable, str(script), str(first), str(last), ckpt, out, str(disk)],
+            [sys.executable, str(script), str(first), str(last), ckpt, out, str(disk), mode],
             check=True,
             env=env,
             timeout=300,
@@ -215,3 +234,87 @@ def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path) -> None:
     losses = json.loads(Path(half + ".json").read_text()) + json.loads(Path(resumed + ".json").read_text())
     assert losses == json.loads(Path(straight + ".json").read_text())
     assert _files(disk) == []
+
+
+def _bf16_opt(dev: Any, model: torch.nn.Module, **options: Any) -> Any:
+    return offcore_torch.OffloadOptimizer(
+        model.parameters(), torch.optim.AdamW, device=dev, master_weights=True, lr=1e-2, tier="nvme", **options
+    )
+
+
+def _train(model: torch.nn.Module, opt: Any, steps: int = 2) -> None:
+    for step in range(steps):
+        batch = tuple(b.to(torch.bfloat16) for b in MLP.make_batch(step, torch.device("cpu")))
+        MLP.loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
+def test_masters_on_nvme_lower_host_memory(make_fake_device: Any, tmp_path: Path) -> None:
+    dev = make_fake_device()
+    with dev:
+        model = place(MLP.build(0).to(torch.bfloat16), dev)
+        masters = sum(p.numel() * 4 for p in model.parameters())
+        stages = sum(p.numel() * p.element_size() for p in model.parameters())
+        measured = {}
+        for on_disk in (False, True):
+            opt = _bf16_opt(dev, model, nvme=str(tmp_path), nvme_masters=on_disk)
+            try:
+                _train(model, opt)
+                assert all(s.nvme_master is on_disk for s in opt._slots)
+                measured[on_disk] = (
+                    opt.ledger.bytes(Tier.PINNED, Kind.PARAMETER),
+                    opt._pool.used_bytes,
+                    opt.ledger.bytes(Tier.NVME, Kind.OPTIMIZER_STATE),
+                )
+                if on_disk:  # parked: no memory behind them; a read of master() comes from disk
+                    assert all(s.master.stride() == (0,) * s.master.dim() for s in opt._slots)
+                    assert opt._state_pool.used_bytes == 0
+                    sd = opt.state_dict()[offcore_torch.optimizer.MASTER_WEIGHTS_KEY]
+                    for i, p in enumerate(model.parameters()):
+                        assert torch.equal(opt.master(p), sd[i])
+                        assert torch.equal(opt.master(p).to(torch.bfloat16), p.detach())
+            finally:
+                opt.close()
+    (host_off, pool_off, disk_off), (host_on, pool_on, disk_on) = measured[False], measured[True]
+    assert host_off == masters + stages and host_on == stages  # the ledger: masters off the host
+    assert pool_off - pool_on >= masters  # the pinned pool holds that much less
+    assert disk_on >= disk_off + masters  # ... and the disk that much more
+    assert _files(tmp_path) == []
+
+
+def test_shared_device_tier_keys_are_per_optimizer(make_fake_device: Any, tmp_path: Path) -> None:
+    dev = make_fake_device()
+    tier = offcore_torch.nvme_tier(dev, str(tmp_path), budget="64MiB")
+    try:
+        with dev:
+            a_model = place(MLP.build(0).to(torch.bfloat16), dev)
+            b_model = place(MLP.build(1).to(torch.bfloat16), dev)
+            a, b = _bf16_opt(dev, a_model), _bf16_opt(dev, b_model)
+            assert a._nvme is tier and b._nvme is tier
+            _train(a_model, a)
+            _train(b_model, b)
+            n = len(list(a_model.parameters()))
+            assert len(list(tier.keys())) == 2 * n  # one object per parameter and optimizer: no collision
+            a.close()
+            assert len(list(tier.keys())) == n and not tier.closed  # a's keys went, the tier stays
+            del b
+            gc.collect()
+            assert list(tier.keys()) == [] and not tier.closed
+            assert _files(tmp_path) == []
+    finally:
+        offcore_torch.nvme_tier(dev, None)
+
+
+def test_nvme_spec_budget_and_verify(make_fake_device: Any, tmp_path: Path) -> None:
+    want = run(MLP, device=make_fake_device(), offload=False, dtype=torch.bfloat16, master_weights=True)
+    spec = NvmeSpec(str(tmp_path), budget="8MiB", verify=True)
+    got = run(
+        MLP,
+        device=make_fake_device(link="slow"),
+        dtype=torch.bfloat16,
+        master_weights=True,
+        options={"tier": "nvme", "nvme": spec},
+    )
+    assert_equivalent(got, want)
