@@ -318,3 +318,30 @@ def test_nvme_spec_budget_and_verify(make_fake_device: Any, tmp_path: Path) -> N
         options={"tier": "nvme", "nvme": spec},
     )
     assert_equivalent(got, want)
+
+
+def test_master_on_nvme_refreshed_after_model_load_keeps_the_states(make_fake_device: Any, tmp_path: Path) -> None:
+    """Megatron's resume bug with the master on disk: the loaded weights win, the states on disk survive."""
+    dev = make_fake_device()
+    with dev:
+        model = place(MLP.build(0).to(torch.bfloat16), dev)
+        opt = _bf16_opt(dev, model, nvme=str(tmp_path))
+        try:
+            _train(model, opt, steps=2)
+            loaded = MLP.build(1).to(torch.bfloat16).state_dict()
+            model.load_state_dict(loaded)  # a foreign write after the masters were made
+            for group in opt.param_groups:  # a step that leaves the parameters where they are
+                group["lr"] = 0.0
+            batch = tuple(b.to(torch.bfloat16) for b in MLP.make_batch(2, torch.device("cpu")))
+            MLP.loss(model, batch).backward()
+            opt.step()  # the refresh reads each master's object, loads the device value, writes it back
+            opt.synchronize()
+            sd = opt.state_dict()
+            masters = sd[offcore_torch.optimizer.MASTER_WEIGHTS_KEY]
+            for i, (name, p) in enumerate(model.named_parameters()):
+                assert torch.equal(p.detach(), loaded[name]), name  # not the stale masters of step 2
+                assert torch.equal(masters[i], loaded[name].float()), name
+                assert float(sd["state"][i]["step"]) == 3.0  # the states on disk went on, not restarted
+            assert all(s.nvme_master and s.state_buf is None for s in opt._slots)
+        finally:
+            opt.close()
