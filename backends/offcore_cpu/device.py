@@ -308,7 +308,18 @@ class FakeDevice:
 
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
-        return self._on_device(ops_for(buffer), buffer)
+        ops = ops_for(buffer)
+        if ops is None:
+            return False
+        owner = ops.owner(buffer)
+        # an activation binding asks this of every saved tensor, almost always device memory: the
+        # allocator hook's answer first (what it counts is device memory, never host memory: host
+        # buffers are allocated with it suspended, and an arena registration of a counted storage
+        # as host memory is refused), then the arena's (its lock and table)
+        probe = self._arena._probe
+        if probe is not None and probe(owner):
+            return True
+        return self._arena.tier_of(owner) is Tier.DEVICE
 
     def _on_device(self, ops: BufferOps | None, buffer: Any) -> bool:
         """:meth:`holds` when the buffer's family is already known (copy_ looks it up once)."""

@@ -108,7 +108,7 @@ from offcore_torch.budget import shared_budget_for
 from offcore_torch.nvme import open_nvme
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
 from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
-from offcore_torch.runtime import DeviceRuntime, runtime_for, runtime_of
+from offcore_torch.runtime import _TIMING_BATCH, DeviceRuntime, runtime_for, runtime_of
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
@@ -804,7 +804,12 @@ class OffloadHandle:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         runtime = self.runtime
-        if runtime._d2h_in_flight or runtime._deferred_total or runtime._landed or runtime._timed_pending:
+        if (
+            runtime._d2h_in_flight
+            or runtime._deferred_total
+            or runtime._landed
+            or runtime._timed_pending >= _TIMING_BATCH  # fewer: poll would leave them (runtime.poll)
+        ):
             poll(runtime)  # (in backward usually nothing is in flight: the call is skipped)
         spill = self._spill
         if spill is not None:
