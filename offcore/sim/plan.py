@@ -164,6 +164,10 @@ class Plan:
             ``"host"`` (the default) or ``"nvme"`` (``OffloadOptimizer(tier="nvme")``: the host
             step runs at ``step()``, pipelined over state groups read from and written to the
             NVMe tier; Note [The optimizer's NVMe tier in the simulator] in simulator.py).
+        activation_tier: where offloaded activations' host copies live until backward:
+            ``"host"`` (the default) or ``"nvme"`` (written to the NVMe tier once their D2H
+            landed; a reload is two hops, NVMe → host then H2D: Note [Activations on NVMe in
+            the simulator] in simulator.py).
 
     >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
     [(0, 1), (2, 3)]
@@ -177,6 +181,7 @@ class Plan:
     optimizer: OptimizerPlacement = "device"
     parameters: ParameterPlacement = "resident"
     optimizer_tier: OptimizerTier = "host"
+    activation_tier: OptimizerTier = "host"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("device", "offload"):
@@ -185,6 +190,8 @@ class Plan:
             raise ConfigurationError(f"parameters must be 'resident' or 'stream', got {_brief(self.parameters)}")
         if self.optimizer_tier not in ("host", "nvme"):
             raise ConfigurationError(f"optimizer_tier must be 'host' or 'nvme', got {_brief(self.optimizer_tier)}")
+        if self.activation_tier not in ("host", "nvme"):
+            raise ConfigurationError(f"activation_tier must be 'host' or 'nvme', got {_brief(self.activation_tier)}")
         if self.optimizer_tier == "nvme" and self.optimizer != "offload":
             raise ConfigurationError(
                 "optimizer_tier='nvme' needs optimizer='offload' (the host optimizer's states on disk)"
@@ -310,6 +317,7 @@ class Plan:
         kinds = (
             (" optimizer=offload" if self.optimizer == "offload" else "")
             + ("/nvme" if self.optimizer_tier == "nvme" else "")
+            + (" activations=nvme" if self.activation_tier == "nvme" else "")
             + (" parameters=stream" if self.parameters == "stream" else "")
         )
         return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}{kinds}"
@@ -332,6 +340,8 @@ class Plan:
             data["parameters"] = self.parameters
         if self.optimizer_tier != "host":
             data["optimizer_tier"] = self.optimizer_tier
+        if self.activation_tier != "host":
+            data["activation_tier"] = self.activation_tier
         return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -356,6 +366,7 @@ class Plan:
             "optimizer",
             "parameters",
             "optimizer_tier",
+            "activation_tier",
         }
         unknown = set(data) - known
         if unknown:
@@ -379,6 +390,7 @@ class Plan:
             optimizer=data.get("optimizer", "device"),
             parameters=data.get("parameters", "resident"),
             optimizer_tier=data.get("optimizer_tier", "host"),
+            activation_tier=data.get("activation_tier", "host"),
         )
         if profile is not None:
             plan.check(profile)

@@ -199,6 +199,20 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # NVMe → host then H2D (offcore.sim.formulas.two_hop_transfer_time; Note [Two hops from NVMe] in
 # offcore/residency.py for the scheduler's staging).
 #
+# Note [Activations on NVMe in the simulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``Plan.activation_tier == "nvme"``: an offloaded save whose D2H landed and whose device copy
+# went (not held, nobody waiting) is written to the NVMe tier on its write link (``h2n``); when
+# the write completes and no reload took the host copy meanwhile, the host copy is released and
+# the scheduler told (``spilled``). Its reload is then two hops: the scheduler offers a ``stage``
+# (NVMe → host on the read link, ``n2h``, timed by StepProfile.nvme_read_*; its deadline is the
+# H2D copy's latest start, Note [Two hops from NVMe] in offcore/residency.py), ``staged`` at its
+# landing is a trigger, and the H2D prefetch follows as for a host copy. A use that finds its save
+# still on NVMe stages it and reloads it on demand, waiting for both hops in series
+# (offcore.sim.formulas.two_hop_transfer_time without chunking). The tier's links are
+# independent queues (Note [The optimizer's NVMe tier in the simulator]); host memory is not
+# modelled.
+#
 # Note [The worst peak within the prefetch budget]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An offloaded step's measured peak moves 20-30 % from run to run on the loaded fake device, and
@@ -320,7 +334,7 @@ class SimResult:
     gradients (``param_bytes`` each), and its states (``optimizer_state_bytes``) or, on the NVMe tier,
     the most that three consecutive groups' states hold in the bounce buffers at once."""
     nvme_read_bytes: int = 0
-    """Bytes read from the NVMe tier (``Plan.optimizer_tier == "nvme"``: the optimizer states)."""
+    """Bytes read from the NVMe tier (the optimizer states, activations staged back)."""
     nvme_write_bytes: int = 0
     """Bytes written to the NVMe tier."""
     worst_peak_bytes: int = 0
@@ -608,6 +622,7 @@ class _Object:
         "backward_done",
         "managed",
         "used",
+        "on_nvme",
     )
 
     def __init__(self, key: int, layer: int, nbytes: int, fraction: float, managed: bool) -> None:
@@ -624,6 +639,7 @@ class _Object:
         self.resident = False  # device bytes are allocated for it now
         self.backward_done = False
         self.used = False  # backward consumed it
+        self.on_nvme = False  # its host copy was written to the NVMe tier and released
 
 
 class _Step:
@@ -733,7 +749,9 @@ class _Step:
         self.compute_done = False
         self.nvme_groups: list[tuple[int, str, int]] = []  # (parameter bytes, label, layer) per landed gradient
         self.host_state_window = 0  # the most state bytes in host buffers at once (three groups)
-        self.nvme_bytes = 0  # state bytes read (and written again) this step
+        self.nvme_read_total = self.nvme_write_total = 0  # bytes read from / written to the NVMe tier
+        self.nvme_read_free = self.nvme_write_free = 0.0  # when the tier's read / write link is free
+        self.staging: dict[int, Callable[[], None] | None] = {}  # stages under way, and what waits for each
         self.tasks = self._tasks()
         self.sched = self._make_scheduler(record_schedule)
         # parameter streaming (Note [Parameter streaming drives a ResidencyScheduler]): per layer, whether
@@ -806,7 +824,50 @@ class _Step:
             device_capacity=profile.capacity_bytes or 0,
             device_in_use=lambda: self.level,
             record=record,
+            stage_duration=self.nvme_read_s if self.plan.activation_tier == "nvme" else None,
         )
+
+    # -- activations on NVMe (Note [Activations on NVMe in the simulator]) ---------------------
+    def nvme_read_s(self, nbytes: int) -> float:
+        """One NVMe → host read (a stage) on the tier's read link."""
+        profile = self.profile
+        return transfer_time(nbytes, profile.nvme_read_bandwidth, profile.nvme_read_latency_s)
+
+    def spill(self, obj: _Object) -> None:
+        """Its D2H landed and its device copy went: the host copy is written to the NVMe tier (h2n), then
+        released (``spilled``) unless a reload took it meanwhile."""
+        profile = self.profile
+        seconds = transfer_time(obj.nbytes, profile.nvme_write_bandwidth, profile.nvme_write_latency_s)
+        begin = max(self.now, self.nvme_write_free)
+        self.nvme_write_free = end = begin + seconds
+        self.nvme_write_total += obj.nbytes
+        self.event("h2n", f"h2n:{self._label(obj)}", begin, end, "h2n", obj.layer)
+
+        def written() -> None:
+            if self.sched.objects[obj.key].state is State.OFFLOADED and not obj.used:
+                obj.on_nvme = True
+                self.sched.spilled(obj.key)
+
+        self.at(end, _LAND, written)
+
+    def stage(self, obj: _Object, then: Callable[[], None] | None = None) -> None:
+        """Read ``obj``'s host copy back from NVMe (the first hop); at its landing ``staged`` (a trigger),
+        then ``then``."""
+        begin = max(self.now, self.nvme_read_free)
+        self.nvme_read_free = end = begin + self.nvme_read_s(obj.nbytes)
+        self.event("n2h", f"n2h:{self._label(obj)}", begin, end, "n2h", obj.layer)
+        self.nvme_read_total += obj.nbytes
+        self.sched.stage_started(obj.key)
+        self.staging[obj.key] = then
+
+        def landed() -> None:
+            obj.on_nvme = False
+            after = self.staging.pop(obj.key, None)
+            self.execute(self.sched.staged(obj.key, self.now))
+            if after is not None:
+                after()
+
+        self.at(end, _COPY_DONE, landed)
 
     # -- the clock ------------------------------------------------------------------------
     def at(self, time: float, priority: int, callback: Callable[[], None]) -> None:
@@ -879,6 +940,8 @@ class _Step:
         waiter = self._waiting_for.pop(obj.key, None)
         if waiter is not None:  # backward waits for this copy: it is reloaded now
             waiter()
+        elif self.plan.activation_tier == "nvme":
+            self.spill(obj)
 
     def free(self, obj: _Object) -> None:
         if obj.resident:
@@ -900,6 +963,8 @@ class _Step:
                 self.sched.started(obj.key, _SimEvent(self, end))
             elif action.kind is ActionKind.EVICT:
                 self.evict(obj)
+            elif action.kind is ActionKind.STAGE:
+                self.stage(obj)
 
     def evict(self, obj: _Object) -> None:
         """Drop a held or prefetched copy: freed now, or once its H2D landed."""
@@ -1003,7 +1068,8 @@ class _Step:
         ratio = profile.optimizer_state_bytes / profile.param_bytes if profile.param_bytes else 0.0
         groups = _nvme_groups(sorted(self.nvme_groups, key=lambda g: g[2]))
         states = [int(nbytes * ratio) for nbytes, _, _ in groups]
-        self.nvme_bytes = sum(states)
+        self.nvme_read_total += sum(states)
+        self.nvme_write_total += sum(states)
         self.host_state_window = max(
             (sum(states[max(0, k - 2) : k + 1]) for k in range(len(states))), default=0
         )  # groups i-1 (writing), i (stepping) and i+1 (read ahead)
@@ -1358,6 +1424,22 @@ class _Step:
                 obj.in_place = not obj.held
                 sched.reused(key)
                 self.execute(sched.used(key, t0, managed_key=key))
+            elif state is State.OFFLOADED and obj.on_nvme:  # two hops on demand: stage, then reload
+                pending[0] += 1
+
+                def reload_staged(obj: _Object = obj) -> None:
+                    if self.sched.objects[obj.key].state is State.OFFLOADED:
+                        self.reload(obj)
+                    ready[0] = max(ready[0], obj.h2d_end)
+                    pending[0] -= 1
+                    if pending[0] == 0:
+                        go()
+
+                if key in self.staging:  # the plan's stage is under way: reloaded once it landed
+                    self.staging[key] = reload_staged
+                else:
+                    self.stage(obj, reload_staged)
+                self.execute(sched.used(key, t0, managed_key=key))
             elif state is State.OFFLOADED:
                 end = self.reload(obj)
                 self.execute(sched.used(key, t0, managed_key=key))
@@ -1500,8 +1582,8 @@ class _Step:
             parameter_schedule_settings=psched.settings() if psched is not None else {},
             optimizer_host_bytes=self.optimizer_host_bytes(),
             worst_peak_bytes=max(peak, self.worst),
-            nvme_read_bytes=self.nvme_bytes,
-            nvme_write_bytes=self.nvme_bytes,
+            nvme_read_bytes=self.nvme_read_total,
+            nvme_write_bytes=self.nvme_write_total,
         )
 
     def optimizer_host_bytes(self) -> int:
