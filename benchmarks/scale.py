@@ -28,7 +28,8 @@ Part 2, **step time** (``--time``): keep-all against parameter offload at one wi
 emulated H2D link sized so each block's parameters copy in ``--fill`` (0.8) of that block's
 measured forward time (calibrated in the same run); a step is forward + backward (the
 optimizer update is the same for both and left out). Interleaved rounds, medians, ratio to
-keep-all (target <= 1.15), the same with ``persist_below`` (parameters under 64 KiB -- biases,
+keep-all (target <= 1.15; also the median of each round's ratio to the keep-all round before it,
+which load drifting over the run moves less, and the process CPU per step), the same with ``persist_below`` (parameters under 64 KiB -- biases,
 LayerNorms -- stay on the device, as ZeRO-3's persistence threshold), and the cost floor:
 parameter offload over an unlimited link.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -271,6 +273,7 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
         "params, unlimited link": make("floor"),
     }
     results: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}  # process CPU seconds per step (all threads)
     n = 0
     for step, _, _ in variants.values():
         for _ in range(args.warmup):
@@ -278,12 +281,18 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
             n += 1
     for _ in range(args.rounds):
         for name, (step, _, _) in variants.items():
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.block):
                 step(n)
                 n += 1
             results[name].append((time.perf_counter() - began) / args.block)
+            cpu[name].append((time.process_time() - began_cpu) / args.block)
     base = statistics.median(results["keep-all"])
+    # each round's ratio to the keep-all block run just before it: load that drifts over the run moves both
+    paired = {
+        name: statistics.median(v / k for v, k in zip(values, results["keep-all"], strict=True))
+        for name, values in results.items()
+    }
     print(
         f"\nstep time (forward + backward): width {args.time_width}, depth {args.depth}, batch {args.time_batch}, "
         f"block forward {block_forward * 1e3:.2f} ms, block parameters {format_bytes(block_bytes)}, "
@@ -292,7 +301,14 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, values in results.items():
         med = statistics.median(values)
-        row = {"variant": name, "median_s": med, "ratio": med / base, "samples": values}
+        row = {
+            "variant": name,
+            "median_s": med,
+            "ratio": med / base,
+            "paired_ratio": paired[name],
+            "cpu_s": statistics.median(cpu[name]),
+            "samples": values,
+        }
         handle = variants[name][1]
         if handle is not None:
             st = handle.stats()
@@ -309,10 +325,14 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
             if "stalls" in row
             else ""
         )
-        print(f"{name:34s} {med * 1e3:8.2f} ms  {row['ratio']:.3f} x keep-all{extra}")
+        print(
+            f"{name:34s} {med * 1e3:8.2f} ms  {row['ratio']:.3f} x keep-all (paired {row['paired_ratio']:.3f} x)  "
+            f"cpu {row['cpu_s'] * 1e3:7.1f} ms{extra}"
+        )
     for row in rows[1:3]:
         ratio = row["ratio"]
         print(f"target {row['variant']} <= 1.15 x keep-all: {'MET' if ratio <= 1.15 else 'NOT MET'} ({ratio:.3f} x)")
+    print(f"load average while it ran: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for _, handle, dev in variants.values():
         if handle is not None:
             handle.remove()

@@ -1523,7 +1523,10 @@ def offload_parameters(
       ``budget`` + the parameters in use.
     - ``buffers``: offload buffers too (BatchNorm running statistics are written back when forward
       changed them).
-    - ``margin``: slack before each predicted use; ``prefetch``: ``"deadline"`` or ``"on_demand"``.
+    - ``margin``: slack before each predicted use; ``prefetch``: ``"deadline"`` (each copy planned to land
+      just before its predicted use), ``"asap"`` (the next uses' copies start as soon as the budget has room:
+      the deepest prefetch the budget allows, for links whose copy times the plan underestimates) or
+      ``"on_demand"``.
     - ``persist_below``: parameters (and buffers) smaller than this many bytes stay on the device
       (biases, norms: each use of one costs as much CPU as a large weight's; Note [Small
       parameters stay on the device]); default 0 (everything streamed).
@@ -1538,8 +1541,8 @@ def offload_parameters(
 
         >>> handle = offload_parameters(model, dev, budget="32MiB")   # doctest: +SKIP
     """
-    if prefetch not in ("deadline", "on_demand"):
-        raise ConfigurationError(f"prefetch must be 'deadline' or 'on_demand', got {prefetch!r}")
+    if prefetch not in ("deadline", "asap", "on_demand"):
+        raise ConfigurationError(f"prefetch must be 'deadline', 'asap' or 'on_demand', got {prefetch!r}")
     if not pinned:
         raise ConfigurationError(
             "offload_parameters keeps host copies in pinned memory (pinned=False is not supported)"

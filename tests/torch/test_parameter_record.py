@@ -127,3 +127,31 @@ def test_the_next_forwards_first_parameters_are_not_copied_again(
         first = copied.count("0.weight")
         handle.remove()
     assert first == 1, copied
+
+
+def test_asap_prefetch_trains_bit_identically(make_fake_device: Any) -> None:
+    """``prefetch="asap"``: the next uses' copies start as soon as the budget has room (the deepest prefetch
+    the budget allows); the numbers are keep-all's."""
+
+    def train(**offload: Any) -> tuple[list[torch.Tensor], Any]:
+        dev = make_fake_device(link="slow")
+        with dev:
+            model = _model()
+            handle = offload_parameters(model, dev, **offload) if offload else None
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for step in range(3):
+                losses.append(_step(model, step))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            stats = handle.stats() if handle is not None else None
+            if handle is not None:
+                handle.remove()
+            return losses + [p.detach().clone() for p in model.parameters()], stats
+
+    want, _ = train()
+    got, stats = train(prefetch="asap", budget="64KiB")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert stats.prefetch_hits > 0
+    with pytest.raises(ConfigurationError, match="'deadline', 'asap' or 'on_demand'"):
+        offload_parameters(torch.nn.Linear(4, 4), make_fake_device(), prefetch="eager")
