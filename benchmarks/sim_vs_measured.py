@@ -91,24 +91,6 @@ def _as_resident(measurement: Any, plan: Any) -> Any:
     return replace(measurement, profile=replace(profile, optimizer_state_bytes=0, other_bytes=other))
 
 
-def _two_point_batch(batch: int, half: int, capacity: int, peak: int, half_peak: int, multiple: int) -> int | None:
-    """The largest batch that fits ``capacity``, from the peaks measured at ``batch`` and ``half``.
-
-    Note [The measured max batch has two points]: a peak is a fixed part (the resident state,
-    the gradients a backward holds, what a checkpointed step leaves allocated) plus a part that
-    grows with the batch; one measured point cannot tell them apart, and extrapolating
-    ``peak − resident`` through zero counts the fixed bytes above the resident state as growing
-    (the checkpoint strategy's gradients at its backward peak: 14 "measured" against 15-18
-    predicted). Two batches measure the slope. ``None`` when the peak did not grow.
-    """
-    slope = (peak - half_peak) / (batch - half) if batch > half else 0.0
-    if slope <= 0:
-        return None
-    fixed = peak - slope * batch
-    fits = max(0, int((capacity - fixed) / slope))
-    return fits - fits % max(1, multiple)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
@@ -141,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         pcie_like_bandwidths,
         profile_workload,
         strategy_plans,
+        two_point_batch,
     )
     from offcore_torch.executor import PlanExecutor
     from offcore_torch.optimizer import OffloadOptimizer
@@ -326,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 _extrapolated_batch(settings.batch, capacity, fresh, peak, multiple=plans[name].microbatches)
             )
             rows[name].setdefault("max_batch_2pt", []).append(
-                _two_point_batch(
+                two_point_batch(
                     settings.batch, half, capacity, peak, rows[name]["peak_half"][-1], plans[name].microbatches
                 )
             )
