@@ -153,41 +153,32 @@ def _runtime_link(device: Any) -> dict[str, float]:
 
 
 def test_the_simulated_parameter_round_feeds_the_events_a_real_offload_parameters_step_feeds(
-    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+    make_fake_device: Any,
 ) -> None:
     """Note [Parameter streaming drives a ResidencyScheduler]: the same event names as a real round.
 
-    ``offload_parameters`` has no record option: its module's ResidencyScheduler is replaced by one
-    that records (the same class, ``record=True``), and a steady-state round (the third step) is
-    compared with the simulated round of a four-layer step."""
+    ``offload_parameters(record=True)`` keeps each step's scheduler log; a steady-state round (the
+    third step's) is compared with the simulated round of a four-layer step."""
     import offcore_torch
-    import offcore_torch.parameters as parameters
 
-    from offcore.residency import ResidencyScheduler
     from offcore.sim import StepProfile
     from offcore.sim.profile import LayerProfile
     from offcore.sim.replay import replay
 
-    rounds: list[ResidencyScheduler] = []
-
-    class Recording(ResidencyScheduler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, record=True, **kwargs)
-            rounds.append(self)
-
-    monkeypatch.setattr(parameters, "ResidencyScheduler", Recording)
     device = make_fake_device(capacity="64MiB")
     with device:
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        handle = offcore_torch.offload_parameters(model, device)
+        handle = offcore_torch.offload_parameters(model, device, record=True)
         try:
             for _ in range(3):
                 model(torch.randn(8, 64, device=device.torch_device)).square().mean().backward()
+            handle.release()  # ends the third round (the next one would begin at the next forward)
+            schedules = handle.schedules
         finally:
             handle.remove()
-    real = rounds[2]  # the third round: learnt from the second
-    real_names = {name for name, _, _ in real.log}
-    assert replay(list(real.log), **real.settings()) == list(real.actions)
+    real = schedules[2]  # the third round: learnt from the second
+    real_names = {name for name, _, _ in real["log"]}
+    assert replay(list(real["log"]), **real["settings"]) == list(real["actions"])
 
     layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0, grad_bytes=64 * 65 * 4) for i in range(4)]
     profile = StepProfile(layers, param_bytes=4 * 64 * 65 * 4, h2d_bandwidth=64 * 65 * 4 / 1.5)
@@ -196,5 +187,5 @@ def test_the_simulated_parameter_round_feeds_the_events_a_real_offload_parameter
     optional = {"reloaded", "awaited", "device_in_use"}  # a use with no prefetch held; a capacity reading
     assert real_names - optional == sim_names - optional, (real_names, sim_names)
     # the round's start registers every use of the step (forward, then backward in reverse) as the runtime's
-    registered = [args[2] for name, args, _ in real.log if name == "register"]
+    registered = [args[2] for name, args, _ in real["log"] if name == "register"]
     assert registered == [args[2] for name, args, _ in simulated.parameter_schedule_log if name == "register"]
