@@ -47,6 +47,7 @@ def test_benchmark_runs_both_scenarios_and_checks_every_target(tmp_path: Path) -
         "keep-all",
         "save_on_cpu",
         "save_on_cpu (emulated link)",
+        "copies only (cost floor)",
         "offcore (on demand)",
         "offcore (deadline)",
     ]
@@ -71,6 +72,9 @@ def test_benchmark_runs_both_scenarios_and_checks_every_target(tmp_path: Path) -
         assert rows["keep-all"]["offloaded_bytes"] == 0 and rows["save_on_cpu"]["offloaded_bytes"] == 0
         on_demand, deadline = rows["offcore (on demand)"], rows["offcore (deadline)"]
         assert on_demand["offloaded_bytes"] == deadline["offloaded_bytes"] == report["offloaded_bytes_per_step"]
+        # the cost floor copies exactly the storages offcore offloads (same rules, each once per step)
+        assert rows["copies only (cost floor)"]["offloaded_bytes"] == deadline["offloaded_bytes"]
+        assert rows["copies only (cost floor)"]["main_cpu_ms"] > 0
         for row in scenario["rows"]:
             assert row["step_ms"] > 0 and 0 <= row["exposed_wait_pct_of_step"] <= 100, row
             ratio = row["step_ms"] / rows["keep-all"]["step_ms"]
