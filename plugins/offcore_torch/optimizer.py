@@ -1262,7 +1262,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Note [One host step at step()]
         rest: list[_Slot] = []
         try:
-            if self._nvme is not None:
+            if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
+                pass
+            elif self._nvme is not None:
                 self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
             else:
                 lead, rest = _lead_and_rest(remaining)
@@ -1391,6 +1393,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """After a step or a load: the master (Note [Masters on NVMe]) and the big state tensors of ``slot``
         live in its state buffer, laid out again (a new buffer) when the set of tensors changed."""
         assert self._host is not None
+        assert not (slot.nvme_master and slot.state_buf is None), "a parked master is read in before it is packed"
         state = self._host.state.get(slot.master) or {}
         entries: list[tuple[str, torch.dtype, torch.Size]] = []
         if slot.nvme_master:
