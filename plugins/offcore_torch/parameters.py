@@ -430,6 +430,7 @@ class ParameterOffloadHandle:
         self._pool: Any = None
         self._foreign_step = False  # an optimizer stepped since the last release point
         self._early: frozenset[int] = frozenset()  # Note [The next step starts early]
+        self._turn: frozenset[int] = frozenset()  # Note [Backward's first parameters stay after forward]
         self._thread = threading.current_thread()
         self._last_mode: tuple[bool, bool] | None = None  # the mode of the last step that ended
         self._host_optimizers: set[int] = set()  # ids of optimizers stepping the host copies (and their host ones)
@@ -929,6 +930,8 @@ class ParameterOffloadHandle:
         rs.backward_began(t)  # one round on one clock from the step's start: forward and backward uses alike
         step = self._step = _Step(rs, history, list(sequence), t_last=t, mode=mode)
         self._early = self._first_forward_slots(sequence) if mode[0] else frozenset()
+        # not under a shared device budget: a kept copy is not reserved there (the budget's bound holds)
+        self._turn = self._first_backward_slots(sequence) if mode[0] and self._shared is None else frozenset()
         self._counters["steps"] += 1
         self._execute(step, actions)
         return step
@@ -947,6 +950,31 @@ class ParameterOffloadHandle:
             out.update(slot.index for slot in unit.slots)
         return frozenset(out)
 
+    def _first_backward_slots(self, sequence: list[tuple[int, str]]) -> frozenset[int]:
+        """The storages backward uses first, up to the budget: not freed after their forward use."""
+        out: set[int] = set()
+        total = 0
+        for uid, tag in sequence:
+            if tag != "b":
+                continue
+            unit = self._units[uid]
+            total += unit.nbytes
+            if total > self.budget:
+                break
+            out.update(slot.index for slot in unit.slots)
+        return frozenset(out)
+
+    # Note [Backward's first parameters stay after forward]
+    # The last modules of forward are the first of backward, a loss computation apart. Freed after
+    # their forward use, they would be copied in again at once, and that copy is exposed at the start
+    # of backward (the plan issues it at the last forward trigger, too late to hide it). So in a
+    # grad-enabled step the storages backward uses first (up to the budget, as for Note [The next step
+    # starts early]) stay on the device after their forward use; the plan's prefetch for their
+    # backward use finds them there (no copy) and holds them, and their backward use frees them after
+    # their gradients are accumulated. A step that ends without a backward frees them (``_end_step``).
+    # Not under a shared device budget (offcore_torch.device_budget): a copy kept this way is not
+    # reserved there, and the budget's bound on the device peak must hold.
+
     def _device_in_use(self) -> int:
         device = self.device
         fast = getattr(device, "allocated_bytes", None)  # optional member (offcore.protocols.OPTIONAL_MEMBERS)
@@ -964,6 +992,8 @@ class ParameterOffloadHandle:
         rs.backward_ended(step.t_last)  # teaches the predictor; nothing is held on landing here
         for key, slots in list(step.held.items()):
             self._drop_hold(step, key, slots)
+        for index in self._turn - self._early:  # kept for a backward that did not come (or has passed)
+            self._maybe_free(self._slots[index])
         if self._tier is not None:  # stages nobody used: their buffers go back (the data stays on NVMe)
             step.staging.clear()
             self._reclaim_host()
@@ -1128,8 +1158,10 @@ class ParameterOffloadHandle:
                 tensors[0].register_hook(self._backward_hook(unit))
             elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_hook(unit), mode="any")
+        turn = self._turn if task < 0 and not failed and torch.is_grad_enabled() else ()
         for slot in pinned:
-            self._maybe_free(slot)
+            if slot.index not in turn:  # Note [Backward's first parameters stay after forward]
+                self._maybe_free(slot)
 
     def _backward_hook(self, unit: _Unit) -> Callable[[Any], None]:
         def hook(_grad: Any) -> None:
