@@ -155,3 +155,38 @@ def test_asap_prefetch_trains_bit_identically(make_fake_device: Any) -> None:
     assert stats.prefetch_hits > 0
     with pytest.raises(ConfigurationError, match="'deadline', 'asap' or 'on_demand'"):
         offload_parameters(torch.nn.Linear(4, 4), make_fake_device(), prefetch="eager")
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "freed"])
+def test_backwards_first_parameters_stay_after_forward(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """Note [Backward's first parameters stay after forward]: the last block's MLP is used by forward and, the
+    final norm, head and loss apart, first by backward; it is copied once per step, not freed and copied
+    again at the turn ("freed": with the rule switched off the second copy comes back)."""
+    from offcore_torch.parameters import ParameterOffloadHandle
+
+    if not keep:
+        monkeypatch.setattr(ParameterOffloadHandle, "_first_backward_slots", lambda self, sequence: frozenset())
+    dev = make_fake_device(link="slow")
+    copied: list[str] = []
+    cfg = GPTConfig(vocab_size=256, d_model=384, n_heads=4, n_layers=2, seq_len=32, dropout=0.0)
+    with dev:
+        model = TinyGPT(cfg, seed=0)  # MLP weights of 2.25 MiB: what the plan holds at the turn is not enough
+        handle = offload_parameters(model, dev)
+        copy_in = handle._copy_in
+
+        def counting(slots: list[Any]) -> Any:
+            copied.extend(s.name for s in slots if not s.resident)
+            return copy_in(slots)
+
+        monkeypatch.setattr(handle, "_copy_in", counting)
+        tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+        for step in range(3):
+            if step == 2:
+                copied.clear()
+            next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            model.zero_grad(set_to_none=True)
+        last = copied.count("blocks.1.mlp.2.weight")
+        handle.remove()
+    assert last == (1 if keep else 2), copied
