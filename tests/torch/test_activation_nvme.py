@@ -8,8 +8,11 @@ region holds at once are lower.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -43,8 +46,20 @@ def wait_for_writes(handle: Any) -> None:
     offcore_torch.synchronize(handle.device)
     spill = handle._spill
     for _, io in list(spill.writes.values()):
-        io.synchronize()
+        io.exception()  # waits; a failed write is the region's to settle (never raises here)
     spill.poll()
+
+
+@contextlib.contextmanager
+def settled_offload(device: Any, **options: Any) -> Iterator[Any]:
+    """``offload_activations(device, **options)`` whose spills settle after every module's forward
+    (so that what goes to disk does not depend on the machine's timing)."""
+    with offcore_torch.offload_activations(device, **options) as handle:
+        hook = torch.nn.modules.module.register_module_forward_hook(lambda *_: wait_for_writes(handle))
+        try:
+            yield handle
+        finally:
+            hook.remove()
 
 
 @pytest.mark.parametrize("link", ["unlimited", "slow"])
@@ -59,7 +74,7 @@ def test_activations_on_nvme_train_bit_identically_and_leave_no_file(
         WORKLOADS[name](),
         device=device,
         steps=STEPS,
-        offload={"min_bytes": "1KiB", "nvme": str(tmp_path), "nvme_read_ahead": "8KiB"},
+        offload=lambda: settled_offload(device, min_bytes="1KiB", nvme=str(tmp_path), nvme_read_ahead="8KiB"),
     )
 
     assert_bit_identical(reference, spilled, labels=("keep-all", "activations on NVMe"))
@@ -80,7 +95,10 @@ def test_the_devices_tier_is_shared_and_emptied(make_fake_device: Callable[..., 
     assert tier is not None
     try:
         spilled = run_workload(
-            WORKLOADS["gpt"](), device=device, steps=2, offload={"min_bytes": "1KiB", "tier": "nvme"}
+            WORKLOADS["gpt"](),
+            device=device,
+            steps=2,
+            offload=lambda: settled_offload(device, min_bytes="1KiB", tier="nvme"),
         )
         assert_bit_identical(reference, spilled, labels=("keep-all", "activations on the device's NVMe tier"))
         assert sum(s.spilled_bytes for s in spilled.stats if s is not None) > 0
@@ -206,8 +224,79 @@ def test_mlp_workload_with_the_nvme_tier(make_fake_device: Callable[..., Any], t
     work = lambda: mlp_workload(d_in=32, width=128, depth=3, d_out=16, batch_size=64)  # noqa: E731
     reference = run_workload(work(), device=device, steps=2)
     spilled = run_workload(
-        work(), device=device, steps=2, offload={"min_bytes": "1KiB", "prefetch": "on_demand", "nvme": str(tmp_path)}
+        work(),
+        device=device,
+        steps=2,
+        offload=lambda: settled_offload(device, min_bytes="1KiB", prefetch="on_demand", nvme=str(tmp_path)),
     )
     assert_bit_identical(reference, spilled, labels=("keep-all", "on-demand reloads from NVMe"))
+    assert all(s.nvme_read_bytes > 0 for s in spilled.stats if s is not None)
     settle(device)
     assert files_under(tmp_path) == []
+
+
+def _failing_io(calls: list[int]) -> Any:
+    def op(fd: int, buffers: Any, offset: int) -> int:
+        calls[0] += 1
+        raise OSError(errno.EIO, "injected I/O error")
+
+    return op
+
+
+def test_failed_writes_keep_the_host_copies(
+    make_fake_device: Callable[..., Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every write to disk fails (EIO): the host copies stay the data, one warning, the same gradients."""
+    device = make_fake_device()
+    model, x = _deep_mlp(device)
+    grads = []
+    for nvme in (None, str(tmp_path)):
+        calls = [0]
+        with device, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for p in model.parameters():
+                p.grad = None
+            with pytest.MonkeyPatch.context() as fault:
+                fault.setattr(os, "pwritev", _failing_io(calls))
+                with offcore_torch.offload_activations(device, min_bytes="64KiB", nvme=nvme) as handle:
+                    hooks = [m.register_forward_hook(lambda *_: wait_for_writes(handle)) for m in model] if nvme else []
+                    loss = model(x).square().mean()
+                    for hook in hooks:
+                        hook.remove()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        if nvme is not None:
+            stats = handle.stats()
+            assert calls[0] > 0 and stats.nvme_failures > 0 and stats.spilled_bytes == 0, stats
+            assert sum("NVMe tier failed" in str(w.message) for w in caught) == 1  # once per region
+        del loss
+        settle(device)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert files_under(tmp_path) == []
+    assert pool_used_bytes(device) == 0
+
+
+def test_a_failed_read_raises_and_leaves_nothing(
+    make_fake_device: Callable[..., Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads back from disk fail (EIO): backward raises CopyFailedError naming the storage; once the
+    graph is dropped, its files and buffers are gone."""
+    device = make_fake_device()
+    model, x = _deep_mlp(device)
+    with device:
+        # one storage read ahead at the end of forward (before the fault): the others are read in backward
+        options = {"min_bytes": "64KiB", "nvme": str(tmp_path), "nvme_read_ahead": "4KiB"}
+        with offcore_torch.offload_activations(device, **options) as handle:
+            hooks = [m.register_forward_hook(lambda *_: wait_for_writes(handle)) for m in model]
+            loss = model(x).square().mean()
+            for hook in hooks:
+                hook.remove()
+        assert handle.stats().spilled_bytes > 2 * 128 * 1024
+        with pytest.MonkeyPatch.context() as fault:
+            fault.setattr(os, "preadv", _failing_io([0]))
+            with pytest.raises(offcore.CopyFailedError, match="back from the NVMe tier"):
+                loss.backward()
+        del loss
+    settle(device, collect=True)
+    assert files_under(tmp_path) == []
+    assert pool_used_bytes(device) == 0
