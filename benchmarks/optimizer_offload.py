@@ -32,7 +32,10 @@ landed first; its time includes waiting for the H2D copies) with the AdamW state
 (``tier="nvme"``) stepped with ``offcore.nvme.pipelined`` (read group i+1 / step i / write i-1),
 against the same with the pipeline replaced by the sequential loop (read, step, write per group:
 the baseline of the target >= 1.5 x), and against the states in host memory (``tier="host"``: the
-floor, no I/O). ``--nvme-dir`` must be on the disk to measure (``/tmp`` may be tmpfs).
+floor, no I/O). ``--nvme-dir`` must be on the disk to measure (``/tmp`` may be tmpfs). With
+``--master-weights`` the parameters are bf16 with fp32 masters, which go to NVMe with the states
+(Note [Masters on NVMe]), and one more variant keeps them in host memory; every row gives the host
+bytes the optimizer holds between steps (its ledger) and the bytes on NVMe.
 
 On the fake device the "device" is the same CPU: keep-all's AdamW and offcore's host step
 cost the same arithmetic, and offcore's host steps run on a second core under backward
@@ -63,6 +66,7 @@ import torch
 from offcore_torch.models import mlp_workload
 
 import offcore
+from offcore.kinds import Kind, Tier
 from offcore.trace import TraceRecorder
 
 FILL = 0.7
@@ -385,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", action="store_true", help="also run offcore with clip_grad_norm_")
     parser.add_argument("--scenario", choices=("a", "b", "both", "nvme"), default="both")
     parser.add_argument("--nvme-dir", metavar="DIR", help="scenario nvme: a directory on the disk (default /var/tmp)")
+    parser.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="scenario nvme: bf16 parameters with fp32 masters (on NVMe, and in host memory as a variant)",
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--trace", metavar="PATH", help="Chrome trace of one offcore step (scenario a)")
     parser.add_argument("--png", metavar="PATH", help="PNG timeline of the same step (needs matplotlib)")
@@ -526,17 +535,26 @@ def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> l
     parent = args.nvme_dir or "/var/tmp"
     directory = tempfile.mkdtemp(prefix="offcore-bench-", dir=parent)
     link = {"h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0}
-    setups = [("host memory", "host", False), ("nvme pipelined", "nvme", False), ("nvme sequential", "nvme", True)]
+    setups: list[tuple[str, str, bool, dict[str, Any]]] = [
+        ("host memory", "host", False, {}),
+        ("nvme pipelined", "nvme", False, {}),
+        ("nvme sequential", "nvme", True, {}),
+    ]
+    dtype = torch.bfloat16 if args.master_weights else torch.float32
+    if args.master_weights:  # bf16 parameters, fp32 masters: on disk by default (Note [Masters on NVMe])
+        setups.append(("nvme pipelined, masters in host memory", "nvme", False, {"nvme_masters": False}))
     runs = []
-    for name, tier, sequential in setups:
+    for name, tier, sequential, options in setups:
         dev = make_device(link)
-        model = build(work, dev)
+        model = work.build(0).to(dtype)
         with dev:
+            dev.adopt(model)
             opt = offcore_torch.OffloadOptimizer(
                 model.parameters(),
                 torch.optim.AdamW,
                 device=dev,
-                **({"tier": "nvme", "nvme_path": directory} if tier == "nvme" else {}),
+                master_weights=args.master_weights,
+                **({"tier": "nvme", "nvme": directory, **options} if tier == "nvme" else {}),
                 **ADAMW,
             )
         runs.append({"name": name, "dev": dev, "model": model, "opt": opt, "sequential": sequential, "times": []})
@@ -546,7 +564,8 @@ def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> l
         for run in runs:  # interleaved
             dev, model, opt = run["dev"], run["model"], run["opt"]
             with dev:
-                train_step(work, model, step)
+                batch = tuple(b.to(dtype) for b in work.make_batch(step, torch.device("cpu")))
+                work.loss(model, batch).backward()
                 opt.run_on_host(lambda: None)  # the gradients landed: only the step is timed
                 real = optimizer_module.pipelined
                 if run["sequential"]:
@@ -568,14 +587,28 @@ def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> l
         f"({'O_DIRECT' if nvme_tier.direct else 'buffered: ' + str(nvme_tier.direct_reason)}), median of "
         f"{args.rounds} interleaved rounds (baseline: nvme sequential)\n"
     )
-    print("| variant | step ms | x sequential |")
-    print("|---|---:|---:|")
+    print("| variant | step ms | x sequential | host bytes between steps (ledger) | on NVMe |")
+    print("|---|---:|---:|---:|---:|")
     base = statistics.median(runs[2]["times"])
     rows = []
+    host_tiers, kinds = (Tier.PINNED, Tier.PAGEABLE), (Kind.PARAMETER, Kind.GRADIENT, Kind.OPTIMIZER_STATE)
     for run in runs:
         t = statistics.median(run["times"])
-        rows.append({"variant": run["name"], "step_s": t, "speedup_vs_sequential": base / t})
-        print(f"| {run['name']} | {t * 1e3:.1f} | {base / t:.2f} |")
+        ledger = run["opt"].ledger
+        host_bytes = sum(ledger.bytes(tier, kind) for tier in host_tiers for kind in kinds)
+        disk = sum(ledger.bytes(Tier.NVME, kind) for kind in kinds)
+        rows.append(
+            {
+                "variant": run["name"],
+                "step_s": t,
+                "speedup_vs_sequential": base / t,
+                "host_bytes": host_bytes,
+                "nvme_bytes": disk,
+            }
+        )
+        print(
+            f"| {run['name']} | {t * 1e3:.1f} | {base / t:.2f} | {host_bytes / 2**20:.1f} MiB | {disk / 2**20:.1f} MiB |"
+        )
     host, seq = rows[0]["step_s"], base
     ceiling = seq / max(seq - host, host)  # perfect overlap of the I/O (seq - host) with the compute (host)
     print(
