@@ -30,6 +30,7 @@ import contextlib
 import copy
 import inspect
 import io
+import os
 import re
 import sys
 import types
@@ -56,25 +57,30 @@ def _import_optim_db() -> Any:
 
     Its import pulls in torch's ``common_utils``, which needs ``expecttest`` (only for torch's own
     TestCase: a stand-in module does when it is not installed), freezes ``torch.backends`` flags
-    (``disable_global_flags``) and patches TorchScript's call; all three are undone here, so the
-    rest of the suite runs in the same process as before.
+    (``disable_global_flags``), patches TorchScript's call, sets environment variables and adds
+    warning filters; all are undone here, so the rest of the suite runs in this process as before.
     """
-    missing = "expecttest" not in sys.modules
-    if missing:
+    if "expecttest" not in sys.modules:
         try:
             import expecttest  # noqa: F401
         except ImportError:
             stand_in = types.ModuleType("expecttest")
             stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
             sys.modules["expecttest"] = stand_in
+    backends = torch.backends.flags_frozen.__globals__  # the module's own namespace (torch.backends is wrapped)
     flag = "__allow_nonbracketed_mutation_flag"
-    allowed = getattr(torch.backends, flag, True)
+    allowed = backends[flag]
     script_calls = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
+    environ = dict(os.environ)
     try:
-        from torch.testing._internal import common_optimizers
+        with warnings.catch_warnings():
+            from torch.testing._internal import common_optimizers
     finally:
-        setattr(torch.backends, flag, allowed)
+        backends[flag] = allowed
         torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = script_calls  # type: ignore[method-assign]
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update(environ)
     return common_optimizers
 
 
