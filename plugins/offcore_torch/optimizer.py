@@ -392,6 +392,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigurationError(
                 "give the NVMe tier once: nvme= (a path or an offcore.nvme.NvmeSpec) or nvme_path="
             )
+        if tier == "nvme" and nvme is None and nvme_path is None and (nvme_budget is not None or verify):
+            raise ConfigurationError(
+                "nvme_budget= / verify= set up a tier of this optimizer's own: give its directory with nvme= or "
+                "nvme_path= (the device's shared tier, offcore_torch.nvme_tier, has its own budget and verify)"
+            )
         if tier == "nvme" and nvme is None and nvme_path is None and nvme_tier_for(device) is None:
             raise ConfigurationError(
                 "tier='nvme' needs a directory on the NVMe disk: nvme= (a path or an offcore.nvme.NvmeSpec), "

@@ -104,6 +104,8 @@ def test_bad_arguments(make_fake_device: Any, tmp_path: Path) -> None:
         offcore_torch.OffloadOptimizer(
             model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", nvme=str(tmp_path), nvme_path=str(tmp_path)
         )
+    with pytest.raises(ConfigurationError, match="of this optimizer's own"):
+        offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", verify=True)
     with pytest.raises(ConfigurationError, match="path or an offcore.nvme.NvmeSpec"):
         offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, tier="nvme", nvme=42)
 
