@@ -104,20 +104,26 @@ def _trains_dense(info: Any) -> bool:
 
 
 def _configs() -> Iterator[Any]:
-    """``pytest.param(info, kwargs, id=...)`` for every config torch tests on the CPU, plus the accelerators'
-    extra configs (``capturable``), each with the CPU's cliquey flags (``fused`` where the CPU has it)."""
+    """``pytest.param(info, kwargs, id=...)`` for every config torch's test_optim.py runs on the CPU
+    (``_get_optim_inputs_including_global_cliquey_kwargs``: each config with its cliquey flags off, then
+    each flag on: ``fused`` where the CPU has it, ``differentiable``, which test_differentiable_is_refused
+    covers instead), plus the accelerators' extra configs (``capturable``) with the same flags."""
     for info in OPTIM_DB:
         if not _trains_dense(info):
             continue
-        inputs = info.optim_inputs_func(device="cpu")
-        seen = {i.desc for i in inputs}
-        inputs += [i for i in info.optim_inputs_func(device="cuda") if i.desc not in seen]
-        flags = [f for f in info.supported_impls if f == "fused" and "cpu" in info.supports_fused_on]
-        for optim_input in inputs:
-            variants = [(optim_input.desc, dict(optim_input.kwargs))]
-            variants += [(f"{optim_input.desc} & {f}", {**optim_input.kwargs, f: True}) for f in flags]
-            for desc, kwargs in variants:
-                yield pytest.param(info, kwargs, id=f"{_name(info)}-{desc}".replace(" ", "_"))
+        configs = common_optimizers._get_optim_inputs_including_global_cliquey_kwargs("cpu", torch.float32, info)
+        seen = {i.desc for i in info.optim_inputs_func(device="cpu")}
+        flags = [
+            f for f in info.supported_impls if f != "foreach" and (f != "fused" or "cpu" in info.supports_fused_on)
+        ]
+        for extra in info.optim_inputs_func(device="cuda"):
+            if extra.desc not in seen:
+                base = {**extra.kwargs, **dict.fromkeys(flags, False)}
+                configs.append(types.SimpleNamespace(desc=extra.desc, kwargs=base))
+                configs += [types.SimpleNamespace(desc=f"{extra.desc} & {f}", kwargs={**base, f: True}) for f in flags]
+        for config in configs:
+            if not config.kwargs.get("differentiable"):
+                yield pytest.param(info, dict(config.kwargs), id=f"{_name(info)}-{config.desc}".replace(" ", "_"))
 
 
 CONFIGS = list(_configs())
@@ -365,6 +371,7 @@ def test_state_dict_round_trip_resumes_exactly(dev: Any, info: Any) -> None:
     first = train(cls, kwargs, dev, steps=half, per_step=keep_checkpoint)
     checkpoint, weights = first.extra
     assert_same(first.losses, expected.losses[:half], "losses before the checkpoint")
+    assert_same(checkpoint, train(cls, kwargs, dev, offload=False, steps=half).state, "the checkpoint")
 
     plain_model = build(cls, seed=1)
     plain = cls(groups_of(plain_model, cls, kwargs), **kwargs)
@@ -893,3 +900,30 @@ def test_errors(dev: Any, info: Any) -> None:
         else:
             assert isinstance(error, case.error_type), (given.desc, error)
             assert re.search(case.error_regex, str(error)), (given.desc, error)
+
+
+@pytest.mark.parametrize("info", DENSE)
+def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(dev: Any, info: Any) -> None:
+    """Optimizer.load_state_dict's checks: a state dict with another number of groups, or a group of another
+    size, raises torch's ValueError; the optimizer is left as it was (the next steps are the reference's)."""
+    cls, kwargs = info.optim_cls, representative(info)
+    other = cls(list(build(cls).parameters()), **kwargs)
+    fewer = other.state_dict()  # one group of four parameters (two for Muon), not two groups of two (one)
+    swapped = cls(groups_of(build(cls), cls, kwargs)[::-1], **kwargs).state_dict()
+    swapped["param_groups"][0]["params"] = swapped["param_groups"][0]["params"][:-1]
+
+    def bad_loads(opt: Any, run: Run) -> None:
+        if not isinstance(opt, offcore_torch.OffloadOptimizer):
+            return
+        with pytest.raises(ValueError, match="different number of parameter groups"):
+            opt.load_state_dict(copy.deepcopy(fewer))
+        with pytest.raises(ValueError, match="doesn't match the size"):
+            opt.load_state_dict(copy.deepcopy(swapped))
+
+    def bad_loads_mid_run(opt: Any, loss: torch.Tensor, run: Run) -> None:
+        if len(run.losses) == STEPS // 2:
+            bad_loads(opt, run)
+
+    expected = train(cls, kwargs, dev, offload=False)
+    got = train(cls, kwargs, dev, on_start=bad_loads, per_step=bad_loads_mid_run)
+    assert_runs_equal(got, expected)
