@@ -15,15 +15,19 @@ field is the spill state below):
   buffer is written to the tier. When the write completed, the pinned buffer goes back to the
   pool (``disk``) — or stays (``both``) when a host-to-device copy reads it or its storage is
   restored on the device. Note [Spilled host buffers go back after their write].
-- **read-ahead** (``reading``): at the end of forward and at every unpack, reads of the
-  storages on disk start in the order backward needs them (the scheduler's plan; reverse
-  save order before it has one), up to ``nvme_read_ahead`` bytes read back and not yet used.
-  A read lands in a fresh buffer of the same pool (``both`` once it landed).
+- **stage** (``reading``): a storage whose host buffer went back is ``spilled`` to the
+  region's ResidencyScheduler, which plans its read on the tier's measured read link before
+  its host-to-device copy (Note [Two hops from NVMe] in offcore/residency.py): its STAGE
+  actions start the reads (refused while ``nvme_read_ahead`` bytes are read back and not used
+  yet, or the pool is full: offered again), and each landed read is a trigger (``staged``)
+  whose prefetches may start. Without a plan (``prefetch="on_demand"``) reads start in reverse
+  save order within the same window. A read lands in a fresh buffer of the same pool (``both``).
 - **reload**: a host-to-device copy (prefetch or on-demand reload) first makes sure the host
   copy is there (:meth:`ActivationSpill.ensure_host`: it waits for the read, starting it if
   needed — an NVMe stall, counted in ``OffloadStats.nvme_stalls``).
-- **consumed**: once backward used the restored storage, a host copy read back from disk
-  goes back to the pool again (the file stays: a retained graph reads it again).
+- **consumed**: once backward used the restored storage (the object is only offloaded
+  again), a host copy read back from disk goes back to the pool again and the object is
+  spilled again (the file stays: a retained graph reads it again).
 - **release**: when autograd drops the records, the file is deleted (after any transfer of
   it in flight); a tier of the region's own is closed once the region exited and nothing of
   it is left, and in any case when the region is garbage collected (its directory removed).
@@ -103,6 +107,10 @@ class ActivationSpill:
         self._ahead: set[int] = set()  # their keys
         # entries on disk whose host buffer a host-to-device copy reads: returned once it landed
         self._kept: dict[int, Entry] = {}
+        self._notify: list[int] = []  # reads landed that the scheduler was not told of yet (staged)
+        # the host tier each spilled entry's buffer came from (the scheduler marks a spilled object's host_tier
+        # NVME, and PINNED once staged): what the region's ledger counts its read-back buffer on
+        self._tiers: dict[int, Tier] = {}
         self.disk_bytes = 0
         self.peak_disk_bytes = 0
         self.written_bytes = 0
@@ -122,7 +130,7 @@ class ActivationSpill:
     @property
     def pending(self) -> bool:
         """Transfers in flight, or host buffers waiting for a copy (the region polls them)."""
-        return bool(self.writes or self.reads or self._kept)
+        return bool(self.writes or self.reads or self._kept or self._notify)
 
     # -- forward: spill --------------------------------------------------------------------
     def landed(self, entry: Entry) -> None:
@@ -156,6 +164,16 @@ class ActivationSpill:
         if self._kept:
             for entry in list(self._kept.values()):
                 self._drop_host(entry)
+        if self._notify:  # each landed read is a trigger of the scheduler (Note [Two hops from NVMe])
+            region = self._region_ref()
+            keys, self._notify = self._notify, []
+            if region is not None:
+                sched = region._sched
+                for key in keys:
+                    if key in sched.objects and region._by_key.get(key) is not None:
+                        actions = sched.staged(key, time.perf_counter())
+                        sched.objects[key].host_tier = self._tiers.get(key, Tier.PINNED)
+                        region._execute(actions)
 
     def _write_done(self, entry: Entry, handle: IOHandle) -> None:
         error = handle.exception()
@@ -185,8 +203,10 @@ class ActivationSpill:
         if entry.nvme is not BOTH or entry.host is None:
             return False
         obj = entry.obj
-        if obj.state is State.PREFETCHING and not _landed(obj.h2d_event):
-            self._kept[entry.key] = entry  # a host-to-device copy reads it: once that copy landed (poll)
+        if obj.state is not State.OFFLOADED:
+            # a host-to-device copy reads it, or its device copy is in use: once it is only offloaded again (poll,
+            # consumed), so that the scheduler can be told it lives on disk (spilled)
+            self._kept[entry.key] = entry
             return False
         self._kept.pop(entry.key, None)
         region = self._region_ref()
@@ -197,8 +217,10 @@ class ActivationSpill:
         entry.nvme = DISK
         self.on_disk[entry.key] = entry
         region._pool().release(host)  # the pool poisons it under the sanitizer
-        region._ledger.remove(_host_tier(entry), Kind.ACTIVATION, entry.nbytes)
+        tier = self._tiers[entry.key] = obj.host_tier or Tier.PINNED
+        region._ledger.remove(tier, Kind.ACTIVATION, entry.nbytes)
         self._used(entry)
+        region._sched.spilled(entry.key)  # its reload is two hops, planned on the tier's read link
         return True
 
     def _used(self, entry: Entry) -> None:
@@ -212,16 +234,22 @@ class ActivationSpill:
             self._drop_host(entry)
 
     # -- backward: read back ---------------------------------------------------------------
+    def stage(self, entry: Entry) -> bool:
+        """The scheduler's STAGE of ``entry`` (Note [Two hops from NVMe]): start its read (False: refused, no room
+        in the pool or ``read_ahead`` bytes already read back and unused; offered again at the next trigger)."""
+        state = entry.nvme
+        if state is not DISK:
+            return state is READING or state is BOTH  # already on its way, or back
+        if self.ahead_bytes and self.ahead_bytes + entry.nbytes > self.read_ahead_bytes:
+            return False
+        return self._start_read(entry, required=False)
+
     def read_ahead(self, plan: Any) -> None:
-        """Start reads of storages on disk in need order, up to ``read_ahead`` bytes read back and unused."""
-        if not self.on_disk or self.ahead_bytes >= self.read_ahead_bytes:
+        """Without a scheduler plan to stage by (``prefetch="on_demand"``): start reads of storages on disk in
+        reverse save order, up to ``read_ahead`` bytes read back and unused."""
+        if plan is not None or not self.on_disk or self.ahead_bytes >= self.read_ahead_bytes:
             return
-        need = getattr(plan, "need", None)
-        if need:
-            order = sorted(self.on_disk.values(), key=lambda e: (need.get(e.key, float("inf")), -e.key))
-        else:  # before a plan: backward needs the last saved first
-            order = sorted(self.on_disk.values(), key=lambda e: -e.key)
-        for entry in order:
+        for entry in sorted(self.on_disk.values(), key=lambda e: -e.key):  # backward needs the last saved first
             if self.ahead_bytes + entry.nbytes > self.read_ahead_bytes and self.ahead_bytes:
                 return
             if not self._start_read(entry, required=False):
@@ -273,7 +301,9 @@ class ActivationSpill:
         self.read_bytes += entry.nbytes
         entry.host, entry.host_view = buffer, view
         entry.nvme = BOTH
-        region._ledger.add(_host_tier(entry), Kind.ACTIVATION, entry.nbytes)  # what the entry's release removes
+        self._notify.append(entry.key)
+        tier = entry.obj.host_tier = self._tiers.get(entry.key, Tier.PINNED)  # what the entry's release removes
+        region._ledger.add(tier, Kind.ACTIVATION, entry.nbytes)
 
     def ensure_host(self, entry: Entry) -> None:
         """Make the host copy of ``entry`` usable (read it back, waiting for it): before any host-to-device copy."""
@@ -324,6 +354,7 @@ class ActivationSpill:
         self._used(entry)
         self.on_disk.pop(key, None)
         self._kept.pop(key, None)
+        self._tiers.pop(key, None)
         entry.nvme = None
         if not self.tier.closed and self._key(entry) in self.tier:
             self.tier.delete(self._key(entry))
@@ -340,16 +371,3 @@ class ActivationSpill:
         self._closed = True
         if self._finalizer is not None:
             self._finalizer()
-
-
-def _host_tier(entry: Entry) -> Tier:
-    """The host tier the region's ledger counts ``entry``'s host bytes on (what its release removes)."""
-    return entry.obj.host_tier or Tier.PINNED
-
-
-def _landed(event: Any) -> bool:
-    """Whether a host-to-device copy's event completed (a failed copy reads nothing any more either)."""
-    try:
-        return bool(event.query())
-    except Exception:
-        return True

@@ -359,6 +359,7 @@ class OffloadHandle:
                     "or set one for the device first with offcore_torch.nvme_tier(device, PATH, budget=...)"
                 )
             self._spill = ActivationSpill(self, tier, owned=owned, read_ahead=policy.nvme_read_ahead)
+            self._sched.stage_duration = tier.read_link.duration  # Note [Two hops from NVMe] (offcore/residency.py)
 
     @property
     def _round(self) -> int:
@@ -1083,6 +1084,11 @@ class OffloadHandle:
                     self._start_prefetch(entry)
                 elif action.kind is ActionKind.EVICT and entry is not None:
                     self._evict(entry)
+                elif action.kind is ActionKind.STAGE and entry is not None:  # NVMe -> host (activation_nvme.py)
+                    if self._spill is not None and self._spill.stage(entry):
+                        self._sched.stage_started(action.key)
+                    else:
+                        self._sched.stage_refused(action.key, "no_room")
         finally:
             if not outer:
                 self._h2d_ordered = False  # the next trigger's copies order after compute again
