@@ -2,9 +2,10 @@
 
 The configurations come from ``torch.testing._internal.common_optimizers.optim_db`` of the
 installed torch (not a hand-copied list): for every ``OptimizerInfo`` whose optimizer runs on
-the CPU, every config of its ``optim_inputs_func`` (the CPU's, plus the accelerators' extra ones,
-which add ``capturable``), with torch's global "cliquey" flags on the CPU (``fused`` where
-``supports_fused_on`` has the CPU). Each trains a small model (two Linear layers in two param
+the CPU, every config torch's ``test_optim.py`` runs on the CPU (its ``optim_inputs_func`` through
+``_get_optim_inputs_including_global_cliquey_kwargs``: the global "cliquey" flags off, then
+``fused`` on where ``supports_fused_on`` has the CPU), plus the accelerators' extra configs (which
+add ``capturable``). Each trains a small model (two Linear layers in two param
 groups, the second with half the learning rate) for a few steps on the fake device with
 ``OffloadOptimizer(groups, optimizer_class, device=dev, **kwargs)`` and compares losses,
 parameters and ``state_dict()`` bit for bit with the same optimizer class and kwargs run on plain
@@ -60,13 +61,13 @@ def _import_optim_db() -> Any:
     (``disable_global_flags``), patches TorchScript's call, sets environment variables and adds
     warning filters; all are undone here, so the rest of the suite runs in this process as before.
     """
-    if "expecttest" not in sys.modules:
-        try:
-            import expecttest  # noqa: F401
-        except ImportError:
-            stand_in = types.ModuleType("expecttest")
-            stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-            sys.modules["expecttest"] = stand_in
+    stand_in = None
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("expecttest")
+        stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
+        sys.modules["expecttest"] = stand_in
     backends = torch.backends.flags_frozen.__globals__  # the module's own namespace (torch.backends is wrapped)
     flag = "__allow_nonbracketed_mutation_flag"
     allowed = backends[flag]
@@ -81,6 +82,8 @@ def _import_optim_db() -> Any:
         for name in set(os.environ) - set(environ):
             del os.environ[name]
         os.environ.update(environ)
+        if stand_in is not None and sys.modules.get("expecttest") is stand_in:
+            del sys.modules["expecttest"]
     return common_optimizers
 
 
@@ -322,7 +325,7 @@ def refused_on_cpu(cls: type[Any], kwargs: dict[str, Any]) -> str | None:
 
 @pytest.fixture
 def dev(backend: Any, make_fake_device: Any) -> Any:
-    return sanitized_device(backend, make_fake_device, link="unlimited")
+    return sanitized_device(backend, make_fake_device, link="slow")
 
 
 # ---------------------------------------------------------------- every config of optim_db, bit for bit
