@@ -25,7 +25,7 @@ from offcore.sim.formulas import (
     utilization,
 )
 from offcore.sim.plan import Action, Plan, PrefetchPolicy
-from offcore.sim.planner import PlanResult, exhaustive_plan, plan
+from offcore.sim.planner import PlanResult, exhaustive_plan, plan, size_prefetch_budget, steady_prefetch
 from offcore.sim.profile import (
     LayerProfile,
     StepProfile,
@@ -59,6 +59,8 @@ __all__ = [
     "plan_lower_bound",
     "prefetch_start",
     "simulate",
+    "size_prefetch_budget",
+    "steady_prefetch",
     "transfer_time",
     "transformer_layer_flops",
     "transformer_layer_profile",

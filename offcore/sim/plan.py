@@ -168,6 +168,12 @@ class Plan:
             ``"host"`` (the default) or ``"nvme"`` (written to the NVMe tier once their D2H
             landed; a reload is two hops, NVMe → host then H2D: Note [Activations on NVMe in
             the simulator] in simulator.py).
+        drain_offloads: ``False`` (the default) or ``True``: each offloaded layer's forward ends
+            when the device-to-host copies of its saved tensors landed (PlanExecutor waits for
+            them and frees their device copies before the next layer runs), so forward never
+            holds more than one layer's copies in flight, however slowly the link runs (Note
+            [Drained offloads bound the forward's copies in flight] in simulator.py). It costs
+            each offloaded layer the tail of its copies; ``offcore compare`` sets it.
 
     >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
     [(0, 1), (2, 3)]
@@ -182,8 +188,11 @@ class Plan:
     parameters: ParameterPlacement = "resident"
     optimizer_tier: OptimizerTier = "host"
     activation_tier: OptimizerTier = "host"
+    drain_offloads: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.drain_offloads, bool):
+            raise ConfigurationError(f"drain_offloads must be True or False, got {_brief(self.drain_offloads)}")
         if self.optimizer not in ("device", "offload"):
             raise ConfigurationError(f"optimizer must be 'device' or 'offload', got {_brief(self.optimizer)}")
         if self.parameters not in ("resident", "stream"):
@@ -319,6 +328,7 @@ class Plan:
             + ("/nvme" if self.optimizer_tier == "nvme" else "")
             + (" activations=nvme" if self.activation_tier == "nvme" else "")
             + (" parameters=stream" if self.parameters == "stream" else "")
+            + (" drained" if self.drain_offloads else "")
         )
         return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}{kinds}"
 
@@ -342,6 +352,8 @@ class Plan:
             data["optimizer_tier"] = self.optimizer_tier
         if self.activation_tier != "host":
             data["activation_tier"] = self.activation_tier
+        if self.drain_offloads:
+            data["drain_offloads"] = True
         return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -367,6 +379,7 @@ class Plan:
             "parameters",
             "optimizer_tier",
             "activation_tier",
+            "drain_offloads",
         }
         unknown = set(data) - known
         if unknown:
@@ -391,6 +404,7 @@ class Plan:
             parameters=data.get("parameters", "resident"),
             optimizer_tier=data.get("optimizer_tier", "host"),
             activation_tier=data.get("activation_tier", "host"),
+            drain_offloads=data.get("drain_offloads", False),
         )
         if profile is not None:
             plan.check(profile)

@@ -73,7 +73,17 @@ from offcore.sim.profile import StepProfile
 from offcore.sim.simulator import SimResult, simulate
 from offcore.units import format_bytes, parse_duration, parse_size
 
-__all__ = ["plan", "exhaustive_plan", "PlanResult", "Plan", "Action", "PrefetchPolicy"]
+__all__ = [
+    "plan",
+    "exhaustive_plan",
+    "size_prefetch_budget",
+    "steady_prefetch",
+    "STEADY_MARGIN_S",
+    "PlanResult",
+    "Plan",
+    "Action",
+    "PrefetchPolicy",
+]
 
 Method = Literal["auto", "greedy", "exhaustive"]
 ALL_ACTIONS: tuple[Action, ...] = (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE)
@@ -660,3 +670,101 @@ def exhaustive_plan(profile: StepProfile, budget_bytes: int | str | None = None,
     """
     options.setdefault("method", "exhaustive")
     return plan(profile, budget_bytes, **options)
+
+
+# Note [A finite prefetch budget makes the peak hold]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An offloaded step's device peak is set in backward by how many reloads are outstanding
+# (issued, not yet used) at once, and the deadline runtime issues reloads from its *own* online
+# link estimate, which moves with load (Note [The worst peak within the prefetch budget] in
+# simulator.py): with no budget (PlanExecutor then passes the capacity) a slow estimate brought
+# in many reloads at once, a quiet run few; the measured peak moved 20-30 % run to run, and by
+# one saved tensor at the turn (whether the first reload started at forward's end). The runtime
+# enforces ``prefetch_budget`` (offcore/residency.py, Note [Budget semantics]) and ``margin``, so
+# ``steady_prefetch`` gives a plan both: a margin of STEADY_MARGIN_S makes every reload due at
+# the first trigger, so the runtime and the simulator alike keep the budget full from the end of
+# forward on (whatever the link estimate), and the budget is the smallest on a ladder (the
+# largest single saved tensor, then doubling) whose simulated step is no slower than an
+# unbounded one's (``size_prefetch_budget``): on a fast link one tensor, a slow link gets the
+# lead its copies need. The peak then holds in every run: the simulated one, which equals
+# SimResult.worst_peak_bytes. ``offcore compare`` gives its offloaded strategies this policy.
+
+STEADY_MARGIN_S = 3600.0
+"""A prefetch margin longer than any step: every reload is due at once, the budget alone holds them back."""
+
+
+def steady_prefetch(profile: StepProfile, step_plan: Plan, *, microbatch_overhead_s: float = 0.0) -> PrefetchPolicy:
+    """The prefetch policy whose reloads keep a sized budget full (Note [A finite prefetch budget makes the peak hold]).
+
+    ``step_plan``'s policy with ``margin_s=STEADY_MARGIN_S`` and the budget :func:`size_prefetch_budget`
+    picks under it (its own budget when it has one); unchanged for on-demand prefetch or a plan
+    that offloads nothing.
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> p = uniform_profile(4, forward_s=1e-3, backward_s=2e-3, saved_bytes=1 << 20,
+    ...                     d2h_bandwidth="16GiB/s", h2d_bandwidth="16GiB/s")
+    >>> steady_prefetch(p, Plan.uniform(4, "offload")).budget_bytes
+    1048576
+    """
+    policy = step_plan.prefetch
+    if policy.mode == "on_demand" or Action.OFFLOAD not in step_plan.actions:
+        return policy
+    early = replace(step_plan, prefetch=replace(policy, mode="deadline", margin_s=STEADY_MARGIN_S, lead_s=None))
+    budget = policy.budget_bytes
+    if budget is None:
+        budget = size_prefetch_budget(profile, early, microbatch_overhead_s=microbatch_overhead_s)
+    return replace(early.prefetch, budget_bytes=budget)
+
+
+def size_prefetch_budget(
+    profile: StepProfile,
+    step_plan: Plan,
+    *,
+    tolerance: float = 0.01,
+    microbatch_overhead_s: float = 0.0,
+) -> int | None:
+    """The smallest reload budget that costs ``step_plan`` no step time (Note [A finite prefetch budget makes the peak hold]).
+
+    The plan's own policy (mode, margin) is kept. Returns ``None`` when the plan offloads nothing or prefetches on demand (no budget applies).
+    Candidates: the largest saved tensor of an offloaded layer, doubled until it covers every
+    offloaded byte; the first whose simulated step time is within ``tolerance`` (a fraction)
+    of the step with no budget is returned (the last candidate covers every reload, so one
+    always qualifies).
+
+    >>> from offcore.sim.profile import uniform_profile
+    >>> p = uniform_profile(4, forward_s=1e-3, backward_s=2e-3, saved_bytes=1 << 20,
+    ...                     d2h_bandwidth="16GiB/s", h2d_bandwidth="16GiB/s")
+    >>> size_prefetch_budget(p, Plan.uniform(4, "offload"))
+    1048576
+    """
+    if not isinstance(step_plan, Plan):
+        raise ConfigurationError(f"size_prefetch_budget needs a Plan, got {type(step_plan).__name__}")
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
+        raise ConfigurationError(f"tolerance must be a non-negative fraction, got {tolerance!r}")
+    if step_plan.prefetch.mode == "on_demand" or Action.OFFLOAD not in step_plan.actions:
+        return None
+    micro = profile.split_microbatches(step_plan.microbatches) if step_plan.microbatches > 1 else profile
+    offloaded = [
+        layer for layer, action in zip(micro.layers, step_plan.actions, strict=True) if action is Action.OFFLOAD
+    ]
+    sizes = [nbytes for layer in offloaded for _, nbytes in layer.saved_tensors] or [
+        layer.saved_bytes for layer in offloaded
+    ]
+    total = sum(sizes)
+    if total <= 0:
+        return None
+
+    def step_s(budget: int | None) -> float:
+        policy = replace(step_plan.prefetch, budget_bytes=budget)
+        candidate = replace(step_plan, prefetch=policy)
+        return simulate(
+            profile, candidate, microbatch_overhead_s=microbatch_overhead_s, record_events=False
+        ).step_time_s
+
+    limit = step_s(None) * (1.0 + tolerance)
+    budget = max(sizes)
+    while budget < total:
+        if step_s(budget) <= limit:
+            return budget
+        budget *= 2
+    return total

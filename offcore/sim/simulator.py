@@ -234,6 +234,21 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # bounded here. The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a
 # finite budget is the way to a peak that holds in every run.
 #
+# Note [Drained offloads bound the forward's copies in flight]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A device copy of a saved tensor is freed when its D2H landed, and forward has no budget for
+# copies in flight: where the link runs slower than the profile's (the fake device's sanitizer
+# checks every copy on its copy thread; a loaded host starves that thread) forward's device
+# copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
+# 3.5 MiB run to run in tests/torch/test_sim_memory.py's offload plan, against 1.6 unsanitized).
+# ``Plan.drain_offloads``: PlanExecutor ends each offloaded layer's forward by waiting on the D2H
+# stream and handing the landings to the regions (offcore_torch.offload.poll), so their device
+# copies are freed before the next layer runs; the simulator's compute stream waits for the
+# layer's last D2H the same way. Forward then holds at most the running layer's copies, the
+# turn starts with every copy landed, and backward's level is set by the prefetch budget alone
+# (Note [A finite prefetch budget makes the peak hold] in planner.py). The cost is each layer's
+# copy tail (zero when copies keep up with compute).
+#
 # Note [Parameters outside the layers are streamed too]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # offload_parameters streams every module's parameters, the embedding, the final norm and the
@@ -1316,6 +1331,7 @@ class _Step:
                 self.change(head)
                 self.execute(sched.forward_ended(self.now))
                 sched.backward_began(self.now)
+                self.refresh_room()  # the worst peak: the head's bytes and every reload the budget allows
                 self.change(-head)
                 self.refresh_room()
                 land = self.outside_copy("turn")  # Note [Parameters outside the layers are streamed too]
@@ -1391,6 +1407,13 @@ class _Step:
             self.change(-self.work[i])
             if self.psched is not None and self.params[i] > 0:
                 self.param_release(i)
+            if self.plan.drain_offloads and action is Action.OFFLOAD:
+                # Note [Drained offloads bound the forward's copies in flight]
+                landed = max((obj.d2h_end for obj in saves if obj.managed), default=self.now)
+                if landed > self.now:
+                    self.wait(i, self.now, landed)
+                    self.at(landed, _START, lambda: self.next_task(index + 1))
+                    return
             self.next_task(index + 1)
 
         self.at(end, _END, finish)

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 import offcore
 from offcore.comparison import STRATEGIES, Comparison, Gates, StrategyResult
 from offcore.errors import CapacityExceededError, ConfigurationError
-from offcore.sim import Action, Plan, StepProfile, plan, simulate, transformer_layer_profile
+from offcore.sim import Action, Plan, StepProfile, plan, simulate, steady_prefetch, transformer_layer_profile
+from offcore.sim.planner import STEADY_MARGIN_S
 from offcore.units import format_bandwidth, format_bytes
 from offcore_torch.executor import PlanExecutor
 from offcore_torch.layers import find_layers
@@ -53,6 +54,7 @@ __all__ = [
     "measure_microbatch_overhead",
     "strategy_plans",
     "plan_strategies",
+    "bounded_offload_plan",
     "StrategyPlan",
 ]
 
@@ -724,6 +726,12 @@ def plan_strategies(
             Plan.keep_all(n, microbatches=chosen, layer_names=names),
             f"keep all, {chosen} micro-batches of {settings.batch // chosen}: {why}",
         )
+    # Note [A finite prefetch budget makes the peak hold] (offcore/sim/planner.py): the offloaded
+    # strategies reload within the smallest budget that costs them no predicted time, and drain
+    # each layer's copies (Note [Drained offloads bound the forward's copies in flight])
+    for name, (step_plan, why) in named.items():
+        if step_plan is not None and Action.OFFLOAD in step_plan.actions:
+            named[name] = (bounded_offload_plan(profiles[step_plan.microbatches], step_plan, overhead), why)
     plans: dict[str, StrategyPlan] = {}
     for name, (step_plan, why) in named.items():
         if step_plan is None:
@@ -737,6 +745,26 @@ def plan_strategies(
         )
         plans["planned"] = _per_kind(chosen, plans, target, measured_peaks)
     return plans
+
+
+def bounded_offload_plan(profile: StepProfile, step_plan: Plan, overhead_s: float = 0.0) -> Plan:
+    """``step_plan`` with a peak that holds in every run: :func:`offcore.sim.steady_prefetch` (reloads
+    as early as a sized budget allows) and ``drain_offloads``. Unchanged when it offloads nothing.
+
+    Note [A finite prefetch budget makes the peak hold] (offcore/sim/planner.py) and Note [Drained
+    offloads bound the forward's copies in flight] (offcore/sim/simulator.py): the runtime enforces
+    both, so the measured peak no longer moves with its link estimate or its copies' speed.
+
+    >>> from offcore.sim import uniform_profile
+    >>> p = uniform_profile(2, forward_s=1e-3, backward_s=2e-3, saved_bytes=4096, h2d_bandwidth="1GiB/s")
+    >>> bounded = bounded_offload_plan(p, Plan.uniform(2, "offload"))
+    >>> bounded.prefetch.budget_bytes, bounded.drain_offloads
+    (4096, True)
+    """
+    if Action.OFFLOAD not in step_plan.actions:
+        return step_plan
+    prefetch = steady_prefetch(profile, step_plan, microbatch_overhead_s=overhead_s)
+    return replace(step_plan, prefetch=prefetch, drain_offloads=True)
 
 
 _KIND_STRATEGIES = ("optimizer-offload", "optimizer+activation-offload", "param-stream")
@@ -834,10 +862,16 @@ def _planned(
         for p, peak in (measured_peaks or {}).items()
         if p.microbatches in counts and p.optimizer == "device" and p.parameters == "resident"
     }
+    # Note [A finite prefetch budget makes the peak hold]: the planner searches finite budgets only,
+    # from the one sized for the named offloaded strategies up (no budget: a peak that moves with load)
+    sized = {p.prefetch.budget_bytes for p in candidates if p.prefetch.budget_bytes is not None}
+    budgets = sorted({b * k for b in sized for k in (1, 2, 4)}) or None
     try:
         result = plan(
             profile,
             target,
+            prefetch_budgets=budgets,
+            prefetch_margin_s=STEADY_MARGIN_S if budgets else 0.0,
             lower_bound=False,
             microbatches=counts,
             microbatch_profiles={m: profiles[m] for m in counts},

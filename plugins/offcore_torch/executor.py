@@ -62,8 +62,9 @@ from offcore.errors import ConfigurationError
 from offcore.scheduler import Scheduler
 from offcore.sim import Action, Plan
 from offcore_torch.layers import resolve_layers
-from offcore_torch.offload import OffloadHandle, offload_activations
+from offcore_torch.offload import OffloadHandle, offload_activations, poll
 from offcore_torch.policy import KNOWN_OPTIONS, OffloadPolicy
+from offcore_torch.runtime import runtime_of
 
 __all__ = ["PlanExecutor", "StepOutcome", "split_batch"]
 
@@ -237,6 +238,7 @@ class PlanExecutor:
         self.scheduler = Scheduler(margin=plan.prefetch.margin_s)
         self._running_segments = 0
         self._saved_forwards: list[tuple[nn.Module, bool, Any]] = []
+        self._drain_hooks: list[Any] = []
         self._installed = False
 
     @staticmethod
@@ -282,10 +284,26 @@ class PlanExecutor:
             for offset, module in enumerate(members):
                 self._saved_forwards.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
                 module.forward = segment.head_forward if offset == 0 else segment.member_forward(offset)  # type: ignore[method-assign]
+        if self.plan.drain_offloads:
+            self._drain_hooks = [module.register_forward_hook(self._drain) for module in self.offloaded]
         self._installed = True
         return self
 
+    def _drain(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Note [Drained offloads bound the forward's copies in flight] (offcore/sim/simulator.py): the
+        layer's device-to-host copies land, and their device copies are freed, before the next layer runs."""
+        if not torch.is_grad_enabled():
+            return  # nothing was saved
+        runtime = runtime_of(self.device)
+        if runtime is None:
+            return
+        runtime.d2h_stream.synchronize()  # an event wait on the copy stream, not a sleep
+        poll(runtime)  # the landings handed to their regions: device copies freed now
+
     def __exit__(self, *exc: object) -> None:
+        for hook in self._drain_hooks:
+            hook.remove()
+        self._drain_hooks.clear()
         for module, had_own, previous in reversed(self._saved_forwards):
             if had_own:
                 module.forward = previous  # type: ignore[method-assign]
