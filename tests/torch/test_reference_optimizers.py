@@ -93,7 +93,7 @@ except Exception as exc:  # pragma: no cover - depends on the installed torch
     pytest.skip(f"torch's optimizer test database cannot be imported: {exc!r}", allow_module_level=True)
 
 OPTIM_DB: list[Any] = list(common_optimizers.optim_db)
-STEPS = 4
+STEPS = 3
 
 
 # ---------------------------------------------------------------- the configurations, from optim_db
@@ -352,10 +352,12 @@ def representative(info: Any) -> dict[str, Any]:
 def test_state_dict_round_trip_resumes_exactly(dev: Any, info: Any) -> None:
     """test_state_dict_deterministic, test_save_load_equality_with_weights_only, test_load_nontensor_step.
 
-    Two steps, then model and optimizer state dicts through ``torch.save`` / ``torch.load(weights_only=True)``
-    into a fresh model and a fresh OffloadOptimizer that already took a step of its own (non-empty state, a
-    device parameter written behind its back by ``model.load_state_dict``), two more steps: the same bits as
-    four uninterrupted steps of the reference. The state dict also loads into plain ``cls`` (torch's format),
+    ``STEPS // 2`` steps, then the optimizer's state dict through ``torch.save`` / ``torch.load(weights_only=True)``
+    (equal to the reference's) and the weights into a fresh model and a fresh OffloadOptimizer that already
+    took a step of its own (non-empty state), whose device parameters are then written behind its back (what
+    ``model.load_state_dict`` does; after ``opt.synchronize()``, see the xfail
+    test_model_load_state_dict_right_after_a_step_is_kept); the other steps: the same bits as ``STEPS``
+    uninterrupted steps of the reference. The state dict also loads into plain ``cls`` (torch's format),
     and ``load_state_dict`` leaves its argument as it was."""
     cls, kwargs = info.optim_cls, representative(info)
     expected = train(cls, kwargs, dev, offload=False)
