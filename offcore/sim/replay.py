@@ -11,6 +11,12 @@ in the same order, at the same trigger points, with the same evictions — is wh
 a simulation with this class a prediction of what the runtime does
 (tests/torch/test_schedule_replay.py checks it on a real step of the fake device).
 
+A step with objects on the NVMe tier (Note [Two hops from NVMe] in offcore/residency.py)
+replays too: ``staged`` is a trigger whose offer the following ``next`` events take (as
+``used``'s and ``forward_ended``'s), and a plan that had stages recorded a third
+``plan_inputs`` item, the stage durations it rested on, which the replayed plan uses for its
+NVMe link (tests/core/test_sim_replay_nvme.py).
+
     >>> from offcore.kinds import Kind
     >>> from offcore.residency import ResidencyScheduler
     >>> from offcore.scheduler import Scheduler
@@ -58,6 +64,8 @@ class _Landed:
 _LANDED = _Landed()
 # events whose positional argument after the key is an event object the log does not keep
 _WITH_EVENT = {"offload_started", "started", "reloaded"}
+# triggers: the events whose result is an offer of actions, taken one by one by the ``next`` events after them
+_OFFERS = {"used", "forward_ended", "staged"}
 
 
 class ReplayedPredictor(Scheduler):
@@ -92,9 +100,13 @@ def replay(
     plans = [args for name, args, _ in log if name == "plan_inputs"]
     readings = collections.deque(args[0] for name, args, _ in log if name == "device_in_use")
     durations: dict[int, float] = {}
+    stage_durations: dict[int, float] = {}  # the third item of a plan that had stages
 
     def duration(nbytes: int) -> float:
         return durations.get(nbytes, math.inf)
+
+    def stage_duration(nbytes: int) -> float:
+        return stage_durations.get(nbytes, math.inf)
 
     def device_in_use() -> int:
         if not readings:
@@ -104,8 +116,12 @@ def replay(
     class _Scheduler(ResidencyScheduler):
         def _make_plan(self, readers: dict[int, list[int]] | None) -> None:
             if self.prefetch_mode == "deadline" and plan_inputs:
+                inputs = plan_inputs.popleft()
                 durations.clear()
-                durations.update(plan_inputs.popleft()[1])
+                durations.update(inputs[1])
+                stage_durations.clear()
+                if len(inputs) > 2:
+                    stage_durations.update(inputs[2])
             super()._make_plan(readers)
 
     plan_inputs = collections.deque(plans)
@@ -119,6 +135,7 @@ def replay(
         device_capacity=device_capacity,
         device_in_use=device_in_use if device_capacity > 0 else None,
         record=True,
+        stage_duration=stage_duration,
     )
     offer: Iterator[Action] = iter(())
     for name, args, kwargs in log:
@@ -136,6 +153,6 @@ def replay(
                 f"the replay decided differently before event {name}{args}: the recorded event no longer "
                 f"applies ({exc}); actions so far: {len(sched.actions)}"
             ) from exc
-        if name in ("used", "forward_ended"):
+        if name in _OFFERS:
             offer = iter(result)
     return [a for a in sched.actions]
