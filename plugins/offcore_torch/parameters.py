@@ -69,7 +69,7 @@ from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.units import parse_size
 from offcore_torch.budget import shared_budget_for
-from offcore_torch.nvme import open_nvme
+from offcore_torch.nvme import nvme_tier_for, open_nvme
 from offcore_torch.runtime import DeviceRuntime, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
@@ -394,6 +394,7 @@ class ParameterOffloadHandle:
         persist_below: int = 0,
         record: bool = False,
         nvme: Any = None,
+        tier: str = "host",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"offload_parameters needs an nn.Module, got {type(model).__name__}")
@@ -457,7 +458,7 @@ class ParameterOffloadHandle:
                 self.budget = self._shared.capacity_bytes
             self._shared.attach(self, _no_evict, minimum=largest, what="the largest module's parameters")
         try:
-            if nvme is not False:
+            if tier == "nvme":
                 self._tier, self._tier_owned = open_nvme(device, nvme)
             self._offload_all()
             self._install()
@@ -1311,7 +1312,7 @@ class ParameterOffloadHandle:
                 "the parameters of this handle live on NVMe (offload_parameters(..., nvme=...) or the device's "
                 "nvme_tier): they have no host copy to step in place, so OffloadOptimizer cannot use them as its "
                 "masters yet; pass params_on_host=False to OffloadOptimizer (its own host masters), or "
-                "offload_parameters(..., nvme=False) to keep the parameters in host memory"
+                "offload_parameters(..., tier='host') to keep the parameters in host memory"
             )
         assert slot.host_view is not None
         return slot.host_view.view(tensor.dtype).view(tensor.shape)
@@ -1546,6 +1547,7 @@ def offload_parameters(
     persist_below: int | str = 0,
     record: bool = False,
     nvme: Any = None,
+    tier: str | None = None,
 ) -> ParameterOffloadHandle:
     """Keep ``model``'s parameters on the host between uses, streamed in by next use (see the module doc).
 
@@ -1562,9 +1564,12 @@ def offload_parameters(
     - ``persist_below``: parameters (and buffers) smaller than this many bytes stay on the device
       (biases, norms: each use of one costs as much CPU as a large weight's; Note [Small
       parameters stay on the device]); default 0 (everything streamed).
-    - ``nvme``: a directory or an :class:`offcore.nvme.NvmeSpec` (a path and a byte budget): the parameters
-      live on that disk between uses, staged NVMe -> pinned host -> device (Note [Parameters on NVMe]);
-      None (default) uses the device's tier when :func:`offcore_torch.nvme_tier` set one, ``False`` never.
+    - ``tier``: ``"host"`` (default) keeps the parameters in pinned host memory between uses; ``"nvme"`` on
+      disk, staged NVMe -> pinned host -> device (Note [Parameters on NVMe]), in the tier ``nvme=`` names
+      or else the device's (:func:`offcore_torch.nvme_tier`) -- as for activations and the optimizer, the
+      device's tier is used only when asked for.
+    - ``nvme``: a directory or an :class:`offcore.nvme.NvmeSpec` (a path and a byte budget) for this
+      handle's own tier; giving it implies ``tier="nvme"``.
     - ``record``: keep each step's scheduler events and actions (:attr:`ParameterOffloadHandle.schedules`),
       replayable through :func:`offcore.sim.replay.replay` to the same actions.
 
@@ -1586,6 +1591,22 @@ def offload_parameters(
     if not math.isfinite(float(margin)) or margin < 0:
         raise ConfigurationError(f"margin must be a non-negative duration, got {margin!r}")
     persist = parse_size(persist_below, what="persist_below", allow_zero=True)
+    if nvme is False:  # the spelling of "host" before tier= existed
+        nvme = None
+    if tier is None:
+        tier = "nvme" if nvme is not None else "host"
+    if tier not in ("host", "nvme"):
+        raise ConfigurationError(
+            f"tier={tier!r}: parameters live in 'host' memory (the default) or on 'nvme' (nvme=PATH, or the "
+            "device's tier set with offcore_torch.nvme_tier(device, PATH))"
+        )
+    if tier == "host" and nvme is not None:
+        raise ConfigurationError(f"nvme={nvme!r} was given with tier='host': pass tier='nvme' (or leave tier out)")
+    if tier == "nvme" and nvme is None and nvme_tier_for(device) is None:
+        raise ConfigurationError(
+            "tier='nvme' needs a tier: pass nvme=PATH (or an offcore.nvme.NvmeSpec), or set the device's with "
+            "offcore_torch.nvme_tier(device, PATH, budget=...)"
+        )
     return ParameterOffloadHandle(
         model,
         device,
@@ -1597,4 +1618,5 @@ def offload_parameters(
         persist_below=persist,
         record=bool(record),
         nvme=nvme,
+        tier=tier,
     )

@@ -54,7 +54,7 @@ def _train(dev: Any, **offload: Any) -> dict[str, Any]:
 
 def test_parameters_on_nvme_train_bit_identically_with_less_host_memory(make_fake_device: Any, tmp_path: Path) -> None:
     want = _train(make_fake_device())["values"]
-    host = _train(make_fake_device(link="slow"), nvme=False)  # host memory between uses
+    host = _train(make_fake_device(link="slow"), tier="host")  # host memory between uses
     assert all(torch.equal(a, b) for a, b in zip(host["values"], want, strict=True))
     got = _train(make_fake_device(link="slow"), nvme=NvmeSpec(str(tmp_path), budget="64MiB", verify=True))
     assert all(torch.equal(a, b) for a, b in zip(got["values"], want, strict=True))
@@ -73,7 +73,7 @@ def test_the_devices_tier_is_used_and_its_files_go_with_remove(make_fake_device:
     try:
         with dev:
             model = _model()
-            handle = offload_parameters(model, dev, record=True)
+            handle = offload_parameters(model, dev, record=True, tier="nvme")  # the device's tier
             assert tier is not None and len(list(tier.keys())) == len(list(model.parameters()))  # one file each
             assert _files(tmp_path)
             for step in range(3):
@@ -102,3 +102,23 @@ def test_offload_optimizer_on_nvme_parameters_is_refused_clearly(make_fake_devic
             offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)
         handle.remove()
     assert _files(tmp_path) == []
+
+
+def test_the_devices_tier_is_used_only_when_asked_for_and_bad_tiers_are_refused(
+    make_fake_device: Any, tmp_path: Path
+) -> None:
+    dev = make_fake_device()
+    with pytest.raises(ConfigurationError, match="tier='nvme' needs a tier"):
+        offload_parameters(_model(), dev, tier="nvme")
+    with pytest.raises(ConfigurationError, match="tier='host'"):
+        offload_parameters(_model(), dev, tier="host", nvme=str(tmp_path))
+    with pytest.raises(ConfigurationError, match="'host' memory"):
+        offload_parameters(_model(), dev, tier="disk")
+    tier = offcore_torch.nvme_tier(dev, str(tmp_path), budget="64MiB")
+    try:
+        with dev:
+            handle = offload_parameters(_model(), dev)  # a device tier set for another binding: not taken
+            assert tier is not None and list(tier.keys()) == [] and handle.stats().nvme_bytes == 0
+            handle.remove()
+    finally:
+        offcore_torch.nvme_tier(dev, None)
