@@ -693,11 +693,13 @@ STEADY_MARGIN_S = 3600.0
 """A prefetch margin longer than any step: every reload is due at once, the budget alone holds them back."""
 
 
-def steady_prefetch(profile: StepProfile, step_plan: Plan, *, microbatch_overhead_s: float = 0.0) -> PrefetchPolicy:
+def steady_prefetch(
+    profile: StepProfile, step_plan: Plan, *, microbatch_overhead_s: float = 0.0, peak_limit: int | None = None
+) -> PrefetchPolicy:
     """The prefetch policy whose reloads keep a sized budget full (Note [A finite prefetch budget makes the peak hold]).
 
     ``step_plan``'s policy with ``margin_s=STEADY_MARGIN_S`` and the budget :func:`size_prefetch_budget`
-    picks under it (its own budget when it has one); unchanged for on-demand prefetch or a plan
+    picks under it (its own budget when it has one; ``peak_limit`` as there); unchanged for on-demand prefetch or a plan
     that offloads nothing.
 
     >>> from offcore.sim.profile import uniform_profile
@@ -712,7 +714,9 @@ def steady_prefetch(profile: StepProfile, step_plan: Plan, *, microbatch_overhea
     early = replace(step_plan, prefetch=replace(policy, mode="deadline", margin_s=STEADY_MARGIN_S, lead_s=None))
     budget = policy.budget_bytes
     if budget is None:
-        budget = size_prefetch_budget(profile, early, microbatch_overhead_s=microbatch_overhead_s)
+        budget = size_prefetch_budget(
+            profile, early, microbatch_overhead_s=microbatch_overhead_s, peak_limit=peak_limit
+        )
     return replace(early.prefetch, budget_bytes=budget)
 
 
@@ -722,6 +726,7 @@ def size_prefetch_budget(
     *,
     tolerance: float = 0.01,
     microbatch_overhead_s: float = 0.0,
+    peak_limit: int | None = None,
 ) -> int | None:
     """The smallest reload budget that costs ``step_plan`` no step time (Note [A finite prefetch budget makes the peak hold]).
 
@@ -729,7 +734,9 @@ def size_prefetch_budget(
     Candidates: the largest saved tensor of an offloaded layer, doubled until it covers every
     offloaded byte; the first whose simulated step time is within ``tolerance`` (a fraction)
     of the step with no budget is returned (the last candidate covers every reload, so one
-    always qualifies).
+    always qualifies). With ``peak_limit`` (device bytes), a budget whose simulated peak exceeds
+    it is not taken while a smaller one stays within it: memory first, then time (the largest
+    candidate within the limit, or the smallest candidate when none is).
 
     >>> from offcore.sim.profile import uniform_profile
     >>> p = uniform_profile(4, forward_s=1e-3, backward_s=2e-3, saved_bytes=1 << 20,
@@ -754,17 +761,21 @@ def size_prefetch_budget(
     if total <= 0:
         return None
 
-    def step_s(budget: int | None) -> float:
+    def run(budget: int | None) -> SimResult:
         policy = replace(step_plan.prefetch, budget_bytes=budget)
         candidate = replace(step_plan, prefetch=policy)
-        return simulate(
-            profile, candidate, microbatch_overhead_s=microbatch_overhead_s, record_events=False
-        ).step_time_s
+        return simulate(profile, candidate, microbatch_overhead_s=microbatch_overhead_s, record_events=False)
 
-    limit = step_s(None) * (1.0 + tolerance)
-    budget = max(sizes)
-    while budget < total:
-        if step_s(budget) <= limit:
+    limit = run(None).step_time_s * (1.0 + tolerance)
+    ladder = [max(sizes)]
+    while ladder[-1] < total:
+        ladder.append(min(total, ladder[-1] * 2))
+    fitting: int | None = None
+    for budget in ladder:
+        result = run(budget)
+        if peak_limit is not None and max(result.peak_bytes, result.worst_peak_bytes) > peak_limit:
+            return fitting if fitting is not None else budget
+        fitting = budget
+        if result.step_time_s <= limit:
             return budget
-        budget *= 2
-    return total
+    return ladder[-1]

@@ -731,7 +731,8 @@ def plan_strategies(
     # each layer's copies (Note [Drained offloads bound the forward's copies in flight])
     for name, (step_plan, why) in named.items():
         if step_plan is not None and Action.OFFLOAD in step_plan.actions:
-            named[name] = (bounded_offload_plan(profiles[step_plan.microbatches], step_plan, overhead), why)
+            bounded = bounded_offload_plan(profiles[step_plan.microbatches], step_plan, overhead, peak_limit=target)
+            named[name] = (bounded, why)
     plans: dict[str, StrategyPlan] = {}
     for name, (step_plan, why) in named.items():
         if step_plan is None:
@@ -747,9 +748,12 @@ def plan_strategies(
     return plans
 
 
-def bounded_offload_plan(profile: StepProfile, step_plan: Plan, overhead_s: float = 0.0) -> Plan:
+def bounded_offload_plan(
+    profile: StepProfile, step_plan: Plan, overhead_s: float = 0.0, peak_limit: int | None = None
+) -> Plan:
     """``step_plan`` with a peak that holds in every run: :func:`offcore.sim.steady_prefetch` (reloads
-    as early as a sized budget allows) and ``drain_offloads``. Unchanged when it offloads nothing.
+    as early as a sized budget allows; with ``peak_limit``, no budget whose simulated peak exceeds it
+    while a smaller one fits) and ``drain_offloads``. Unchanged when it offloads nothing.
 
     Note [A finite prefetch budget makes the peak hold] (offcore/sim/planner.py) and Note [Drained
     offloads bound the forward's copies in flight] (offcore/sim/simulator.py): the runtime enforces
@@ -763,7 +767,7 @@ def bounded_offload_plan(profile: StepProfile, step_plan: Plan, overhead_s: floa
     """
     if Action.OFFLOAD not in step_plan.actions:
         return step_plan
-    prefetch = steady_prefetch(profile, step_plan, microbatch_overhead_s=overhead_s)
+    prefetch = steady_prefetch(profile, step_plan, microbatch_overhead_s=overhead_s, peak_limit=peak_limit)
     return replace(step_plan, prefetch=prefetch, drain_offloads=True)
 
 
