@@ -233,3 +233,29 @@ def test_split_batch_parts_cover_the_batch() -> None:
     assert [w for _, w in parts] == [1 / 3] * 3
     assert bit_identical(torch.cat([p[0] for p, _ in parts]), x)
     assert bit_identical(torch.cat([p[1] for p, _ in parts]), y)
+
+
+@pytest.mark.parametrize("interval", [1, 2], ids=["K=1", "K=2"])
+def test_a_checkpointed_step_leaves_nothing_allocated_for_the_next(make_fake_device: Any, interval: int) -> None:
+    """Between steps a checkpointed model holds what keep-all holds: the executor keeps no segment
+    output (which held the checkpoint's saved input through its grad_fn until the next step)."""
+    device = make_fake_device(capacity="1GiB")
+    config = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, seq_len=16, dropout=0.0)
+    work = gpt_workload(config, batch_size=4)
+    between: dict[str, int] = {}
+    for name, plan in (
+        ("keep", Plan.keep_all(4)),
+        ("checkpoint", Plan.uniform(4, "recompute", checkpoint_interval=interval)),
+    ):
+        with device:
+            model = work.build(0).to(device.torch_device)
+            with PlanExecutor(model, plan, device) as executor:
+                batch = work.make_batch(0, torch.device(device.torch_device))
+                executor.forward_backward(batch, work.loss)
+                del batch
+                for p in model.parameters():
+                    p.grad = None
+                device.synchronize()
+                between[name] = int(device.memory_stats().allocated_bytes)
+            del model, executor
+    assert between["checkpoint"] == between["keep"], between
