@@ -80,6 +80,36 @@ next forward waiting per parameter on its own event.
 # bug). Each slot remembers the device parameter's version counter from when it last
 # matched the master (construction, and the H2D of each step once the host observed it
 # land); before a host step, a changed version reloads the master from the device.
+# ``p.data = ...`` keeps the version: the storage's pointer (``synced_ptr``) is compared too.
+#
+# Note [Writes to parameters after step()]
+# Between ``step()`` and the next forward, the step's uploads may be in flight, due (not issued
+# yet), or held back by ``upload_budget``; a write to the parameter there (a resume's
+# ``model.load_state_dict``, ``p.copy_`` under no_grad, ``p.data = ...``) must win over them, and
+# the next step must start from it, never from the stale master (Megatron's resume bug):
+# - a module's ``load_state_dict``: the forward pre-hook gives every module whose parameters the
+#   optimizer uploads a load pre-hook, which issues the module's pending uploads and waits until
+#   they landed (``_settle``) before the load writes, and a load post-hook, which reads the masters
+#   of the parameters the load changed from the device (``_refresh``);
+# - any other write: an upload not issued yet is cancelled when issued (``_copy_up``: the parameter
+#   changed since it matched the master and no upload of ours is in flight: the write is the data),
+#   and the master is refreshed before its next step (Note [Masters are refreshed ...]). An upload
+#   already in flight is not cancellable: a write of one's own must wait for it first
+#   (``opt.wait_for_parameters([p])``, or ``opt.synchronize()``), as for any copy on another stream.
+#   When the host sees an upload land with a version its own copy does not explain (``h2d_versions``:
+#   the copy bumps the version when issued on CUDA, when it lands on the fake device), someone wrote
+#   the parameter meanwhile: the master is refreshed from whatever the device holds, so master and
+#   device never disagree. The upload's destination is kept alive until the next upload
+#   (``h2d_dst``): ``p.data = ...`` may drop the storage the copy writes.
+#
+# Note [Step hooks run once per step]
+# torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
+# optimizer's own around every ``Optimizer.step`` call. ``OffloadOptimizer.step()`` is the user's
+# step: its hooks run once, on the caller's thread, with the OffloadOptimizer as argument. The host
+# optimizer's calls inside (one per parameter under backward, the lead and the rest at ``step()``,
+# the NVMe groups) are parts of it, so they run torch's unwrapped step (``_unhooked_step``), on the
+# worker, with no hooks. The state-dict hooks (``register_state_dict_pre_hook`` ...) run in the
+# overridden ``state_dict()`` / ``load_state_dict()`` as torch's own run them.
 #
 # Note [The optimizer's moves go through the core]
 # Every *when* and *where* of the optimizer's copies is decided by the core's
@@ -229,6 +259,9 @@ class _Slot:
         "stepped",
         "h2d",
         "synced_version",
+        "synced_ptr",
+        "h2d_versions",
+        "h2d_dst",
         "hook",
         "layout",
         "state_nbytes",
@@ -251,6 +284,12 @@ class _Slot:
         self.stepped = False  # its host step of this round ran (or is queued)
         self.h2d: Any = None  # event of the last H2D of the master into the device parameter
         self.synced_version = param._version
+        # Note [Writes to parameters after step()]: the storage the master matched (``p.data = ...`` changes it)
+        self.synced_ptr = _data_ptr(param)
+        self.h2d_versions: tuple[int, ...] = ()  # versions the parameter may have once its last H2D landed
+        # the last H2D's destination, kept alive until the next one: ``p.data = ...`` may drop the parameter's
+        # storage while the copy into it is in flight (Note [Writes to parameters after step()])
+        self.h2d_dst: torch.Tensor | None = None
         self.hook: Any = None
         # tier="nvme" (Note [Optimizer states on NVMe]): the state tensors kept on disk, as
         # (name, dtype, shape, byte offset) in one object of ``state_nbytes``; ``state_buf`` is the
@@ -281,6 +320,67 @@ class _AllOf:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _params_of(group: Any) -> list[Any]:
+    """The parameters of a group (a dict with ``params``, or the parameters themselves): tensors or
+    ``(name, tensor)`` pairs, as torch's optimizers take them."""
+    params = group["params"] if isinstance(group, dict) else group
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _tensor_of(param: Any) -> Any:
+    """The tensor of a parameter given as a tensor or as ``(name, tensor)`` (``model.named_parameters()``)."""
+    if isinstance(param, tuple) and len(param) == 2 and isinstance(param[0], str):
+        return param[1]
+    return param
+
+
+def _check_params(groups: list[Any]) -> None:
+    """Refuse what cannot be offloaded before anything is allocated: non-tensors, sparse parameters."""
+    for group in groups:
+        for named in _params_of(group):
+            param = _tensor_of(named)
+            if not isinstance(param, torch.Tensor):
+                raise ConfigurationError(
+                    f"OffloadOptimizer params must be tensors or (name, tensor) pairs, got {type(param).__name__}"
+                )
+            if param.layout is not torch.strided:
+                name = f" {named[0]!r}" if isinstance(named, tuple) else ""
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({tuple(param.shape)}) is sparse ({param.layout}); sparse "
+                    "parameters are not supported (the host copies are dense): make it a dense parameter"
+                )
+
+
+def _check_dense_gradient(slot: _Slot, grad: torch.Tensor) -> None:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) is refused before any copy starts."""
+    if grad.layout is not torch.strided:
+        raise ConfigurationError(
+            f"OffloadOptimizer: parameter {slot.index} ({tuple(slot.param.shape)}) got a sparse gradient "
+            f"({grad.layout}); sparse gradients are not supported (the host gradient is dense): use a dense "
+            "embedding (nn.Embedding(..., sparse=False))"
+        )
+
+
+def _unhooked_step(host: torch.optim.Optimizer) -> None:
+    """``host.step()`` without torch's step hooks (global and per-instance): the host optimizer's
+    steps are parts of one ``OffloadOptimizer.step()``, whose hooks run once, on the caller's thread
+    (Note [Step hooks run once per step])."""
+    step = type(host).step
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        host.step()
+    else:
+        inner(host)
+
+
+def _data_ptr(param: torch.Tensor) -> int | None:
+    """Where ``param``'s data is (None where a tensor subclass has no pointer): ``p.data = ...`` changes it."""
+    try:
+        return int(param.data_ptr())
+    except Exception:
+        return None
 
 
 def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -402,11 +502,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "tier='nvme' needs a directory on the NVMe disk: nvme= (a path or an offcore.nvme.NvmeSpec), "
                 "nvme_path=, or a tier set for the device with offcore_torch.nvme_tier(device, path)"
             )
+        if optimizer_kwargs.get("differentiable"):
+            raise ConfigurationError(
+                "OffloadOptimizer: differentiable=True cannot be: the host step runs on detached host masters, so no "
+                "gradient flows through the update; differentiate through a plain optimizer on the device instead"
+            )
+        if optimizer_kwargs.get("capturable") and not optimizer_kwargs.get("fused"):
+            raise ConfigurationError(
+                f"OffloadOptimizer: capturable=True cannot be: {optimizer_class.__name__} steps CPU tensors on the "
+                "host, and torch captures (CUDA graphs) only device steps (fused=True is the one CPU implementation "
+                "that takes capturable=True); drop capturable="
+            )
         groups = list(params)
         if not groups:
             raise ConfigurationError("OffloadOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        groups = [{**g, "params": _params_of(g)} if isinstance(g, dict) else g for g in groups]
+        _check_params(groups)
 
         self._device = device
         self._runtime = runtime_for(device)
@@ -449,9 +562,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offcore-optimizer")
 
         # the host pool: budget for masters + grads (+ stages) and staging room
-        flat = [
-            p for g in groups for p in (g["params"] if not isinstance(g["params"], torch.Tensor) else [g["params"]])
-        ]
+        flat = [_tensor_of(p) for g in groups for p in _params_of(g)]
         need = sum(self._persistent_bytes(p) for p in flat if isinstance(p, torch.Tensor))
         if self._max_inflight is None:
             largest_grad = max((p.numel() * p.element_size() for p in flat if isinstance(p, torch.Tensor)), default=0)
@@ -522,8 +633,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return None
         handles = set()
         for group in groups:
-            params = group["params"] if isinstance(group, dict) else group
-            for param in [params] if isinstance(params, torch.Tensor) else list(params):
+            for param in map(_tensor_of, _params_of(group)):
                 slot = getattr(param, "_offcore_slot", None)
                 if slot is not None and not slot.is_buffer:
                     handles.add(slot.handle)
@@ -576,12 +686,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ) from exc
 
     def _make_slots(self, group: dict[str, Any]) -> dict[str, Any]:
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        masters: list[torch.Tensor] = []
-        for param in params:
-            if not isinstance(param, torch.Tensor):
-                raise ConfigurationError(f"OffloadOptimizer params must be tensors, got {type(param).__name__}")
+        params = _params_of(group)
+        _check_params([params])
+        masters: list[Any] = []
+        for named in params:
+            param = _tensor_of(named)
             if id(param) in self._by_param:
                 raise ConfigurationError("some parameters appear in more than one parameter group")
             if not param.is_floating_point():
@@ -627,7 +736,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._release_group([slot])
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
-            masters.append(slot.master)
+            # named parameters: the host group gets (name, master), so torch writes "param_names" as for its own
+            masters.append((named[0], slot.master) if isinstance(named, tuple) else slot.master)
         return {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
 
     def _load_master(self, slot: _Slot) -> None:
@@ -654,7 +764,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         done.synchronize()
         if slot.stage is not None:
             slot.master.copy_(slot.stage)
-        slot.synced_version = slot.param._version
+        slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
 
     def _regroup(self) -> None:
         """Point every slot at the host group holding its master (torch's load_state_dict makes new groups)."""
@@ -747,8 +857,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.hook = None
 
     def _watch_state_dict(self, module: torch.nn.Module) -> None:
-        """Make ``module.state_dict()`` wait for its parameters' uploads (Note [A checkpoint reads landed parameters])."""
-        self._state_dict_hooked[id(module)] = module.register_state_dict_pre_hook(_state_dict_pre_hook(self))
+        """Make ``module.state_dict()`` wait for its parameters' uploads (Note [A checkpoint reads landed
+        parameters]) and ``module.load_state_dict()`` settle them before its writes and refresh the masters
+        after (Note [Writes to parameters after step()])."""
+        self._state_dict_hooked[id(module)] = _Handles(
+            module.register_state_dict_pre_hook(_state_dict_pre_hook(self)),
+            module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook(self)),
+            module.register_load_state_dict_post_hook(_load_state_dict_post_hook(self)),
+        )
 
     def wait_for_parameters(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Make the compute stream wait for the H2D copies of ``params`` (default: all); never blocks a GPU host.
@@ -764,6 +880,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _send_gradient(self, slot: _Slot, grad: torch.Tensor, *, clear: bool) -> Any:
         """Start the D2H of ``grad`` as ``slot``'s gradient (``clear``: set ``param.grad`` to None); its event."""
         param = slot.param
+        _check_dense_gradient(slot, grad)
         if slot.stepped:
             raise OffcoreError(
                 f"OffloadOptimizer: parameter {slot.index} ({tuple(param.shape)}) got a gradient after its host step "
@@ -962,7 +1079,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             for group, _ in saved:
                 group["params"] = chosen.get(id(group), [])
-            self._host.step()
+            _unhooked_step(self._host)
         finally:
             for group, params in saved:
                 group["params"] = params
@@ -1026,18 +1143,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"OffloadOptimizer: the copy of {what or 'a tensor'} failed twice ({first}; {exc})"
                 ) from exc
 
-    def _copy_up(self, slot: _Slot) -> Any:
-        """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event."""
+    def _copy_up(self, slot: _Slot, *, force: bool = False) -> Any:
+        """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event.
+
+        Unless ``force``, an upload of a parameter written by someone else since it matched the master
+        is cancelled (Note [Writes to parameters after step()]): the event returned copies nothing."""
+        if not force and self._written(slot):
+            cancelled = self._device.new_event()
+            self._runtime.h2d_stream.record_event(cancelled)
+            return cancelled
         src = slot.stage if slot.stage is not None else slot.master
+        before = slot.param._version
+        dst = slot.param.detach()
         event = self._copy_retrying(
-            slot.param.detach(),
+            dst,
             src,
             self._runtime.h2d_stream,
             f"parameter {slot.index} to the device (its host master holds the stepped value: opt.synchronize() "
             "uploads it again)",
         )
+        after = slot.param._version  # a copy bumps the version when issued (CUDA) or when it lands (the fake device)
         with self._lock:
-            slot.h2d = event
+            slot.h2d, slot.h2d_dst = event, dst
+            slot.h2d_versions = (after,) if after != before else (before, before + 1)
             self._pending_h2d[id(slot.param)] = slot
         return event
 
@@ -1172,7 +1300,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._device.current_stream().wait_event(event)
         except Exception as exc:  # the upload failed on its stream: the master is intact, upload again
             self._runtime.recover(self._runtime.h2d_stream)
-            self._copy_up(slot)
+            self._copy_up(slot, force=True)
             with self._lock:
                 self._pending_h2d.pop(id(slot.param), None)
                 event = slot.h2d
@@ -1186,7 +1314,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.trace is not None:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         if event.query():
-            slot.synced_version = slot.param._version
+            self._mark_synced(slot)
 
     def _observe(self, slot: _Slot) -> bool:
         """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
@@ -1201,16 +1329,57 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if landed:
             with self._lock:
                 self._pending_h2d.pop(id(slot.param), None)
-            slot.synced_version = slot.param._version
+            self._mark_synced(slot)
         return landed
+
+    def _mark_synced(self, slot: _Slot) -> None:
+        """``slot``'s last H2D landed and the host saw it: the device parameter matches the master again,
+        unless someone else wrote it meanwhile (Note [Writes to parameters after step()])."""
+        version = slot.param._version
+        if version in slot.h2d_versions and _data_ptr(slot.param) == slot.synced_ptr:
+            slot.synced_version = version
+        # else: written while the upload was in flight; synced_version stays, so the master is refreshed
+
+    def _changed(self, slot: _Slot) -> bool:
+        """Whether the device parameter was written by someone else since it last matched the master."""
+        return slot.param._version != slot.synced_version or _data_ptr(slot.param) != slot.synced_ptr
+
+    def _written(self, slot: _Slot) -> bool:
+        """Note [Writes to parameters after step()]: no upload of ours in flight, and the parameter changed."""
+        with self._lock:
+            if id(slot.param) in self._pending_h2d:
+                return False
+        return self._changed(slot)
 
     def _check_fresh(self, slot: _Slot) -> None:
         """Note [Masters are refreshed when the device parameter changed] (main thread)."""
         if slot.host_param is not None:
             return  # the host copy is the data (Note [Parameters on the host with offload_parameters])
-        if self._observe(slot) and slot.param._version != slot.synced_version:
+        if self._observe(slot) and self._changed(slot):
             self._drain()
             self._load_master(slot)
+
+    def _settle(self, params: list[torch.Tensor]) -> None:
+        """Before ``params`` are written by a module's ``load_state_dict`` (Note [Writes to parameters after
+        step()]): their pending uploads are issued, land, and the host observes them."""
+        self._drain()  # the worker's _issue_due: nothing issues these uploads behind the write
+        slots = [self._slot(p) for p in params]
+        with self._sched_lock:
+            for slot in slots:
+                self._make_current(slot)  # issues a due or held-back upload; the compute stream waits for it
+        for slot in slots:
+            event = slot.h2d
+            if event is not None:
+                with contextlib.suppress(Exception):  # a failed upload: its use issues it again
+                    event.synchronize()
+            self._observe(slot)
+
+    def _refresh(self, params: list[torch.Tensor]) -> None:
+        """After a module's ``load_state_dict`` wrote ``params``: the masters of those it changed are read
+        from the device now (Note [Writes to parameters after step()])."""
+        for slot in (self._slot(p) for p in params):
+            if self._observe(slot) and self._changed(slot):
+                self.run_on_host(self._load_master, slot)
 
     def synchronize(self) -> None:
         """Wait for every copy and host step in flight; the device parameters are up to date after it."""
@@ -1521,6 +1690,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grad = slot.param.grad
             if grad is None:
                 continue
+            _check_dense_gradient(slot, grad)
             with self._sched_lock:
                 rs.produced(slot.index, time.perf_counter())
             staging = None
@@ -1613,7 +1783,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's ``state_dict()`` (torch's format), plus fp32 masters when they differ
         from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`); states and masters on NVMe are
-        read from disk."""
+        read from disk. The hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``
+        run as torch runs them (a post hook may return a new state dict)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def _state_dict(self) -> dict[str, Any]:
         self._drain()
         assert self._host is not None
         on_disk: dict[int, torch.Tensor] = {}
@@ -1681,8 +1862,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` (of this class or of ``optimizer_class`` itself).
 
         Masters come from the state dict when it has them, else from the device parameters
-        as they are now (load the model first).
+        as they are now (load the model first). The hooks of ``register_load_state_dict_pre_hook``
+        (which may return the state dict to load) and ``register_load_state_dict_post_hook`` run as
+        torch runs them.
         """
+        state_dict = dict(state_dict)  # torch's shallow copy: a pre hook may change it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._drain()
         assert self._host is not None
         state_dict = dict(state_dict)
@@ -1703,10 +1896,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.run_on_host(self._load_nvme_master, slot, master)
                 if master is not None and slot.host_param is None:  # the stage from the loaded master goes up
                     self._h2d_after_compute()
-                    self._copy_up(slot)
+                    self._copy_up(slot, force=True)
                     self._wait_parameter(slot)
                     slot.h2d.synchronize()
-                    slot.synced_version = slot.param._version
+                    slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
             elif master is not None and slot.host_param is not None:
                 self.run_on_host(slot.master.copy_, master)
                 if slot.stage is not None:
@@ -1715,10 +1908,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.run_on_host(slot.master.copy_, master)
                 self._h2d_after_compute()
                 self.run_on_host(slot.stage.copy_, slot.master)
-                self._copy_up(slot)
+                self._copy_up(slot, force=True)
                 self._wait_parameter(slot)
                 slot.h2d.synchronize()
-                slot.synced_version = slot.param._version
+                slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
             else:
                 self._load_master(slot)
         if self._params_handle is not None:
@@ -1776,10 +1969,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty
-            slot.stage = None
+            slot.stage = slot.h2d_dst = None
         self._host = None
         self._pending_h2d.clear()
         self._rs = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadOptimizer:
+        raise ConfigurationError(
+            "OffloadOptimizer cannot be deep-copied: it owns host copies in a pinned pool, a worker thread and "
+            "hooks on the device parameters; to copy its state use opt.state_dict() (and load it into another "
+            "OffloadOptimizer with load_state_dict)"
+        )
+
+    def __copy__(self) -> OffloadOptimizer:
+        raise ConfigurationError(
+            "OffloadOptimizer cannot be copied (it owns a pinned pool, a worker thread and hooks); use "
+            "opt.state_dict() and load_state_dict() on another OffloadOptimizer"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise ConfigurationError(
+            "OffloadOptimizer cannot be pickled (it owns a pinned pool, a worker thread and hooks); save "
+            "opt.state_dict() instead (torch.save(opt.state_dict(), path))"
+        )
 
     def __enter__(self) -> OffloadOptimizer:
         return self
@@ -1850,6 +2062,55 @@ def _state_dict_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
             optimizer._device.current_stream().synchronize()  # the host reads the values next
 
     return hook
+
+
+def _own_params(opt: OffloadOptimizer, module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` itself (not its children's) whose uploads ``opt`` makes."""
+    by_param = opt._device_params
+    return [p for p in module._parameters.values() if p is not None and id(p) in by_param]
+
+
+def _load_state_dict_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
+    # Note [Writes to parameters after step()]: before a module's load_state_dict writes its parameters,
+    # their uploads from the last step land (or are issued and land), so none overwrites what is loaded.
+    ref = weakref.ref(opt)
+
+    def hook(module: torch.nn.Module, *args: Any) -> None:
+        optimizer = ref()
+        if optimizer is None or optimizer._closed:
+            return
+        params = _own_params(optimizer, module)
+        if params:
+            optimizer._settle(params)
+
+    return hook
+
+
+def _load_state_dict_post_hook(opt: OffloadOptimizer) -> Callable[..., None]:
+    # Note [Writes to parameters after step()]: after the load, the masters of the parameters it wrote are
+    # read from the device (the next step starts from the loaded weights, not from the stale masters).
+    ref = weakref.ref(opt)
+
+    def hook(module: torch.nn.Module, incompatible_keys: Any) -> None:
+        optimizer = ref()
+        if optimizer is None or optimizer._closed:
+            return
+        params = _own_params(optimizer, module)
+        if params:
+            optimizer._refresh(params)
+
+    return hook
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _shutdown(

@@ -39,9 +39,9 @@ def _record_uploads(opt: Any) -> list[tuple[int, str]]:
     log: list[tuple[int, str]] = []
     copy_up = opt._copy_up
 
-    def spy(slot: Any) -> Any:
+    def spy(slot: Any, **kwargs: Any) -> Any:
         log.append((slot.index, opt._phase))
-        return copy_up(slot)
+        return copy_up(slot, **kwargs)
 
     opt._copy_up = spy
     return log

@@ -14,9 +14,9 @@ skipped with torch's message.
 
 Then the behavioural checks of pytorch's ``test/optim/test_optim.py`` (``TestOptimRenewed``) that
 apply, each naming the test it comes from. For what OffloadOptimizer deliberately does not support
-(LBFGS, complex parameters, sparse gradients, ``differentiable=True``...), the test asserts the
-clear :class:`offcore.errors.OffcoreError` it raises; where it does not raise one yet, the test is
-``xfail(strict=True)`` with the exact bug as its reason.
+(LBFGS, complex parameters, sparse gradients and parameters, ``differentiable=True``, ``capturable=True``
+without ``fused``, deep copies...), the test asserts the clear :class:`offcore.errors.OffcoreError` it raises
+(issue 11's nine bugs, once ``xfail(strict=True)`` here, are fixed and their tests pass).
 
 Not ported: foreach configs (torch tests foreach only on accelerators: on the CPU it is the
 for-loop's arithmetic), ``test_forloop_goes_right_direction_multigpu`` and the other multi-device
@@ -50,7 +50,7 @@ from offload_helpers import pool_used_bytes, sanitized_device  # noqa: E402
 from optimizer_offload_helpers import place  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 
-from offcore.errors import ConfigurationError, OffcoreError  # noqa: E402
+from offcore.errors import ConfigurationError, CopyFailedError, OffcoreError  # noqa: E402
 
 
 def _import_optim_db() -> Any:
@@ -355,8 +355,9 @@ def test_state_dict_round_trip_resumes_exactly(dev: Any, info: Any) -> None:
     ``STEPS // 2`` steps, then the optimizer's state dict through ``torch.save`` / ``torch.load(weights_only=True)``
     (equal to the reference's) and the weights into a fresh model and a fresh OffloadOptimizer that already
     took a step of its own (non-empty state), whose device parameters are then written behind its back (what
-    ``model.load_state_dict`` does; after ``opt.synchronize()``, see the xfail
-    test_model_load_state_dict_right_after_a_step_is_kept); the other steps: the same bits as ``STEPS``
+    ``model.load_state_dict`` does; a write of one's own waits for the uploads in flight first, Note [Writes to
+    parameters after step()]; ``model.load_state_dict`` waits itself: test_model_load_state_dict_right_after_a_step_is_kept
+    and test_writes_to_parameters_after_a_step_win_and_refresh_the_masters); the other steps: the same bits as ``STEPS``
     uninterrupted steps of the reference. The state dict also loads into plain ``cls`` (torch's format),
     and ``load_state_dict`` leaves its argument as it was."""
     cls, kwargs = info.optim_cls, representative(info)
@@ -391,7 +392,7 @@ def test_state_dict_round_trip_resumes_exactly(dev: Any, info: Any) -> None:
             loss_of(model, 99).backward()  # a step of its own: the state is not empty when loading
             opt.step()
             opt.zero_grad()
-            opt.synchronize()  # the step's uploads landed before the parameters are written (see the xfail below)
+            opt.synchronize()  # the step's uploads landed before the parameters are written by hand
             with torch.no_grad():
                 for param, value in zip(model.parameters(), weights, strict=True):
                     param.copy_(value)  # model.load_state_dict's writes: the masters are stale
@@ -600,13 +601,6 @@ def test_step_hooks_run_once_per_step(dev: Any) -> None:
     assert [(name, o is opt) for name, o in seen] == [("pre", True), ("post", True)] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's global step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook) run "
-    "twice per OffloadOptimizer.step(): once for it and once more (per host optimizer call) for the inner "
-    "host optimizer, on the worker thread, between the local pre and post hooks: [global pre(opt), pre(opt), "
-    "global pre(host), global post(host), post(opt), global post(opt)]",
-)
 def test_global_step_hooks_run_once_per_step_in_torchs_order(dev: Any) -> None:
     """test_step_all_hooks: global pre, local pre, local post, global post, once per ``step()``, all with the
     OffloadOptimizer as the optimizer (the host optimizer's steps inside are not the user's steps)."""
@@ -615,14 +609,6 @@ def test_global_step_hooks_run_once_per_step_in_torchs_order(dev: Any) -> None:
     assert [(name, o is opt) for name, o in seen] == [(name, True) for name in expected]
 
 
-STATE_DICT_HOOKS_BUG = (
-    "OffloadOptimizer.state_dict() and load_state_dict() override torch.optim.Optimizer's and never run the hooks "
-    "of register_state_dict_pre_hook / register_state_dict_post_hook / register_load_state_dict_pre_hook / "
-    "register_load_state_dict_post_hook: registering succeeds and the hooks are silently ignored"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=STATE_DICT_HOOKS_BUG)
 def test_state_dict_pre_and_post_hooks(dev: Any) -> None:
     """test_state_dict_pre_hook, test_state_dict_post_hook: the pre hook sees the optimizer before, the post hook
     may change the state dict returned."""
@@ -646,7 +632,6 @@ def test_state_dict_pre_and_post_hooks(dev: Any) -> None:
     assert seen == ["pre", "post"] and sd["param_groups"][0]["lr"] == 1234.0
 
 
-@pytest.mark.xfail(strict=True, reason=STATE_DICT_HOOKS_BUG)
 def test_load_state_dict_pre_and_post_hooks(dev: Any) -> None:
     """test_load_state_dict_pre_hook_and_prepend, test_load_state_dict_post_hook: the pre hook may replace the
     state dict loaded, the post hook runs after the load."""
@@ -674,28 +659,23 @@ def test_load_state_dict_pre_and_post_hooks(dev: Any) -> None:
 
 
 # ---------------------------------------------------------------- copies and printing
-@pytest.mark.xfail(
-    strict=True,
-    reason="copy.deepcopy(OffloadOptimizer) raises AttributeError: 'OffloadOptimizer' object has no attribute "
-    "'_host' (deepcopy rebuilds it through __reduce_ex__ without __init__ and the param_groups property reads "
-    "_host) instead of copying it or refusing with an OffcoreError",
-)
-def test_deepcopy_copies_or_refuses_clearly(dev: Any) -> None:
-    """test_deepcopy_copies_all_public_attrs: a deep copy is an independent optimizer, or (it holds a device's
-    hooks, streams and host pool) a clear OffcoreError."""
+def test_deepcopy_is_refused_clearly(dev: Any) -> None:
+    """test_deepcopy_copies_all_public_attrs: an OffloadOptimizer holds a pinned pool, a worker thread and hooks
+    on the device parameters, so a deep copy (or a copy, or a pickle) is refused with a ConfigurationError that
+    says to use state_dict(); the optimizer goes on working and nothing is left held."""
     cls = torch.optim.Adam
     model = make_model(cls, dev, offload=True)
     with dev:
         opt = make_opt(groups_of(model, cls, {}), cls, dev, offload=True)
         try:
-            try:
-                twin = copy.deepcopy(opt)
-            except OffcoreError:
-                return
-            assert twin is not opt and twin.param_groups[0]["params"][0] is not opt.param_groups[0]["params"][0]
-            twin.close()
+            for copier in (copy.deepcopy, copy.copy, lambda o: torch.save(o, io.BytesIO())):
+                with pytest.raises(ConfigurationError, match=r"state_dict\(\)"):
+                    copier(opt)
+            loss_of(model, 0).backward()
+            opt.step()
         finally:
             opt.close()
+    assert_nothing_left(dev)
 
 
 def test_optimizer_can_be_printed(dev: Any) -> None:
@@ -711,13 +691,6 @@ def test_optimizer_can_be_printed(dev: Any) -> None:
 
 
 # ---------------------------------------------------------------- writes to parameters after step()
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.load_state_dict() right after opt.step() (no opt.synchronize()) is overwritten by the step's "
-    "upload, issued or landing after the write: the loaded weights are lost and the stale master kept (the "
-    "version-counter refresh of Note [Masters are refreshed ...] does not see it; module.state_dict() waits "
-    "for uploads, module.load_state_dict() does not)",
-)
 def test_model_load_state_dict_right_after_a_step_is_kept(dev: Any) -> None:
     """test_state_dict_deterministic's resume, without a synchronize between ``step()`` and the model's
     ``load_state_dict`` (``upload_budget`` holds the uploads back, so the order is the same on every run)."""
@@ -735,6 +708,90 @@ def test_model_load_state_dict_right_after_a_step_is_kept(dev: Any) -> None:
         finally:
             opt.close()
     assert lost == []
+
+
+def write_parameters(model: torch.nn.Module, how: str, value: float) -> None:
+    """Write every parameter after ``step()``: the model's load_state_dict, ``p.copy_`` under no_grad, ``p.data =``."""
+    if how == "load_state_dict":
+        model.load_state_dict({name: torch.full_like(v, value) for name, v in model.state_dict().items()})
+        return
+    for param in model.parameters():
+        if how == "copy_":
+            with torch.no_grad():
+                param.copy_(torch.full_like(param, value))
+        else:
+            param.data = torch.full_like(param, value)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "copy_", "data"])
+@pytest.mark.parametrize("master_weights", [False, True], ids=["fp32", "bf16-masters"])
+def test_writes_to_parameters_after_a_step_win_and_refresh_the_masters(
+    dev: Any, how: str, master_weights: bool
+) -> None:
+    """Note [Writes to parameters after step()]: a write to the parameters between ``step()`` and the next forward
+    (no synchronize; ``upload_budget`` holds the uploads back, so the order is the same on every run) is kept,
+    and the next step starts from it: the same bits as the plain optimizer that sees the same writes."""
+    cls, kwargs = torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    runs = []
+    for offload in (False, True):
+        model = make_model(cls, dev, offload=offload)
+        model = model.to(dtype)
+        masters = None
+        with dev:
+            if offload:
+                opt = offcore_torch.OffloadOptimizer(
+                    groups_of(model, cls, kwargs),
+                    cls,
+                    device=dev,
+                    upload_budget=1,
+                    master_weights=master_weights,
+                    **kwargs,
+                )
+            elif master_weights:  # the reference: fp32 masters stepped by hand, as test_master_weights does
+                groups = groups_of(model, cls, kwargs)
+                for group in groups:
+                    group["params"] = [p.detach().float().clone().requires_grad_() for p in group["params"]]
+                masters = [m for group in groups for m in group["params"]]
+                opt = cls(groups, **kwargs)
+            else:
+                opt = cls(groups_of(model, cls, kwargs), **kwargs)
+            try:
+                for step in range(3):
+                    model(batch(step).to(dtype)).float().square().mean().backward()
+                    if masters is not None:
+                        for master, param in zip(masters, model.parameters(), strict=True):
+                            master.grad = param.grad.float()
+                    opt.step()
+                    opt.zero_grad()
+                    if masters is not None:
+                        with torch.no_grad():
+                            for master, param in zip(masters, model.parameters(), strict=True):
+                                param.copy_(master)
+                                param.grad = None
+                    if step == 0:
+                        if offload and how != "load_state_dict":
+                            # an upload in flight (upload_budget lets the first through) is waited for before
+                            # a write of one's own; the held-back ones are cancelled by the write
+                            opt.wait_for_parameters([p for p in model.parameters() if id(p) in opt._pending_h2d])
+                        write_parameters(model, how, 0.25)
+                        if masters is not None:  # the masters refreshed from the written (bf16) values
+                            with torch.no_grad():
+                                for master, param in zip(masters, model.parameters(), strict=True):
+                                    master.copy_(param)
+                        if offload:
+                            opt.synchronize()
+                            for param in model.parameters():
+                                assert torch.equal(param, torch.full_like(param, 0.25)), how  # the write won
+                if offload:
+                    opt.synchronize()
+                runs.append([p.detach().float().clone() for p in model.parameters()])
+            finally:
+                if offload:
+                    opt.close()
+    expected, got = runs
+    assert_same(got, expected)
+    assert pool_used_bytes(dev) == 0
 
 
 # ---------------------------------------------------------------- what OffloadOptimizer refuses
@@ -765,12 +822,6 @@ def test_complex_parameters_are_refused(dev: Any, info: Any) -> None:
     assert_nothing_left(dev)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sparse gradient (nn.Embedding(sparse=True)) is not refused clearly: its D2H copy fails with "
-    "'Cannot access storage of SparseTensorImpl', is retried, and the error is CopyFailedError(\"the copy of "
-    "parameter 0's gradient failed twice ...\"), which reads as a transient copy failure",
-)
 @pytest.mark.parametrize(
     "info", [pytest.param(i, id=_name(i)) for i in OPTIM_DB if i.supports_sparse or i.only_supports_sparse_grads]
 )
@@ -785,17 +836,12 @@ def test_sparse_gradients_are_refused_clearly(dev: Any, info: Any) -> None:
             with pytest.raises(OffcoreError, match="(?i)sparse gradient") as refused:
                 embedding(torch.tensor([1, 2, 2])).sum().backward()
                 opt.step()
-            assert not isinstance(refused.value, offcore_torch.CopyFailedError)
+            assert not isinstance(refused.value, CopyFailedError)
         finally:
             opt.close()
     assert_nothing_left(dev)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sparse parameter (torch.sparse_coo_tensor) is not refused clearly: OffloadOptimizer.__init__ "
-    "raises NotImplementedError('Cannot access storage of SparseTensorImpl') from its copy into the host master",
-)
 def test_sparse_parameters_are_refused_clearly(dev: Any) -> None:
     """test_errors' SparseAdam case 'dense params required': a sparse parameter is refused with an OffcoreError
     naming it, and nothing is left held."""
@@ -806,12 +852,6 @@ def test_sparse_parameters_are_refused_clearly(dev: Any) -> None:
     assert_nothing_left(dev)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="differentiable=True is accepted silently: the host step runs on detached host masters under "
-    "no_grad, so no gradient can flow through the update (TestDifferentiableOptimizer's point); it should be "
-    "refused at construction with a ConfigurationError",
-)
 @pytest.mark.parametrize(
     "info", [pytest.param(i, id=_name(i)) for i in OPTIM_DB if "differentiable" in i.supported_impls]
 )
@@ -823,14 +863,6 @@ def test_differentiable_is_refused(dev: Any, info: Any) -> None:
     assert_nothing_left(dev)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="capturable=True is accepted at construction, then the first step() fails inside torch with "
-    "AssertionError 'If capturable=True, params and state_steps must be on supported devices' (the host "
-    "optimizer always runs on CPU tensors, on any backend); it should be refused at construction with a "
-    "ConfigurationError where torch refuses it on CPU tensors (with fused=True, Adam/AdamW accept it on the CPU "
-    "and test_every_optim_db_config_matches_torch_bit_for_bit runs those configs)",
-)
 @pytest.mark.parametrize("info", [pytest.param(i, id=_name(i)) for i in OPTIM_DB if i.has_capturable_arg])
 def test_capturable_is_refused(dev: Any, info: Any) -> None:
     """optim_db's capturable configs (``has_capturable_arg``): CUDA-graph capture of a step that runs on the host
@@ -848,20 +880,34 @@ def test_capturable_is_refused(dev: Any, info: Any) -> None:
     assert_nothing_left(dev)
 
 
-NAMED_PARAMETERS_BUG = (
-    "named parameters (model.named_parameters(), torch's param_names) crash OffloadOptimizer.__init__ with "
-    "AttributeError: 'tuple' object has no attribute 'numel' (the host budget's sum over the flattened params "
-    "runs before _make_slots' ConfigurationError 'params must be tensors')"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=NAMED_PARAMETERS_BUG)
-def test_named_parameters_are_refused_clearly(dev: Any) -> None:
-    """torch optimizers take ``model.named_parameters()`` (``param_names`` in the state dict); OffloadOptimizer
-    takes tensors and says so."""
-    model = make_model(torch.optim.AdamW, dev, offload=True)
-    with dev, pytest.raises(ConfigurationError, match="tensors"):
-        offcore_torch.OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, device=dev)
+def test_named_parameters_are_accepted_as_torch_does(dev: Any) -> None:
+    """torch optimizers take ``model.named_parameters()`` (``param_names`` in the state dict's groups);
+    OffloadOptimizer takes them too: the same state dict as torch's, bit for bit, names included, and it
+    loads into torch's optimizer over named parameters."""
+    cls = torch.optim.AdamW
+    dicts = []
+    for offload in (False, True):
+        model = make_model(cls, dev, offload=True) if offload else build(cls)  # the reference: plain CPU tensors
+        with dev if offload else contextlib.nullcontext():
+            named = list(model.named_parameters())
+            opt = offcore_torch.OffloadOptimizer(named, cls, device=dev, lr=0.1) if offload else cls(named, lr=0.1)
+            try:
+                for step in range(2):
+                    loss_of(model, step).backward()
+                    opt.step()
+                    opt.zero_grad()
+                dicts.append(opt.state_dict())
+                if offload:
+                    opt.load_state_dict(dicts[0])  # torch's own named state dict loads
+            finally:
+                if offload:
+                    opt.close()
+    expected, got = dicts
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["param_groups"][0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert_same(got["state"], expected["state"])
+    plain = cls(list(build(cls).named_parameters()), lr=0.1)
+    plain.load_state_dict(got)
     assert_nothing_left(dev)
 
 
@@ -877,10 +923,6 @@ def test_errors(dev: Any, info: Any) -> None:
         params = given.params
         if params is None:  # torch's kwargs-only cases: any parameter does (2-D for Muon)
             params = [torch.nn.Parameter(torch.randn(2, 3))]
-        if "names" in given.desc:
-            continue  # named parameters: test_named_parameters_are_refused_clearly (xfail, NAMED_PARAMETERS_BUG)
-        if any(p.is_sparse for g in params for p in (g["params"] if isinstance(g, dict) else [g])):
-            continue  # sparse parameters: test_sparse_parameters_are_refused_clearly (xfail)
         error: BaseException | None = None
         with dev, warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
