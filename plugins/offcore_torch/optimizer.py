@@ -1379,7 +1379,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from the device now (Note [Writes to parameters after step()])."""
         for slot in (self._slot(p) for p in params):
             if self._observe(slot) and self._changed(slot):
-                self.run_on_host(self._load_master, slot)
+                self._drain()  # as _check_fresh: the compute stream's writes are this thread's
+                self._load_master(slot)
 
     def synchronize(self) -> None:
         """Wait for every copy and host step in flight; the device parameters are up to date after it."""
