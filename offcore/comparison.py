@@ -51,6 +51,7 @@ STRATEGIES: tuple[str, ...] = (
     "optimizer-offload",
     "optimizer+activation-offload",
     "param-stream",
+    "optimizer-offload-nvme",
     "planned",
 )
 """The strategies ``offcore compare`` knows, in the order it runs and prints them."""

@@ -143,6 +143,8 @@ class CompareSettings:
     threads: int | None = None
     budget_fraction: float | None = None
     planner_headroom: float = 0.0
+    nvme_path: str | None = None
+    """A directory on an NVMe disk: the row ``optimizer-offload-nvme`` runs there (skipped without it)."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -431,12 +433,18 @@ def _optimizer_for(model: nn.Module, step_plan: Plan, device: Any, settings: Com
     try:
         if step_plan.optimizer == "offload":
             accumulation = 1 if step_plan.microbatches == 1 else step_plan.microbatches
+            tier: dict[str, Any] = {}
+            if step_plan.optimizer_tier == "nvme":
+                if settings.nvme_path is None:
+                    raise ConfigurationError("a plan with optimizer_tier='nvme' needs CompareSettings.nvme_path")
+                tier = {"tier": "nvme", "nvme_path": settings.nvme_path}
             optimizer: Any = OffloadOptimizer(
                 model.parameters(),
                 torch.optim.AdamW,
                 device=device,
                 accumulation_steps=accumulation,
                 lr=settings.lr,
+                **tier,
             )
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
@@ -707,6 +715,15 @@ def plan_strategies(
     named["optimizer+activation-offload"] = (
         Plan.uniform(n, Action.OFFLOAD, layer_names=names, optimizer="offload"),
         "offload every layer's saved activations and run AdamW on the host (OffloadOptimizer)",
+    )
+    named["optimizer-offload-nvme"] = (
+        (
+            Plan.keep_all(n, layer_names=names, optimizer="offload", optimizer_tier="nvme"),
+            f"keep every activation; AdamW on the host with its states on the NVMe tier at {settings.nvme_path} "
+            "(OffloadOptimizer(tier='nvme')): read, stepped and written back per group at step()",
+        )
+        if settings.nvme_path is not None
+        else (None, "no --nvme-path given (a directory on an NVMe disk for the optimizer states)")
     )
     named["param-stream"] = (
         Plan.uniform(n, Action.OFFLOAD, layer_names=names, optimizer="offload", parameters="stream"),
@@ -1328,6 +1345,14 @@ def _run_compare(
         with device:
             link = measure_link(device, repeats=2)
         profile = base.with_link(**link.as_profile_fields(), capacity_bytes=capacity)
+        if settings.nvme_path is not None and "optimizer-offload-nvme" in settings.strategies:
+            from offcore.bandwidth import measure_nvme_link
+            from offcore.nvme import NvmeTier
+
+            with NvmeTier(settings.nvme_path, budget="1GiB") as probe:  # the simulator's NVMe links
+                nvme_link = measure_nvme_link(probe, max_bytes="64MiB")
+            note(f"NVMe tier at {settings.nvme_path}: {nvme_link}")
+            profile = profile.with_nvme_link(nvme_link)
         measurement = replace(measurement, profile=profile, link=link)
         note(
             f"measured link: D2H {format_bandwidth(link.d2h_bandwidth)}, H2D {format_bandwidth(link.h2d_bandwidth)}, "

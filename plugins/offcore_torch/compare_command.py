@@ -90,6 +90,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     run_group.add_argument("--latency", default="10us", help="fake link latency per copy")
     run_group.add_argument("--sanitize", action="store_true", help="fake device sanitizer on (slower)")
     run_group.add_argument(
+        "--nvme-path",
+        default=None,
+        help="a directory on an NVMe disk: runs the row optimizer-offload-nvme (OffloadOptimizer(tier='nvme'), "
+        "its links measured there); without it that row is skipped",
+    )
+    run_group.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -163,6 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Gates]:
         latency_s=parse_duration(args.latency, what="--latency"),
         sanitize=bool(args.sanitize),
         threads=args.threads,
+        nvme_path=args.nvme_path,
         observe=True,
     )
     gates = Gates(

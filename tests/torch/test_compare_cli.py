@@ -265,3 +265,16 @@ def test_the_optimizer_and_parameter_strategies_have_rows_with_predictions(defau
     text = default_run["stdout"]
     for name in expected:
         assert f"\n{name} " in text, f"a table row for {name}"
+
+
+def test_the_nvme_row_is_skipped_without_a_path_and_runs_with_one(default_run: dict[str, Any], tmp_path: Path) -> None:
+    report = json.loads((default_run["out"] / "compare.json").read_text())
+    row = {s["name"]: s for s in report["strategies"]}["optimizer-offload-nvme"]
+    assert row["status"] == "skipped" and "--nvme-path" in row["error"], row
+    status, out = compare(tmp_path, "--strategies", "optimizer-offload-nvme", "--nvme-path", str(tmp_path / "nvme"))
+    assert status == 0
+    row = {s["name"]: s for s in json.loads((out / "compare.json").read_text())["strategies"]}["optimizer-offload-nvme"]
+    assert row["status"] == "ok", row
+    assert row["bit_identical"] is True, "optimizer states on NVMe change no number"
+    assert row["plan_dict"]["optimizer_tier"] == "nvme"
+    assert row["predicted_peak_bytes"] is not None
