@@ -376,11 +376,14 @@ def _unhooked_step(host: torch.optim.Optimizer) -> None:
 
 
 def _data_ptr(param: torch.Tensor) -> int | None:
-    """Where ``param``'s data is (None where a tensor subclass has no pointer): ``p.data = ...`` changes it."""
-    try:
-        return int(param.data_ptr())
-    except Exception:
-        return None
+    """The identity of ``param``'s storage object: ``p.data = ...`` changes it; offload_parameters' freeing and
+    re-allocating under the same storage does not (Note [Parameter storage is swapped, the Parameter object
+    is not] in parameters.py), nor does it run that class's ``__torch_function__`` (None: no storage)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return int(param.untyped_storage()._cdata)
+        except Exception:
+            return None
 
 
 def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
