@@ -178,6 +178,20 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # it replays to the same actions (offcore.sim.replay; tests/core/test_sim_kinds.py) and has the
 # event names a real offload_parameters step feeds its scheduler (tests/torch/test_sim_memory.py).
 
+# Note [Backward's first parameters stay after forward in the simulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The runtime keeps the storages backward uses first (up to its budget) on the device after their
+# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters.py):
+# the plan's prefetch for their backward use finds them there and no copy is made at the turn. The
+# simulator does the same per layer: backward's first layers whose parameters add up to at most the
+# round's budget are not freed after their forward (``p_turn``), and their first use in backward
+# takes the copy over. The head (the parameters outside the layers used first by backward) is kept
+# too: no outside copy at the turn when any layer is kept. Simplifications: the runtime's unit is a
+# module and it counts the head in the budget first, so it may keep part of one more layer (at the
+# issue-12 test's shape: the last layer and 4 of the 6 modules of the one before; the simulator keeps
+# two whole layers, whose bytes equal its budget); under a shared device budget the runtime keeps
+# nothing this way, which the simulator does not model.
+
 #
 # Note [The optimizer's NVMe tier in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -783,8 +797,12 @@ class _Step:
         self.p_cursor = 0
         self.p_last_use = 0.0
         self.p_first_layers: list[int] = []  # what the round's start copied in (the next round copies them again)
+        # Note [Backward's first parameters stay after forward in the simulator]
+        self.p_turn = [False] * self.n  # backward's first layers (up to the budget): kept after their forward use
+        self.p_turn_kept = [False] * self.n
         if self.stream:
             self.psched = self._make_parameter_scheduler(record_schedule)
+            self._mark_turn_layers()
         self.turned = False
         # Note [The worst peak within the prefetch budget]
         self.bounded = any(a is Action.OFFLOAD for a in actions)
@@ -1152,6 +1170,21 @@ class _Step:
             record=record,
         )
 
+    def _mark_turn_layers(self) -> None:
+        """Backward's first layers, up to the round's budget, stay on the device after their forward use
+        (Note [Backward's first parameters stay after forward in the simulator])."""
+        rs = self.psched
+        assert rs is not None
+        budget = rs.budget
+        total = 0
+        for kind, i in self.tasks:
+            if kind != "backward" or self.params[i] <= 0:
+                continue
+            total += self.params[i]
+            if budget is None or total > budget:
+                break
+            self.p_turn[i] = True
+
     def begin_parameter_round(self) -> None:
         """The round's start, as ``offload_parameters``' ``_begin_step``: every use registered as an
         object already on the host, the plan made, its first copies offered. They were made at the end of
@@ -1255,7 +1288,7 @@ class _Step:
 
     def param_maybe_free(self, i: int) -> None:
         """Free layer ``i``'s device copy when nothing uses or holds it (once a copy into it landed)."""
-        if not self.p_resident[i] or self.p_pins[i] or self.p_holds[i] or self.p_backward_pin[i]:
+        if not self.p_resident[i] or self.p_pins[i] or self.p_holds[i] or self.p_backward_pin[i] or self.p_turn_kept[i]:
             return
         if self.p_ready[i] > self.now:  # a prefetch nobody used: it lands first
             self.at(self.p_ready[i], _COPY_DONE, lambda: self.param_maybe_free(i))
@@ -1274,6 +1307,8 @@ class _Step:
         self.p_cursor += 1
         t = self.p_last_use = self.now
         self.p_pins[i] += 1
+        if phase != "forward":  # a kept copy's backward use takes it over (Note [Backward's first parameters ...])
+            self.p_turn_kept[i] = False
         if key in self.p_held:
             actions = rs.used(key, t, managed_key=key)
             rs.awaited(key)
@@ -1334,7 +1369,10 @@ class _Step:
                 self.refresh_room()  # the worst peak: the head's bytes and every reload the budget allows
                 self.change(-head)
                 self.refresh_room()
-                land = self.outside_copy("turn")  # Note [Parameters outside the layers are streamed too]
+                # Note [Parameters outside the layers are streamed too]; the head is backward's first use,
+                # kept from its forward use with the turn's layers (Note [Backward's first parameters stay
+                # after forward in the simulator])
+                land = self.now if any(self.p_turn) else self.outside_copy("turn")
                 if land > self.now:
                     self.wait(self.n - 1, self.now, land)
                     self.at(land, _START, lambda: self.start_task(index))
@@ -1406,6 +1444,8 @@ class _Step:
         def finish() -> None:
             self.change(-self.work[i])
             if self.psched is not None and self.params[i] > 0:
+                # Note [Backward's first parameters stay after forward in the simulator]
+                self.p_turn_kept[i] = self.p_turn[i]
                 self.param_release(i)
             if self.plan.drain_offloads and action is Action.OFFLOAD:
                 # Note [Drained offloads bound the forward's copies in flight]

@@ -1164,10 +1164,17 @@ _KIND_ROUNDS = 5  # timed rounds (one step of each variant) after two warm-up ro
 # see; in CPU time the optimizer strategies ran 1.4-2 x their prediction at load 5.7 (wall
 # time: within 15 % at load 4.3).
 def measure_kind_overheads(
-    device: Any, work: Workload, settings: CompareSettings, measurement: StepMeasurement, report: Progress
+    device: Any,
+    work: Workload,
+    settings: CompareSettings,
+    measurement: StepMeasurement,
+    report: Progress,
+    *,
+    rounds: int = _KIND_ROUNDS,
 ) -> tuple[float, float]:
     """``(optimizer offload, parameter streaming)`` compute-stream seconds per step (Note [Measured overhead
-    of the optimizer and parameter runtimes])."""
+    of the optimizer and parameter runtimes]); ``rounds`` timed rounds (medians of the per-round
+    differences: more rounds, a steadier figure on a busy host)."""
     n = settings.layers
     variants = [
         Plan.keep_all(n),
@@ -1183,7 +1190,7 @@ def measure_kind_overheads(
             with device:
                 model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
                 built.append(_optimizer_for(model, step_plan, device, settings))
-        for number in range(_KIND_ROUNDS + 2):
+        for number in range(max(1, rounds) + 2):
             for index, (model, optimizer, _) in enumerate(built):
                 with device:
                     batch = work.make_batch(number % max(1, settings.iters), torch_device)

@@ -13,6 +13,12 @@ in a way the layer model does not see (``benchmarks/sim_vs_measured.py`` shows t
 The model with one latency per layer (before Note [Parameter copies pay one latency each])
 predicts more than the tolerance apart from this one, so the tolerance can fail (it measured
 1.2-1.6 × under it; with the parameters outside the layers not copied, 1.12-1.21 ×).
+
+Under load: the optimizer's overhead is a wall-time difference of medians (12-84 ms between runs
+on a loaded host with 5 rounds), so it is measured over more rounds here (``OVERHEAD_ROUNDS``);
+the measured side is the fastest step after the warm-up: a busy host only adds time to a step
+bound by the emulated link (its copies never take less than ``latency + bytes / bandwidth``), so
+the fastest of several steps is a fair estimator of the unloaded step, and the median is not.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from offcore.sim import Plan
 TOLERANCE = 0.15
 SETTINGS = CompareSettings(batch=2, seq_len=16, layers=4, d_model=128, heads=4, vocab=128, warmup=1, iters=2)
 PLAN = Plan.keep_all(4, optimizer="offload", parameters="stream")
+OVERHEAD_ROUNDS = 15  # timed rounds of measure_kind_overheads (its default 5 moves with the host's load)
+STEPS, WARMUP = 7, 2  # the first steps teach the schedulers
 
 
 def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_device: Any) -> None:
@@ -50,7 +58,9 @@ def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_devic
     profiler = WorkloadProfiler(unlimited, work, SETTINGS)
     # the median of three profiled steps: one step that a busy host stalls would set every layer's time
     first = sorted((profiler.measure() for _ in range(3)), key=lambda m: m.profile.compute_s)[1]
-    optimizer_overhead, stream_overhead = measure_kind_overheads(unlimited, work, SETTINGS, first, lambda *_: None)
+    optimizer_overhead, stream_overhead = measure_kind_overheads(
+        unlimited, work, SETTINGS, first, lambda *_: None, rounds=OVERHEAD_ROUNDS
+    )
     layer_params = max(layer.param_bytes for layer in first.profile.layers)
     budget = 2 * layer_params
     device = make_fake_device(capacity="1GiB", h2d_bandwidth="16MiB/s", d2h_bandwidth="64MiB/s", latency="1ms")
@@ -72,9 +82,11 @@ def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_devic
         handle = offload_parameters(model, device, budget=budget)
         optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=device, lr=SETTINGS.lr)
     times = []
+    copied: list[int] = []  # H2D bytes per step after the warm-up
     try:
         with device, PlanExecutor(model, PLAN, device) as executor:
-            for step in range(5):
+            for step in range(STEPS):
+                before = handle.stats().h2d_bytes
                 batch = work.make_batch(step % 2, torch_device)
                 device.synchronize()
                 start = time.perf_counter()
@@ -83,16 +95,24 @@ def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_devic
                 optimizer.zero_grad(set_to_none=True)
                 device.synchronize()
                 times.append(time.perf_counter() - start)
+                if step >= WARMUP:
+                    copied.append(handle.stats().h2d_bytes - before)
         stats = handle.stats()
     finally:
         _release_optimizer(optimizer, handle)
-    measured = statistics.median(times[2:])  # the first steps teach the schedulers
+    measured = min(times[WARMUP:])  # a busy host only adds time to a link-bound step (the docstring)
     result, predicted = measurement.predict(PLAN)
     print(
         f"overheads: optimizer {optimizer_overhead * 1e3:.1f} ms, streaming {stream_overhead * 1e3:.1f} ms; link {link}"
     )
     assert result.h2d_busy_s > 0.6 * predicted, ("the check needs a link-bound step", result.summary())
     assert stats.h2d_copies > 0 and stats.unplanned == 0
+    # the simulated copies are the runtime's (Note [Backward's first parameters stay after forward in
+    # the simulator]); which step the next round's first copies are counted in depends on timing, so
+    # the median step's bytes are compared, within one small module's (the layer/module granularity)
+    runtime_bytes = statistics.median(copied)
+    print(f"H2D bytes per step: runtime {copied}, simulated {result.h2d_bytes}")
+    assert abs(result.h2d_bytes - runtime_bytes) <= 0.02 * runtime_bytes, (copied, result.h2d_bytes)
     ratio = measured / predicted
     print(f"measured {measured * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms, ratio {ratio:.3f}")
     assert abs(ratio - 1.0) <= TOLERANCE, (measured, predicted, times)
