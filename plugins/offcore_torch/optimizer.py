@@ -80,7 +80,7 @@ next forward waiting per parameter on its own event.
 # bug). Each slot remembers the device parameter's version counter from when it last
 # matched the master (construction, and the H2D of each step once the host observed it
 # land); before a host step, a changed version reloads the master from the device.
-# ``p.data = ...`` keeps the version: the storage's pointer (``synced_ptr``) is compared too.
+# ``p.data = ...`` keeps the version: the storage's pointer (``synced_storage``) is compared too.
 #
 # Note [Writes to parameters after step()]
 # Between ``step()`` and the next forward, the step's uploads may be in flight, due (not issued
@@ -259,7 +259,7 @@ class _Slot:
         "stepped",
         "h2d",
         "synced_version",
-        "synced_ptr",
+        "synced_storage",
         "h2d_versions",
         "h2d_dst",
         "hook",
@@ -285,7 +285,7 @@ class _Slot:
         self.h2d: Any = None  # event of the last H2D of the master into the device parameter
         self.synced_version = param._version
         # Note [Writes to parameters after step()]: the storage the master matched (``p.data = ...`` changes it)
-        self.synced_ptr = _data_ptr(param)
+        self.synced_storage = _storage_id(param)
         self.h2d_versions: tuple[int, ...] = ()  # versions the parameter may have once its last H2D landed
         # the last H2D's destination, kept alive until the next one: ``p.data = ...`` may drop the parameter's
         # storage while the copy into it is in flight (Note [Writes to parameters after step()])
@@ -375,7 +375,7 @@ def _unhooked_step(host: torch.optim.Optimizer) -> None:
         inner(host)
 
 
-def _data_ptr(param: torch.Tensor) -> int | None:
+def _storage_id(param: torch.Tensor) -> int | None:
     """The identity of ``param``'s storage object: ``p.data = ...`` changes it; offload_parameters' freeing and
     re-allocating under the same storage does not (Note [Parameter storage is swapped, the Parameter object
     is not] in parameters.py), nor does it run that class's ``__torch_function__`` (None: no storage)."""
@@ -767,7 +767,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         done.synchronize()
         if slot.stage is not None:
             slot.master.copy_(slot.stage)
-        slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
+        slot.synced_version, slot.synced_storage = slot.param._version, _storage_id(slot.param)
 
     def _regroup(self) -> None:
         """Point every slot at the host group holding its master (torch's load_state_dict makes new groups)."""
@@ -1339,13 +1339,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``slot``'s last H2D landed and the host saw it: the device parameter matches the master again,
         unless someone else wrote it meanwhile (Note [Writes to parameters after step()])."""
         version = slot.param._version
-        if version in slot.h2d_versions and _data_ptr(slot.param) == slot.synced_ptr:
+        if version in slot.h2d_versions and _storage_id(slot.param) == slot.synced_storage:
             slot.synced_version = version
         # else: written while the upload was in flight; synced_version stays, so the master is refreshed
 
     def _changed(self, slot: _Slot) -> bool:
         """Whether the device parameter was written by someone else since it last matched the master."""
-        return slot.param._version != slot.synced_version or _data_ptr(slot.param) != slot.synced_ptr
+        return slot.param._version != slot.synced_version or _storage_id(slot.param) != slot.synced_storage
 
     def _written(self, slot: _Slot) -> bool:
         """Note [Writes to parameters after step()]: no upload of ours in flight, and the parameter changed."""
@@ -1903,7 +1903,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._copy_up(slot, force=True)
                     self._wait_parameter(slot)
                     slot.h2d.synchronize()
-                    slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
+                    slot.synced_version, slot.synced_storage = slot.param._version, _storage_id(slot.param)
             elif master is not None and slot.host_param is not None:
                 self.run_on_host(slot.master.copy_, master)
                 if slot.stage is not None:
@@ -1915,7 +1915,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._copy_up(slot, force=True)
                 self._wait_parameter(slot)
                 slot.h2d.synchronize()
-                slot.synced_version, slot.synced_ptr = slot.param._version, _data_ptr(slot.param)
+                slot.synced_version, slot.synced_storage = slot.param._version, _storage_id(slot.param)
             else:
                 self._load_master(slot)
         if self._params_handle is not None:
