@@ -34,6 +34,7 @@ import io
 import os
 import re
 import sys
+import threading
 import types
 import unittest
 import warnings
@@ -561,24 +562,30 @@ def _has_momentum(cls: type[Any], kwargs: dict[str, Any]) -> bool:
 
 
 # ---------------------------------------------------------------- hooks
-def step_with_hooks(dev: Any, *, global_hooks: bool) -> tuple[list[tuple[str, Any]], Any]:
+def step_with_hooks(dev: Any, *, global_hooks: bool, **options: Any) -> tuple[list[tuple[str, Any]], Any]:
     """Three steps of an OffloadOptimizer with step hooks (torch's global ones too, with ``global_hooks``)
     registered for the first two: what the hooks saw, and the optimizer."""
     cls = torch.optim.SGD
     seen: list[tuple[str, Any]] = []
+    caller = threading.current_thread()
+
+    def saw(name: str, o: Any) -> None:
+        assert threading.current_thread() is caller, (name, threading.current_thread().name)  # the caller's thread
+        seen.append((name, o))
+
     model = make_model(cls, dev, offload=True)
     handles = []
     if global_hooks:
         handles += [
-            register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global pre", o))),
-            register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global post", o))),
+            register_optimizer_step_pre_hook(lambda o, a, k: saw("global pre", o)),
+            register_optimizer_step_post_hook(lambda o, a, k: saw("global post", o)),
         ]
     try:
         with dev:
-            opt = make_opt(groups_of(model, cls, {"lr": 0.1}), cls, dev, offload=True, lr=0.1, momentum=0.9)
+            opt = make_opt(groups_of(model, cls, {"lr": 0.1}), cls, dev, offload=True, lr=0.1, momentum=0.9, **options)
             try:
-                handles.append(opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", o))))
-                handles.append(opt.register_step_post_hook(lambda o, a, k: seen.append(("post", o))))
+                handles.append(opt.register_step_pre_hook(lambda o, a, k: saw("pre", o)))
+                handles.append(opt.register_step_post_hook(lambda o, a, k: saw("post", o)))
                 for step in range(3):
                     if step == 2:
                         for handle in handles:
@@ -601,10 +608,12 @@ def test_step_hooks_run_once_per_step(dev: Any) -> None:
     assert [(name, o is opt) for name, o in seen] == [("pre", True), ("post", True)] * 2
 
 
-def test_global_step_hooks_run_once_per_step_in_torchs_order(dev: Any) -> None:
-    """test_step_all_hooks: global pre, local pre, local post, global post, once per ``step()``, all with the
-    OffloadOptimizer as the optimizer (the host optimizer's steps inside are not the user's steps)."""
-    seen, opt = step_with_hooks(dev, global_hooks=True)
+@pytest.mark.parametrize("accumulation_steps", [None, 1], ids=["at-step", "under-backward"])
+def test_global_step_hooks_run_once_per_step_in_torchs_order(dev: Any, accumulation_steps: int | None) -> None:
+    """test_step_all_hooks: global pre, local pre, local post, global post, once per ``step()``, on the caller's
+    thread, all with the OffloadOptimizer as the optimizer (the host optimizer's steps inside are not the user's
+    steps: Note [Step hooks run once per step])."""
+    seen, opt = step_with_hooks(dev, global_hooks=True, accumulation_steps=accumulation_steps)
     expected = ["global pre", "pre", "post", "global post"] * 2
     assert [(name, o is opt) for name, o in seen] == [(name, True) for name in expected]
 
