@@ -140,6 +140,7 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
         "restore_format": Capability.PRIVATE_FORMATS,
         "close": None,
         "allocated_bytes": None,
+        "active": None,
     }
 )
 """Backend members outside :class:`Backend`, and the capability that promises each.
@@ -166,7 +167,8 @@ class Backend(Protocol):
     except the optional members of :data:`OPTIONAL_MEMBERS`, each after checking the
     capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison``
     (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
-    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()`` and ``allocated_bytes()`` when present.
+    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()``, ``allocated_bytes()`` and ``active`` (True
+    while the calling thread is inside ``with device:``, for devices that are entered) when present.
     """
 
     name: ClassVar[str]
