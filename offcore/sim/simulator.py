@@ -358,6 +358,10 @@ class SimResult:
     parameter_schedule_settings: Mapping[str, Any] = field(default_factory=dict, repr=False)
     """That scheduler's settings (:meth:`~offcore.residency.ResidencyScheduler.settings`: the keywords of
     :func:`offcore.sim.replay.replay`)."""
+    parameter_h2d_copies: int = 0
+    """H2D copies of the streamed parameters (``Plan.parameters == "stream"``): one per tensor
+    (``LayerProfile.param_copies``, ``StepProfile.outside_param_copies``), as
+    ``offload_parameters(...).stats().h2d_copies`` counts them (Note [Parameter copies pay one latency each])."""
     optimizer_host_bytes: int = 0
     """Host bytes of the host optimizer (``Plan.optimizer == "offload"``): the fp32 masters and the
     gradients (``param_bytes`` each), and its states (``optimizer_state_bytes``) or, on the NVMe tier,
@@ -558,6 +562,7 @@ def _repeat(micro: SimResult, count: int, overhead_s: float, capacity: int | Non
         parameter_schedule_log=micro.parameter_schedule_log,
         parameter_schedule_actions=micro.parameter_schedule_actions,
         parameter_schedule_settings=micro.parameter_schedule_settings,
+        parameter_h2d_copies=count * micro.parameter_h2d_copies,
     )
 
 
@@ -796,6 +801,7 @@ class _Step:
         self.p_held: dict[int, int] = {}
         self.p_cursor = 0
         self.p_last_use = 0.0
+        self.p_copies = 0  # SimResult.parameter_h2d_copies
         self.p_first_layers: list[int] = []  # what the round's start copied in (the next round copies them again)
         # Note [Backward's first parameters stay after forward in the simulator]
         self.p_turn = [False] * self.n  # backward's first layers (up to the budget): kept after their forward use
@@ -1244,6 +1250,7 @@ class _Step:
         self.change(nbytes)
         begin, land = self.h2d_link.run(self.now, self.param_copy_s(i))
         self.h2d_bytes += nbytes
+        self.p_copies += self.param_copies[i]
         self.last_copy_end = max(self.last_copy_end, land)
         self.p_ready[i] = land
         self.event("h2d", f"h2d:param:{phase}:{self.names[i]}", begin, land, "h2d", i)
@@ -1259,6 +1266,7 @@ class _Step:
         seconds = self.copy_s(nbytes, "h2d") + (max(1, profile.outside_param_copies) - 1) * profile.latency_s
         begin, land = self.h2d_link.run(self.now if at is None else at, seconds)
         self.h2d_bytes += nbytes
+        self.p_copies += max(1, profile.outside_param_copies)
         self.last_copy_end = max(self.last_copy_end, land)
         self.event("h2d", f"h2d:param:{label}:outside", begin, land, "h2d", self.n - 1)
         return land
@@ -1581,6 +1589,7 @@ class _Step:
             for i in self.p_first_layers:
                 start, land = self.h2d_link.run(issue, self.param_copy_s(i))
                 self.h2d_bytes += self.params[i]
+                self.p_copies += self.param_copies[i]
                 self.last_copy_end = max(self.last_copy_end, land)
                 self.event("h2d", f"h2d:param:next-forward:{self.names[i]}", start, land, "h2d", i)
         end = max(self.last_copy_end, self.host_end)
@@ -1643,6 +1652,7 @@ class _Step:
             parameter_schedule_log=tuple(psched.log) if psched is not None else (),
             parameter_schedule_actions=tuple(psched.actions) if psched is not None else (),
             parameter_schedule_settings=psched.settings() if psched is not None else {},
+            parameter_h2d_copies=self.p_copies,
             optimizer_host_bytes=self.optimizer_host_bytes(),
             worst_peak_bytes=max(peak, self.worst),
             nvme_read_bytes=self.nvme_read_total,

@@ -88,19 +88,20 @@ def test_parameter_streaming_copies_each_layer_in_before_each_use() -> None:
     # Note [Parameter streaming drives a ResidencyScheduler]: the round's start (the previous step's
     # end) copied l0's and l1's forward uses in (the budget, twice a layer, holds both); at l0's use
     # (t=0) l1's backward use is due, but l1's parameters are on the device (held for its forward):
-    # no copy, they stay; at l1's backward use (t=2) l0's backward copy is due: 2-3, before its use at 4
+    # no copy, they stay; backward's first layers up to the budget (both) stay after their forward use
+    # (Note [Backward's first parameters stay after forward in the simulator]): no copy in backward
     assert spans(r, "h2d") == [
-        ("h2d:param:backward:l0", 2.0, 3.0),
         ("h2d:param:next-forward:l0", 6.0, 7.0),  # the next step's first copies, at the end of this one
         ("h2d:param:next-forward:l1", 7.0, 8.0),
     ]
+    assert r.parameter_h2d_copies == 2  # one tensor a layer
     # no wait in forward or backward; the step ends when the next step's copies landed
     assert r.step_time_s == 8.0 and r.exposed_wait_s == 2.0
     assert r.static_bytes == 40  # the layers' parameters are not resident
     assert r.memory_at(0.0) == 40 + 20 + 100  # both layers' forward copies, l0's first save
     # l1's backward: other 40 + saves 200 + l1's and l0's parameters 20 + l1's gradients 10
     assert r.peak_bytes == 270
-    assert r.memory_at(1.5) == 40 + 200 + 10  # in l1's forward: l0's parameters freed after its forward
+    assert r.memory_at(1.5) == 40 + 200 + 20  # in l1's forward: l0's parameters kept for its backward
     assert r.memory_at(6.0) == 40  # every layer's parameters freed after its backward
 
 
@@ -114,11 +115,11 @@ def test_parameter_copies_are_prefetched_by_deadline_within_the_budget() -> None
     assert forward == [("h2d:param:forward:l2", 0.0, 2.0), ("h2d:param:forward:l3", 2.0, 4.0)]
     assert [e.start for e in r.events if e.kind == "forward"] == [0.0, 1.0, 2.0, 4.0]
     backward = [(name, start, end) for name, start, end in spans(r, "h2d") if ":backward:" in name]
-    # l3's backward use finds it on the device (held from its forward); the others chain on the link
+    # l3's and l2's backward uses find them on the device (backward's first layers up to the budget
+    # stay after their forward use); l1's copy is due by 8 (5-7), l0's chains on the link
     assert backward == [
-        ("h2d:param:backward:l2", 4.0, 6.0),
-        ("h2d:param:backward:l1", 6.0, 8.0),
-        ("h2d:param:backward:l0", 8.0, 10.0),
+        ("h2d:param:backward:l1", 5.0, 7.0),
+        ("h2d:param:backward:l0", 7.0, 9.0),
     ]
     assert r.parameter_schedule_settings["budget"] == 20  # offload_parameters' default: twice the largest module
 
@@ -126,11 +127,10 @@ def test_parameter_copies_are_prefetched_by_deadline_within_the_budget() -> None
 def test_all_kinds_no_upload_after_the_host_step() -> None:
     r = simulate(profile(), Plan.keep_all(2, optimizer="offload", parameters="stream"))
     assert [name for name, _, _ in spans(r, "h2d")] == [
-        "h2d:param:backward:l0",
         "h2d:param:next-forward:l0",  # the next round, once the last host step is done (7.5)
         "h2d:param:next-forward:l1",
     ]
-    assert spans(r, "h2d")[1][1] == 7.5  # the next round starts once the host step is done
+    assert spans(r, "h2d")[0][1] == 7.5  # the next round starts once the host step is done
     assert r.step_time_s == 9.5
     assert r.static_bytes == 0
 
