@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from offcore.errors import ConfigurationError, OffcoreError
 from offcore_torch.clip import clip_grad_norm_ as _clip_replicated
-from offcore_torch.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer
+from offcore_torch.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
 
@@ -341,7 +341,7 @@ class FSDPOffloadOptimizer:
                 for g, params, lr in groups:
                     g["params"] = [m for m in params if id(m) in chosen]
                     g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-                host.step()
+                _unhooked_step(host)  # a state set-up, not a training step: no step hooks
                 return {
                     i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in host.state[m].items()}
                     for i, m in enumerate(masters)
