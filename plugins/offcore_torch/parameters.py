@@ -939,24 +939,18 @@ class ParameterOffloadHandle:
 
     def _first_forward_slots(self, sequence: list[tuple[int, str]]) -> frozenset[int]:
         """The storages the next forward uses first, up to the budget: backward's last uses keep them."""
-        out: set[int] = set()
-        total = 0
-        for uid, tag in sequence:
-            if tag != "f":
-                continue
-            unit = self._units[uid]
-            total += unit.nbytes
-            if total > self.budget:
-                break
-            out.update(slot.index for slot in unit.slots)
-        return frozenset(out)
+        return self._first_slots(sequence, "f")
 
     def _first_backward_slots(self, sequence: list[tuple[int, str]]) -> frozenset[int]:
         """The storages backward uses first, up to the budget: not freed after their forward use."""
+        return self._first_slots(sequence, "b")
+
+    def _first_slots(self, sequence: list[tuple[int, str]], pass_tag: str) -> frozenset[int]:
+        """The storages of the first units of one pass (``"f"`` / ``"b"``) in ``sequence``, up to the budget."""
         out: set[int] = set()
         total = 0
         for uid, tag in sequence:
-            if tag != "b":
+            if tag != pass_tag:
                 continue
             unit = self._units[uid]
             total += unit.nbytes
