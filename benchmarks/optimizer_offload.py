@@ -519,9 +519,15 @@ def scenario_b(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> list
 
 
 def _sequential(
-    groups: Any, read: Callable[[Any], Any], compute: Callable[[Any], Any], write: Callable[[Any], Any], *, release: Any
+    groups: Any,
+    read: Callable[[Any], Any],
+    compute: Callable[[Any], Any],
+    write: Callable[[Any], Any],
+    *,
+    release: Any,
+    lookahead: int = 1,
 ) -> None:
-    """The baseline of the pipelined step: read, step, write each group in turn."""
+    """The baseline of the pipelined step: read, step, write each group in turn (``lookahead`` unused)."""
     for group in groups:
         read(group).synchronize()
         compute(group)
