@@ -1478,6 +1478,20 @@ class _Step:
         def go() -> None:
             self.at(max(ready[0], self.now), _START, lambda: self.run_group(index, i, g, t0))
 
+        def reload_when_landed(obj: _Object) -> Callable[[], None]:
+            """Called once ``obj``'s stage or D2H landed: reload it if still offloaded; the group starts
+            when the last such reload is done."""
+
+            def landed() -> None:
+                if self.sched.objects[obj.key].state is State.OFFLOADED:
+                    self.reload(obj)
+                ready[0] = max(ready[0], obj.h2d_end)
+                pending[0] -= 1
+                if pending[0] == 0:
+                    go()
+
+            return landed
+
         self.refresh_room()
 
         for obj in group:
@@ -1497,15 +1511,7 @@ class _Step:
                 self.execute(sched.used(key, t0, managed_key=key))
             elif state is State.OFFLOADED and obj.on_nvme:  # two hops on demand: stage, then reload
                 pending[0] += 1
-
-                def reload_staged(obj: _Object = obj) -> None:
-                    if self.sched.objects[obj.key].state is State.OFFLOADED:
-                        self.reload(obj)
-                    ready[0] = max(ready[0], obj.h2d_end)
-                    pending[0] -= 1
-                    if pending[0] == 0:
-                        go()
-
+                reload_staged = reload_when_landed(obj)
                 if key in self.staging:  # the plan's stage is under way: reloaded once it landed
                     self.staging[key] = reload_staged
                 else:
@@ -1517,16 +1523,7 @@ class _Step:
                 ready[0] = max(ready[0], end)
             else:  # its D2H (or an evicted prefetch) is in flight: reload once it landed
                 pending[0] += 1
-
-                def resume(obj: _Object = obj) -> None:
-                    if self.sched.objects[obj.key].state is State.OFFLOADED:
-                        self.reload(obj)
-                    ready[0] = max(ready[0], obj.h2d_end)
-                    pending[0] -= 1
-                    if pending[0] == 0:
-                        go()
-
-                self._waiting_for[key] = resume
+                self._waiting_for[key] = reload_when_landed(obj)
                 self.execute(sched.used(key, t0, managed_key=key))
         if pending[0] == 0:
             go()
