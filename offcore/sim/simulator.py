@@ -202,8 +202,8 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # consecutive ones up to _NVME_GROUP_BYTES of parameters (the optimizer's own grouping, per
 # parameter; a layer above it split evenly) — with the layer's share of ``optimizer_state_bytes``
 # (the profiled state / parameter ratio: AdamW 2) read on the NVMe read link before its step and
-# written on the write link after it; group i waits for the write of group i-2 (three groups live:
-# the bounce buffers, SimResult.optimizer_host_bytes). The NVMe tier is one more link per
+# written on the write link after it, read _NVME_LOOKAHEAD groups ahead; group i waits for the write
+# of group i-2 (lookahead + 2 groups live: the bounce buffers, SimResult.optimizer_host_bytes). The NVMe tier is one more link per
 # direction with its own measured ``latency + bytes / bandwidth`` (StepProfile.nvme_*:
 # offcore.bandwidth.measure_nvme_link), independent of each other and of the device's links (the
 # tier's reads and writes have their own thread pools; a disk that slows one while the other runs
@@ -634,6 +634,7 @@ _PARAMETER_UNIT_S = 1e-3
 # OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer.py):
 # a group is one parameter or consecutive small ones up to this many master bytes
 _NVME_GROUP_BYTES = 4 * 1024**2
+_NVME_LOOKAHEAD = 2  # OffloadOptimizer's pipelined(lookahead=): groups read ahead of the one stepped
 
 # event priorities at one instant (Note [Simulated lifetimes]: frees before allocations)
 _END, _LAND, _COPY_DONE, _START = 0, 1, 2, 3
@@ -782,7 +783,7 @@ class _Step:
         self.grads_in_flight = 0
         self.compute_done = False
         self.nvme_groups: list[tuple[int, str, int]] = []  # (parameter bytes, label, layer) per landed gradient
-        self.host_state_window = 0  # the most state bytes in host buffers at once (three groups)
+        self.host_state_window = 0  # the most state bytes in host buffers at once (lookahead + 2 groups)
         self.nvme_read_total = self.nvme_write_total = 0  # bytes read from / written to the NVMe tier
         self.nvme_read_free = self.nvme_write_free = 0.0  # when the tier's read / write link is free
         self.staging: dict[int, Callable[[], None] | None] = {}  # stages under way, and what waits for each
@@ -1099,8 +1100,8 @@ class _Step:
     # Note [The optimizer's NVMe tier in the simulator]
     def nvme_step(self) -> None:
         """``step()`` with the states on NVMe: once every gradient landed, the host worker steps the groups
-        pipelined (read i+1 on the NVMe read link, step i, write i on the write link; group i waits for
-        the write of i-2), and uploads each group's parameters after its step (parameters resident)."""
+        pipelined (read i+1 ... i+_NVME_LOOKAHEAD on the NVMe read link, step i, write i on the write link;
+        group i waits for the write of i-2), and uploads each group's parameters after its step (parameters resident)."""
         if self.grads_in_flight or self.host_end > 0 or not self.nvme_groups:
             return
         profile = self.profile
@@ -1109,9 +1110,10 @@ class _Step:
         states = [int(nbytes * ratio) for nbytes, _, _ in groups]
         self.nvme_read_total += sum(states)
         self.nvme_write_total += sum(states)
+        ahead = _NVME_LOOKAHEAD
         self.host_state_window = max(
-            (sum(states[max(0, k - 2) : k + 1]) for k in range(len(states))), default=0
-        )  # groups i-1 (writing), i (stepping) and i+1 (read ahead)
+            (sum(states[max(0, k - 1) : k + ahead + 1]) for k in range(len(states))), default=0
+        )  # groups i-1 (writing), i (stepping) and i+1 ... i+ahead (read ahead)
 
         def read_s(k: int) -> float:
             return transfer_time(states[k], profile.nvme_read_bandwidth, profile.nvme_read_latency_s)
@@ -1130,12 +1132,13 @@ class _Step:
             read_end.append(read_free)
             self.event("n2h", f"n2h:state:{groups[k][1]}", begin, read_free, "n2h", groups[k][2])
 
-        read(0, worker)
+        for k in range(min(ahead, len(groups))):
+            read(k, worker)
         for k, (nbytes, label, layer) in enumerate(groups):
             if k >= 2:
                 worker = max(worker, write_end[k - 2])
-            if k + 1 < len(groups):
-                read(k + 1, worker)
+            if k + ahead < len(groups):
+                read(k + ahead, worker)
             begin = max(worker, read_end[k])
             worker = begin + nbytes * profile.host_step_s_per_byte
             self.host_busy += worker - begin

@@ -46,8 +46,9 @@ def test_the_optimizer_states_are_read_stepped_and_written_pipelined_after_backw
     assert steps[2].start >= writes[0].end  # group i waits for the write of i-2
     assert nvme.step_time_s >= writes[-1].end  # the step ends when the last state is on disk
     assert nvme.step_time_s > host.step_time_s
-    # host bytes: masters + gradients + at most three groups' states in the bounce buffers
-    assert nvme.optimizer_host_bytes == 2 * profile.param_bytes + 3 * 6 * MIB
+    assert reads[2].start < steps[0].end  # read two ahead, as the optimizer does (pipelined lookahead=2)
+    # host bytes: masters + gradients + at most lookahead + 2 = four groups' states in the bounce buffers
+    assert nvme.optimizer_host_bytes == 2 * profile.param_bytes + 4 * 6 * MIB
     assert host.optimizer_host_bytes == 2 * profile.param_bytes + profile.optimizer_state_bytes
     assert ("h2d", "h2d:param:layer0") in events  # parameters uploaded after their group's step
 
