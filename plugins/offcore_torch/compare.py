@@ -1208,12 +1208,7 @@ def measure_kind_overheads(
                 report(1, "profile")
     finally:
         for _, optimizer, handle in built:
-            try:
-                if isinstance(optimizer, OffloadOptimizer):
-                    optimizer.close()
-            finally:
-                if handle is not None:
-                    handle.discard()
+            _release_optimizer(optimizer, handle)
         built.clear()
         gc.collect()
     unlimited = replace(measurement, profile=measurement.profile.with_link(d2h_bandwidth="inf", h2d_bandwidth="inf"))
