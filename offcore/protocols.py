@@ -141,6 +141,7 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
         "close": None,
         "allocated_bytes": None,
         "active": None,
+        "host_work": None,
     }
 )
 """Backend members outside :class:`Backend`, and the capability that promises each.
@@ -150,7 +151,12 @@ A backend advertising the capability has the member; callers check the capabilit
 threads, a memory cap or pinned blocks provides it, and callers that end a device's use call
 it when present (``getattr(dev, "close", None)``). ``allocated_bytes()`` (``None`` too) is an optional
 fast read of ``memory_stats()["allocated_bytes"]`` (same figure, no dict built): bindings that probe
-the device's room per reload use it when present and fall back to ``memory_stats()``. Nothing else on a device may be relied on
+the device's room per reload use it when present and fall back to ``memory_stats()``. ``host_work()`` (``None``
+too) is an optional context manager meaning "host work, not device memory": the tensors the framework
+creates on the calling thread inside it are host memory even inside ``with device:``. Only a backend
+whose device memory is host memory and counts what is created inside ``with device:`` (the CPU fake
+device) needs it; elsewhere host tensors are host memory anyway, and callers use
+``contextlib.nullcontext()`` when it is absent. Nothing else on a device may be relied on
 by the core, the bindings or the conformance suite (``tests/core/test_protocol_usage.py``).
 """
 
@@ -167,8 +173,9 @@ class Backend(Protocol):
     except the optional members of :data:`OPTIONAL_MEMBERS`, each after checking the
     capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison``
     (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
-    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()``, ``allocated_bytes()`` and ``active`` (True
-    while the calling thread is inside ``with device:``, for devices that are entered) when present.
+    (:attr:`Capability.PRIVATE_FORMATS`), and ``close()``, ``allocated_bytes()``, ``active`` (True
+    while the calling thread is inside ``with device:``, for devices that are entered) and
+    ``host_work()`` (a context manager: host work on the calling thread, not device memory) when present.
     """
 
     name: ClassVar[str]

@@ -186,6 +186,21 @@ class FakeDevice:
         """True inside ``with dev:`` on the calling thread."""
         return getattr(self._local, "depth", 0) > 0
 
+    def host_work(self) -> contextlib.AbstractContextManager[Any]:
+        """Host work, not device memory: tensors created on the calling thread inside are host memory.
+
+        Inside ``with dev:`` every tensor created on the calling thread counts as device memory (the
+        fake device's memory is host memory); a binding that runs host-side arithmetic on that
+        thread (a host optimizer step) wraps it in this. Explicit ``allocate(n, "device")`` inside
+        still counts. Operators inside bypass Python dispatch modes, as the device's own bookkeeping
+        does. Re-entrant; a no-op with numpy buffers. (The optional member ``host_work`` of
+        :data:`offcore.protocols.OPTIONAL_MEMBERS`.)
+
+            >>> with dev, dev.host_work():                  # doctest: +SKIP
+            ...     scratch = torch.empty(1024)             # host memory: not in memory_stats()
+        """
+        return self._untracked()
+
     def _untracked(self) -> contextlib.AbstractContextManager[Any]:
         """Operators of the device's own bookkeeping are not counted as device memory."""
         if self._tracker is None:

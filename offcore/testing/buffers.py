@@ -82,6 +82,11 @@ class BufferKit(abc.ABC):
         """Bytes of a ``dtype`` array of ``shape``."""
         return self.itemsize(dtype) * math.prod(shape)
 
+    def host_array(self, nbytes: int) -> Any:
+        """A ``uint8`` buffer of ``nbytes`` made by the framework itself on the host (``numpy.empty``,
+        ``torch.empty`` on the CPU), as host-side arithmetic makes its temporaries; not a backend allocation."""
+        raise NotImplementedError(f"{type(self).__name__} does not make host arrays")
+
     def random_bytes(self, rng: np.random.Generator, dtype: str, count: int) -> np.ndarray:
         """Random bit patterns for ``count`` elements (NaN payloads, -0.0 and subnormals included).
 
@@ -125,6 +130,9 @@ class NumpyKit(BufferKit):
 
     def nbytes(self, buffer: Any) -> int:
         return int(buffer.nbytes)
+
+    def host_array(self, nbytes: int) -> Any:
+        return np.ones(nbytes, np.uint8)
 
 
 class TorchKit(BufferKit):
@@ -183,6 +191,9 @@ class TorchKit(BufferKit):
 
     def nbytes(self, buffer: Any) -> int:
         return int(buffer.numel() * buffer.element_size())
+
+    def host_array(self, nbytes: int) -> Any:
+        return self.torch.ones(nbytes, dtype=self.torch.uint8, device="cpu")
 
 
 _KITS: dict[str, type[BufferKit]] = {"numpy": NumpyKit, "torch": TorchKit}

@@ -572,6 +572,36 @@ class BackendConformance:
             stats = backend.memory_stats()
             assert stats.peak_allocated_bytes == stats.allocated_bytes == before
 
+    def test_host_work_is_not_device_memory(self, backend: Any, kit: BufferKit) -> None:
+        """The optional ``host_work()`` (used when present): buffers the framework makes on the host
+        inside ``with backend:`` and it are not device memory, during it or after; a device allocation
+        inside still is. Without it, host buffers must not count as device memory to begin with."""
+        nbytes = 4 * MiB
+        host_work = getattr(backend, "host_work", None)  # optional, no capability: used when present
+        with _active(backend):
+            before = backend.memory_stats().allocated_bytes
+            if host_work is None:
+                host = kit.host_array(nbytes)
+                if backend.memory_stats().allocated_bytes != before:
+                    pytest.fail(
+                        f"{type(backend).__name__} counts host buffers made inside `with device:` as device "
+                        "memory: it needs host_work() (offcore.protocols.OPTIONAL_MEMBERS)"
+                    )
+                return
+            with host_work():
+                host = kit.host_array(nbytes)
+                with host_work():  # re-entrant
+                    inner = kit.host_array(nbytes)
+                assert backend.memory_stats().allocated_bytes == before, "host_work(): host buffers counted"
+                device = backend.allocate(nbytes, Tier.DEVICE)
+                assert backend.memory_stats().allocated_bytes - before == nbytes, (
+                    "host_work(): a device allocation inside must still count"
+                )
+            del device
+            gc.collect()
+            assert backend.memory_stats().allocated_bytes == before, "host_work(): its buffers must never count"
+            assert kit.nbytes(host) == kit.nbytes(inner) == nbytes
+
     # ------------------------------------------------------------------ host buffer pool
 
     @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
