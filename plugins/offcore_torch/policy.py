@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,12 +34,38 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
-from offcore_torch.storage import is_parameter_like, storage_key
+from offcore_torch.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
 _local = threading.local()
 _current_autograd_node = torch._C._current_autograd_node
+
+# Note [Module names are learnt once per tree]
+# A region learns the names of a module tree's submodules (how offloaded storages are named)
+# and the storages of its parameters and buffers (never offloaded) when it enters the tree.
+# A region lives one step, so that was a walk of the whole model per step (named_modules:
+# a recursive generator building a prefix string per submodule). The names are kept per tree
+# root (weakly) with the ids of its submodules in walk order; each region walks the tree with
+# a flat loop over ``_modules`` and reuses the names when the same submodules are found in the
+# same order (else it names them again). The parameter and buffer storages are read again from
+# the live submodules by every region: a parameter replaced or re-pointed (``param.data = ...``)
+# between steps is seen at once.
+_TREE_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], dict[int, str]]] = weakref.WeakKeyDictionary()
+
+
+def _submodules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and each of its submodules once (the set ``named_modules()`` yields), breadth first."""
+    out = [module]
+    seen = {id(module)}
+    index = 0
+    while index < len(out):
+        for sub in out[index]._modules.values():
+            if sub is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+        index += 1
+    return out
 
 
 @contextlib.contextmanager
@@ -350,16 +377,28 @@ class PackRules:
         """Learn the storages of a module tree's parameters and buffers, and its submodules' names."""
         if id(module) in self.module_names:
             return
-        root = type(module).__name__
         names, keys = self.module_names, self.param_keys
-        # one walk of the tree (module.parameters() and .buffers() would walk it twice more): each
-        # submodule's own parameters and buffers, as those two calls would yield them
-        for name, sub in module.named_modules():
-            names.setdefault(id(sub), f"{root}.{name}" if name else root)
+        # one flat walk of the tree (Note [Module names are learnt once per tree]): each submodule's
+        # own parameters and buffers, as module.parameters() and .buffers() would yield them
+        subs = _submodules(module)
+        ids = tuple(map(id, subs))
+        cached = _TREE_NAMES.get(module)
+        if cached is None or cached[0] != ids:
+            root = type(module).__name__
+            tree = {id(sub): f"{root}.{name}" if name else root for name, sub in module.named_modules()}
+            _TREE_NAMES[module] = (ids, tree)
+        else:
+            tree = cached[1]
+        if names:
+            for key, name in tree.items():
+                names.setdefault(key, name)
+        else:
+            names.update(tree)
+        for sub in subs:
             for tensors in (sub._parameters, sub._buffers):
                 for tensor in tensors.values():
                     if tensor is not None:
-                        keys.add(storage_key(tensor.untyped_storage()))
+                        keys.add(tensor.untyped_storage()._cdata)  # storage_key, inlined
 
     def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
         name = self.module_names.get(id(module))
