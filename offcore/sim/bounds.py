@@ -203,10 +203,12 @@ def batch_memory_floor(profile: StepProfile, codes: np.ndarray) -> np.ndarray:
     s = np.array([layer.saved_bytes for layer in layers], dtype=np.int64)
     own = np.array(_own_bytes(profile), dtype=np.int64)
     w = np.array([layer.working_bytes for layer in layers], dtype=np.int64)
+    fw = np.array([layer.forward_work for layer in layers], dtype=np.int64)
+    gw = np.array([layer.offloaded_backward_work for layer in layers], dtype=np.int64)
     kept = (codes == 0) * s
     before = np.cumsum(kept, axis=1) - kept
-    during_forward = before + (codes != 2) * own + w
-    at_backward = before + own + w
+    during_forward = before + (codes != 2) * own + fw
+    at_backward = before + own + np.where(codes == 1, gw, w)
     at_turn = profile.head_bytes + kept.sum(axis=1)
     return profile.resident_bytes + np.maximum(np.maximum(during_forward, at_backward).max(axis=1), at_turn)
 
@@ -290,7 +292,8 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
     s = np.array([layer.saved_bytes for layer in layers], dtype=float)
     own = np.array(_own_bytes(profile), dtype=float)
     release = np.array(_releases(profile))
-    w = np.array([layer.working_bytes for layer in layers], dtype=float)
+    w = np.array([layer.offloaded_backward_work for layer in layers], dtype=float)  # in backward, any action
+    fw = np.array([layer.forward_work for layer in layers], dtype=float)
     x = np.array([layer.input_bytes for layer in layers], dtype=float)
     d = np.array([profile.transfer_s(layer.saved_bytes, "d2h") for layer in layers])
     h = np.array([profile.transfer_s(layer.saved_bytes, "h2d") for layer in layers])
@@ -371,7 +374,7 @@ def _milp_bound(profile: StepProfile, budget: int, kmax: int, allowed: set[Actio
         row[keep + i] = own[i] / budget
         row[off + i] = own[i] / budget
         row[start + i] = x[i] / budget
-        add(row, -math.inf, (budget - static - w[i]) / budget)
+        add(row, -math.inf, (budget - static - fw[i]) / budget)
         for j in range(i):  # freed share <= offloaded
             add({freed_index[(i, j)]: 1.0, off + j: -1.0}, -math.inf, 0.0)
         for first in range(i):  # D2H jobs released at or after release(first) end by F(i)

@@ -86,6 +86,20 @@ class LayerProfile:
         param_bytes: bytes of the layer's parameters: what parameter streaming copies in
             before its forward and its backward, and what the host optimizer steps under
             optimizer offload. 0 (the default) means ``grad_bytes`` (same dtype).
+        forward_working_bytes: the transient peak of the layer's forward (and of its
+            recompute) above its start; 0 (the default) means ``working_bytes``. The profiler
+            measures it apart, since a transformer block's backward transient is several times
+            its forward's.
+        gross_working_bytes: per saved tensor (in save order, one entry when ``saved_tensors``
+            is empty), the transient peak of the layer's backward above its start while that
+            save is the latest of the layer's saves backward has used, with the layer's saves
+            autograd released by then added back: what the backward needs beyond the saves
+            still alive, from that use to the next (Note [Gross working bytes of a backward]
+            in offcore_torch/profiler.py). An offloaded layer's backward holds, from each use,
+            its saves reloaded and not yet used plus these bytes; each save goes at the next
+            use (Note [An offloaded layer's saves go as backward uses them] in simulator.py).
+            Empty (the default): unknown; an offloaded layer's saves then stay to the end of
+            its backward, with ``working_bytes``.
         param_copies: the copies parameter streaming makes for each use of the layer's
             parameters (offcore_torch.offload_parameters copies each parameter tensor on its
             own): each pays the link's ``latency_s`` (Note [Parameter copies pay one latency
@@ -107,6 +121,8 @@ class LayerProfile:
     grad_bytes: int = 0
     param_bytes: int = 0
     param_copies: int = 0
+    forward_working_bytes: int = 0
+    gross_working_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -121,13 +137,21 @@ class LayerProfile:
             "offload_overhead_s",
             _seconds(self.offload_overhead_s, f"offload_overhead_s of layer {self.name!r}"),
         )
-        for attribute in ("saved_bytes", "working_bytes", "input_bytes", "grad_bytes", "param_bytes"):
+        for attribute in (
+            "saved_bytes",
+            "working_bytes",
+            "input_bytes",
+            "grad_bytes",
+            "param_bytes",
+            "forward_working_bytes",
+        ):
             value = parse_size(getattr(self, attribute), what=f"{attribute} of layer {self.name!r}", allow_zero=True)
             set_(self, attribute, value)
         copies = self.param_copies
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
             raise ConfigurationError(f"param_copies of layer {self.name!r} must be an integer >= 0, got {copies!r}")
         set_(self, "saved_tensors", self._checked_tensors())
+        set_(self, "gross_working_bytes", self._checked_gross())
 
     def _checked_tensors(self) -> tuple[tuple[float, int], ...]:
         raw = self.saved_tensors
@@ -159,6 +183,22 @@ class LayerProfile:
             )
         return tuple(out)
 
+    def _checked_gross(self) -> tuple[int, ...]:
+        raw = self.gross_working_bytes
+        if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)):
+            raise ConfigurationError(
+                f"gross_working_bytes of layer {self.name!r} must be a list of byte counts, got {type(raw).__name__}"
+            )
+        if not raw:
+            return ()
+        expected = len(self.saved_tensors) or 1
+        if len(raw) != expected:
+            raise ConfigurationError(
+                f"gross_working_bytes of layer {self.name!r} has {len(raw)} entries; it needs one per saved tensor "
+                f"({expected})"
+            )
+        return tuple(parse_size(n, what=f"gross_working_bytes of layer {self.name!r}", allow_zero=True) for n in raw)
+
     def scaled(self, factor: float) -> LayerProfile:
         """This layer at ``factor`` × the batch: times and per-sample bytes scale (bytes rounded up).
 
@@ -185,7 +225,27 @@ class LayerProfile:
             grad_bytes=self.grad_bytes,  # per parameter, not per sample
             param_bytes=self.param_bytes,
             param_copies=self.param_copies,
+            forward_working_bytes=size(self.forward_working_bytes),
+            gross_working_bytes=tuple(size(n) for n in self.gross_working_bytes),
         )
+
+    @property
+    def forward_work(self) -> int:
+        """Transient bytes of the forward and of a recompute: ``forward_working_bytes`` or ``working_bytes``."""
+        return self.forward_working_bytes or self.working_bytes
+
+    @property
+    def offloaded_backward_work(self) -> int:
+        """The fewest transient bytes the simulator holds at any moment of this layer's backward, whatever its
+        action: ``working_bytes``, or the least of ``gross_working_bytes`` when measured and smaller (an
+        offloaded layer holds those; Note [An offloaded layer's saves go as backward uses them]).
+
+        >>> LayerProfile("l", 1.0, 2.0, 10, working_bytes=8, saved_tensors=[(0.5, 4), (1.0, 6)],
+        ...              gross_working_bytes=[5, 12]).offloaded_backward_work
+        5
+        """
+        gross = self.gross_working_bytes
+        return min(self.working_bytes, *gross) if gross else self.working_bytes
 
     @property
     def recompute_time(self) -> float:

@@ -79,11 +79,13 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 #                the forward start), its D2H enqueued when it is saved; - when the scheduler
 #                frees it after its D2H landed (never earlier), or kept when it holds it;
 #                + again when a reload is issued (the destination buffer), - at the end of
-#                its backward.
+#                its backward, or at the next use after its own when the gross working set is
+#                measured (Note [An offloaded layer's saves go as backward uses them]).
 #   - recompute: +input at forward start of the first layer of a segment (the checkpoint),
 #                freed at the end of that layer's backward; +saved of every layer of the
 #                segment while the segment is rerun, each freed at the end of its backward.
-#   - working bytes live while a layer runs (forward, recompute or backward).
+#   - working bytes live while a layer runs: ``forward_work`` in its forward and recompute,
+#                ``working_bytes`` (or the gross working sets, offloaded) in its backward.
 # Events at one instant run frees first: the end of a compute step, then a D2H landing,
 # then an H2D landing, then what allocates (a compute step's start, a save, a trigger and
 # the reloads it issues). A compute step's own end is scheduled when it starts, so a
@@ -96,8 +98,35 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # later); each use is a trigger of the scheduler, and an offloaded save not back by then is
 # waited for there. Autograd frees saves as it goes, but ``working_bytes`` is measured (by the
 # profiler, in a step that keeps everything) as the backward's peak above its start, net of
-# those frees: so the simulator frees a layer's saves when its backward ends, and its level
-# during the backward is its start level plus the working set, as measured.
+# those frees: so the simulator frees a kept or recomputed layer's saves when its backward ends,
+# and its level during the backward is its start level plus the working set, as measured. An
+# offloaded layer's saves are not all there at its start (Note [An offloaded layer's saves go as
+# backward uses them]).
+#
+# Note [An offloaded layer's saves go as backward uses them]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An offloaded layer's saves come back one by one (within the prefetch budget) and autograd frees
+# each right after the node that used it: its backward never holds them all, as a kept layer's
+# does. Keeping them to the backward's end with the net ``working_bytes`` put the default
+# ``offcore compare`` workload's offload peak at 1.11-1.14 x the measured one and param-stream's
+# at 1.28 x (each block's backward ended with its 2 MiB of saves plus the working set on the
+# device, where the runtime held at most its 1 MiB budget of them). With
+# ``LayerProfile.gross_working_bytes`` measured (per save: the transient bytes beyond the saves
+# still alive, from its use to the next; Note [Gross working bytes of a backward] in
+# offcore_torch/profiler.py), an offloaded layer's backward instead:
+#   - at each group's use frees the saves of the group used before it (autograd is done with them;
+#     a copy used in place still waits for its D2H, Note [Reuse of device copies still in flight]);
+#   - holds, from each group's use to the next, the largest gross working set of that group's saves
+#     (one figure replaces the other at each use, the last goes when the backward ends);
+#   - holds its gradients inside those figures (the profiler's step made them too), and from its
+#     end on explicitly (``grad_bytes``, as before; optimizer offload then copies them out).
+# Its level is then what the runtime holds: the reloads not yet used (at most the budget), the
+# saves in use and the nodes' transient bytes. The forward and a recompute hold
+# ``LayerProfile.forward_work``. Without ``gross_working_bytes`` (a profile from shapes, an older
+# profile) nothing changes. Note [The worst peak within the prefetch budget] adds the budget's room
+# to this level as before; batch_memory_floor and instance_lower_bound (offcore/sim/bounds.py) take
+# the smallest backward working set any action holds (``LayerProfile.offloaded_backward_work``), so
+# they stay lower bounds.
 
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -712,7 +741,8 @@ class _Step:
             self.bwd = [t + half * f for t, f in zip(self.bwd, shares, strict=True)]
         self.rec = [layer.recompute_time for layer in layers]
         self.saved = [layer.saved_bytes for layer in layers]
-        self.work = [layer.working_bytes for layer in layers]
+        self.work = [layer.working_bytes for layer in layers]  # backward (kept, recomputed or not measured)
+        self.fwork = [layer.forward_work for layer in layers]  # forward and recompute
         self.inputs = [layer.input_bytes for layer in layers]
         self.segment_of: dict[int, tuple[int, int]] = {}
         for first, last in plan.segments():
@@ -761,6 +791,16 @@ class _Step:
                 else:
                     groups.append((offset, [obj]))
             self.groups.append(groups)
+        # Note [An offloaded layer's saves go as backward uses them]: per layer, the transient bytes its
+        # backward holds from each group's use (None: the saves stay to its end, with working_bytes)
+        self.group_work: list[list[int] | None] = []
+        for i, layer in enumerate(layers):
+            gross = layer.gross_working_bytes
+            if actions[i] is Action.OFFLOAD and gross:
+                first = self.keys_of[i][0]
+                self.group_work.append([max(gross[obj.key - first] for obj in group) for _, group in self.groups[i]])
+            else:
+                self.group_work.append(None)
         self.grads = [0 if profile.grad_bytes else layer.grad_bytes for layer in layers]
         # Note [Optimizer offload and parameter streaming in the simulator]
         self.offload_optimizer = plan.optimizer == "offload"
@@ -1416,12 +1456,12 @@ class _Step:
         start, end = self.now, self.now + self.rec[i]
         for obj in self.saves[i]:
             self.allocate(obj)
-        self.change(self.work[i])
+        self.change(self.fwork[i])
         self.recompute_total += self.rec[i]
         self.event("compute", f"recompute:{self.names[i]}", start, end, "recompute", i)
 
         def finish() -> None:
-            self.change(-self.work[i])
+            self.change(-self.fwork[i])
             if self.psched is not None and self.params[i] > 0:
                 self.p_backward_pin[i] = True  # a use in backward: kept until the layer's backward ends
                 self.param_release(i)
@@ -1433,7 +1473,7 @@ class _Step:
         start, end = self.now, self.now + self.fwd[i]
         action = self.actions[i]
         saves = self.saves[i]
-        self.change(self.work[i])
+        self.change(self.fwork[i])
         if action is Action.RECOMPUTE:  # only the segment's input stays (the checkpoint)
             self.change(self.inputs[i] if self.segment_of[i][0] == i else 0)
         else:
@@ -1453,7 +1493,7 @@ class _Step:
         self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
         def finish() -> None:
-            self.change(-self.work[i])
+            self.change(-self.fwork[i])
             if self.psched is not None and self.params[i] > 0:
                 # Note [Backward's first parameters stay after forward in the simulator]
                 self.p_turn_kept[i] = self.p_turn[i]
@@ -1477,6 +1517,9 @@ class _Step:
         ready = [t0]
         pending = [0]
         _, group = self.groups[i][g]
+        if g and self.group_work[i] is not None:  # Note [An offloaded layer's saves go as backward uses them]
+            for obj in self.groups[i][g - 1][1]:
+                self.release_save(obj)
 
         def go() -> None:
             self.at(max(ready[0], self.now), _START, lambda: self.run_group(index, i, g, t0))
@@ -1541,8 +1584,12 @@ class _Step:
                 self.sched.consumed(obj.key)
                 obj.used = True
         self.refresh_room()
-        if g == 0:
-            self.change(self.work[i] + self.grads[i])  # its gradients appear with its backward
+        work = self.group_work[i]
+        if work is None:
+            if g == 0:  # its gradients appear with its backward
+                self.change(self.work[i] + self.grads[i])
+        else:  # Note [An offloaded layer's saves go as backward uses them]: the gross bytes hold its gradients
+            self.change(work[0] if g == 0 else work[g] - work[g - 1])
         following = groups[g + 1][0] if g + 1 < len(groups) else self.bwd[i]
         start, end = self.now, self.now + max(0.0, following - offset)
         self.event("compute", f"backward:{self.names[i]}", start, end, "backward", i)
@@ -1554,12 +1601,10 @@ class _Step:
             # Note [A layer's saves are freed when its backward ends]: working_bytes is measured as the
             # peak of the backward above its start, net of the saves autograd frees as it goes
             for obj in self.saves[i]:
-                obj.backward_done = True
-                if not (obj.in_place and obj.d2h_end > self.now):  # a copy in flight keeps its source
-                    self.free(obj)
+                self.release_save(obj)
                 if obj.managed:
                     self.sched.released(obj.key)
-            freed = self.work[i]
+            freed = self.work[i] if work is None else work[-1] - self.grads[i]  # its gradients stay
             if self.actions[i] is Action.RECOMPUTE and self.segment_of[i][0] == i:
                 freed += self.inputs[i]
             self.change(-freed)
@@ -1571,6 +1616,12 @@ class _Step:
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
+
+    def release_save(self, obj: _Object) -> None:
+        """Backward is done with ``obj``: its device copy goes (a copy in flight keeps its source until it lands)."""
+        obj.backward_done = True
+        if not (obj.in_place and obj.d2h_end > self.now):
+            self.free(obj)
 
     # -- the result --------------------------------------------------------------------------
     def _busy(self, direction: str) -> float:

@@ -344,9 +344,26 @@ class _LayerRecord:
     forward_transient: int = 0
     backward_transient: int = 0
     backward_level: int = 0
+    # Note [Gross working bytes of a backward]: per save (save order), the gross transient from its use
+    # to the next; the save whose interval is open (-1: none used yet) and the gross before the first use
+    save_gross: list[int] = field(default_factory=list)
+    current: int = -1
+    first_used: int = -1
+    before_first_use: int = 0
+    released_bytes: int = 0  # this layer's saves autograd released since its backward began
+    in_backward: bool = False
     host_start: float = 0.0  # host clock at the forward's start and end, and at each save (sim.profile.saved_tensors)
     host_end: float = 0.0
     saves: list[tuple[float, int]] = field(default_factory=list)
+
+    def gross_working_bytes(self) -> tuple[int, ...]:
+        """``LayerProfile.gross_working_bytes`` (Note [Gross working bytes of a backward]); empty when its
+        backward used none of its saves."""
+        if self.first_used < 0:
+            return ()
+        out = list(self.save_gross)
+        out[self.first_used] = max(out[self.first_used], self.before_first_use)
+        return tuple(out)
 
     def saved_tensors(self) -> tuple[tuple[float, int], ...]:
         """``LayerProfile.saved_tensors``: each save's share of the forward elapsed, and its bytes."""
@@ -357,6 +374,55 @@ class _LayerRecord:
             out.append((share, nbytes))
             previous = share
         return tuple(out)
+
+
+# Note [Gross working bytes of a backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``working_bytes`` is a backward's peak above its start, net of the saves autograd frees as it
+# goes: right for a layer whose saves are all on the device when its backward starts (kept,
+# recomputed). An offloaded layer's saves come back one by one and go as autograd lets go of them,
+# so its backward holds the saves reloaded and not yet released plus the transient bytes of the
+# nodes running: the simulator needs that transient with the frees not netted in, and where in the
+# backward it happens (Note [An offloaded layer's saves go as backward uses them] in
+# offcore/sim/simulator.py). The profiler wraps every record of a layer's saved storage (``_Held``):
+#   - its unpack (a node uses the save) closes the interval of the save used before it: the peak
+#     since then, minus the backward's start level, plus the layer's bytes released so far, is that
+#     save's gross working set (``LayerProfile.gross_working_bytes``, per save; what comes before the
+#     first use counts for the first save used);
+#   - when autograd released the last record of a storage during its layer's backward, the peak is
+#     folded the same way first, then the profiler's own reference dropped (the storage goes) and
+#     the bytes freed added to the released count.
+# Peaks are folded, never lost: the hook that starts a layer's backward and the one that ends the
+# next layer's run on the same tensor, the start first, so the start folds the layer still in
+# backward before it restarts the peak (the net ``backward_transient`` used to lose all but the
+# last instants of every backward but the last one's to that restart: 128 KiB where the block's
+# backward peaks 576 KiB above its start, at the ``offcore compare`` default).
+# ``LayerProfile.forward_working_bytes`` is the forward's transient alone.
+
+
+class _Held:
+    """One saved record of a layer's storage (Note [Gross working bytes of a backward])."""
+
+    __slots__ = ("tensor", "key", "live", "on_release")
+
+    def __init__(self, tensor: Tensor, key: int, live: dict[int, int], on_release: Callable[[int], None]) -> None:
+        self.tensor: Tensor | None = tensor
+        self.key = key
+        self.live = live
+        self.on_release = on_release
+        live[key] = live.get(key, 0) + 1
+
+    def __del__(self) -> None:
+        self.tensor = None
+        left = self.live.get(self.key, 0) - 1
+        if left > 0:
+            self.live[self.key] = left
+            return
+        self.live.pop(self.key, None)
+        try:
+            self.on_release(self.key)
+        except Exception:  # pragma: no cover - a measurement must never break the caller's backward
+            pass
 
 
 def _grad_bytes(module: nn.Module) -> int:
@@ -523,6 +589,10 @@ def measure_step(
         t.untyped_storage().nbytes() for t in {storage_key(p.untyped_storage()): p for p in model.parameters()}.values()
     )
     seen_storages: set[int] = set()
+    # Note [Gross working bytes of a backward]: the layers' storages, their live records, the profiler's refs
+    counted: dict[int, tuple[int, int, int]] = {}  # storage key -> (layer, bytes, save index)
+    live: dict[int, int] = {}
+    held: dict[int, Tensor] = {}
     stack: list[int] = []
     other_saved = 0
     handles: list[Any] = []
@@ -569,8 +639,14 @@ def measure_step(
             def hook(_grad: Tensor) -> None:
                 record = records[i]
                 if record.backward_start is None:
+                    # the next layer's end hook may run after this one (a hook on the same tensor, registered
+                    # later): its peak so far is folded before the restart
+                    for other in records:
+                        if other.in_backward:
+                            fold(other)
                     record.backward_level = memory.restart()
                     record.backward_start = marks.mark()
+                    record.in_backward = True
 
             return hook
 
@@ -578,17 +654,59 @@ def measure_step(
             def hook(_grad: Tensor) -> None:
                 record = records[i]
                 record.backward_end = marks.mark()
-                peak = memory.peak_since_restart()
-                record.backward_transient = max(record.backward_transient, peak - record.backward_level)
+                fold(record)
+                record.in_backward = False
 
             return hook
 
-        def pack(tensor: Tensor) -> Tensor:
+        def fold(record: _LayerRecord) -> None:
+            """The peak since the last restart into ``record``'s backward working sets, net and gross."""
+            peak = memory.peak_since_restart()
+            record.backward_transient = max(record.backward_transient, peak - record.backward_level)
+            gross = max(0, peak - record.backward_level + record.released_bytes)
+            if record.current < 0:
+                record.before_first_use = max(record.before_first_use, gross)
+            else:
+                record.save_gross[record.current] = max(record.save_gross[record.current], gross)
+
+        def unpack(packed: Any) -> Any:
+            if type(packed) is not _Held:
+                return packed
+            entry = counted.get(packed.key)
+            if entry is not None and records[entry[0]].in_backward:
+                record = records[entry[0]]
+                if record.current != entry[2]:  # the next save used: the interval of the previous one ends
+                    fold(record)
+                    memory.restart()
+                    record.current = entry[2]
+                    if record.first_used < 0:
+                        record.first_used = entry[2]
+            return packed.tensor
+
+        def released(key: int) -> None:
+            """Note [Gross working bytes of a backward]: autograd let go of the last record of a counted
+            storage; fold the peak before its bytes go, then count them as released."""
+            if key not in counted:  # the step is over (the records outlived it)
+                return
+            i, nbytes, _ = counted[key]
+            record = records[i]
+            if not record.in_backward:
+                held.pop(key, None)
+                return
+            fold(record)
+            before = memory.allocated()
+            held.pop(key, None)  # the storage goes now, unless something else holds it
+            freed = before - memory.restart()
+            record.released_bytes += max(0, min(nbytes, freed))
+
+        def pack(tensor: Tensor) -> Any:
             nonlocal other_saved
             if not is_offloadable_kind(tensor) or is_parameter_like(tensor):
                 return tensor
             storage = tensor.untyped_storage()
             key = storage_key(storage)
+            if key in counted:  # another record of a layer's storage: one more holder to wait for
+                return _Held(tensor, key, live, released)
             if key in param_keys or key in seen_storages or not device.holds(tensor):
                 return tensor
             seen_storages.add(key)
@@ -596,15 +714,18 @@ def measure_step(
                 records[stack[-1]].saved_bytes += storage.nbytes()
                 records[stack[-1]].saved_storages += 1
                 records[stack[-1]].saves.append((time.perf_counter(), storage.nbytes()))
-            else:
-                other_saved += storage.nbytes()
+                counted[key] = (stack[-1], storage.nbytes(), len(records[stack[-1]].saves) - 1)
+                records[stack[-1]].save_gross.append(0)
+                held[key] = tensor  # the profiler's own reference, dropped when autograd released every record
+                return _Held(tensor, key, live, released)
+            other_saved += storage.nbytes()
             return tensor
 
         for _, module in named:
             handles.append(module.register_forward_pre_hook(on_forward_pre, with_kwargs=True))
             handles.append(module.register_forward_hook(on_forward, with_kwargs=True, always_call=True))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 loss = step()
             forward_end = marks.mark()
             if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -625,6 +746,8 @@ def measure_step(
         finally:
             for handle in handles + grad_hooks:
                 handle.remove()
+            counted.clear()
+            held.clear()
         device.synchronize()
         optimizer_end.synchronize()
         optimizer_peak = memory.peak_since_restart() if optimizer is not None else 0
@@ -677,6 +800,8 @@ def measure_step(
                 saved_bytes=record.saved_bytes,
                 recompute_s=max(0.0, forward_s) + recompute_per_storage * record.saved_storages,
                 working_bytes=max(record.forward_transient, record.backward_transient),
+                forward_working_bytes=record.forward_transient,
+                gross_working_bytes=record.gross_working_bytes(),
                 input_bytes=record.input_bytes,
                 offload_overhead_s=per_storage * record.saved_storages,
                 saved_tensors=record.saved_tensors(),
