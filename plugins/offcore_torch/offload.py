@@ -108,14 +108,20 @@ from offcore_torch.budget import shared_budget_for
 from offcore_torch.nvme import open_nvme
 from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
 from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
-from offcore_torch.runtime import _TIMING_BATCH, DeviceRuntime, runtime_for, runtime_of
+from offcore_torch.runtime import (
+    _SAMPLE_EVERY,
+    _SAMPLE_FIRST,
+    _TIMING_BATCH,
+    DeviceRuntime,
+    runtime_for,
+    runtime_of,
+)
 from offcore_torch.stats import OffloadStats
 from offcore_torch.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
     dispatch_modes,
     internal_ops,
-    raw_bytes,
 )
 
 __all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark", "synchronize", "poll"]
@@ -476,7 +482,14 @@ class OffloadHandle:
         self._next_key = key + 1
         self._sched.produced(key, time.perf_counter())
         self._stats.saved_tensors += 1
-        poll(self.runtime)
+        runtime = self.runtime
+        if (
+            runtime._d2h_in_flight
+            or runtime._deferred_total
+            or runtime._landed
+            or runtime._timed_pending >= _TIMING_BATCH  # fewer: poll would leave them (runtime.poll)
+        ):
+            poll(runtime)  # poll's own checks, inlined: with nothing in flight the call is skipped
         if self._spill is not None and self._spill.pending:
             self._spill.poll()
         rules = self._rules
@@ -505,7 +518,12 @@ class OffloadHandle:
             return self._keep(tensor, key, "copy_failed")
         if entry is None:
             return self._keep(tensor, key, "host_budget")
-        return self._record(entry, tensor, key, meta)
+        # _record, inlined (once per offloaded storage): a new entry has no record yet and has not landed
+        item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
+        entry.items.append(weakref.ref(item))
+        self._stats.offloaded_tensors += 1
+        entry.live = 1
+        return item
 
     def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
         item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
@@ -547,25 +565,16 @@ class OffloadHandle:
             pool = self._host_pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
         return pool
 
-    def _acquire_host(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
-        """A host buffer for ``nbytes``: from the pool, else per the fallback policy (None: keep)."""
-        pool = self._host_pool or self._pool()
-        tier = self._host_tier
+    def _host_after_refusal(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
+        """The pool refused ``nbytes`` (``_offload`` asks it first): ask again once the copies that
+        landed returned their buffers, else follow the fallback policy (None: keep on the device)."""
+        poll(self.runtime)  # buffers whose copies just landed may come back
         try:
-            if dispatch_modes():  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
-                with internal_ops():
-                    buffer = pool.acquire(nbytes)
-            else:
-                buffer = pool.acquire(nbytes)
-            return buffer, buffer.view, tier
+            with internal_ops():
+                buffer = (self._host_pool or self._pool()).acquire(nbytes)
+            return buffer, buffer.view, self._host_tier
         except CapacityExceededError:
-            poll(self.runtime)  # buffers whose copies just landed may come back
-            try:
-                with internal_ops():
-                    buffer = pool.acquire(nbytes)
-                return buffer, buffer.view, tier
-            except CapacityExceededError:
-                pass
+            pass
         self._stats.fallbacks += 1
         if self.policy.fallback == "keep":
             return None
@@ -596,7 +605,18 @@ class OffloadHandle:
             self._h2d_copies = count + 1
             self._h2d_bytes += nbytes
             order = self._h2d_order
-        timed = runtime.timing and (self._tracing or count < 2 or runtime.sample(direction))
+        timed = False
+        if runtime.timing:
+            if self._tracing or count < 2:
+                timed = True
+            elif direction is Direction.D2H:  # runtime.sample(direction), inlined (once per copy)
+                asked = runtime._sampled_d2h
+                runtime._sampled_d2h = asked + 1
+                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
+            else:
+                asked = runtime._sampled_h2d
+                runtime._sampled_h2d = asked + 1
+                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
         if timed or _profiler._is_profiler_enabled:
             return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
         if order is None:  # Note [Ordering events are recorded again]
@@ -649,10 +669,20 @@ class OffloadHandle:
     def _offload(
         self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
     ) -> Entry | None:
-        host = self._acquire_host(nbytes)
-        if host is None:
-            return None
-        buffer, host_view, tier = host
+        pool = self._host_pool or self._pool()
+        modes = dispatch_modes()
+        try:  # once per offloaded storage: the pool first
+            if modes:  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
+                with internal_ops():
+                    buffer = pool.acquire(nbytes)
+            else:
+                buffer = pool.acquire(nbytes)
+            host_view, tier = buffer.view, self._host_tier
+        except CapacityExceededError:
+            host = self._host_after_refusal(nbytes)
+            if host is None:
+                return None
+            buffer, host_view, tier = host
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         entry = Entry(self, key, where, meta, nbytes, skey)
@@ -660,7 +690,11 @@ class OffloadHandle:
         ref.entry_ref = weakref.ref(entry)
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
-        entry.src = raw_bytes(storage, meta.device)
+        if modes:  # raw_bytes(storage, meta.device), inlined
+            with internal_ops():
+                entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        else:
+            entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
         try:
             done = self._copy(Direction.D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
         except BaseException as exc:
@@ -675,7 +709,7 @@ class OffloadHandle:
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
-        self.runtime.track_d2h(done, entry)
+        self.runtime._d2h_in_flight.append((done, entry))  # runtime.track_d2h, inlined (deque.append is atomic)
         self._ledger.add(tier, Kind.ACTIVATION, nbytes)
         stats = self._stats
         stats.offloaded_bytes += nbytes
@@ -691,7 +725,12 @@ class OffloadHandle:
             self._d2h_failed(entry, failure)
             return
         entry.state = EntryState.LANDED
-        items = entry.live_items()
+        refs = entry.items
+        if len(refs) == 1:  # entry.live_items(), inlined for the common case: one record per storage
+            item = refs[0]()
+            items = [] if item is None else [item]
+        else:
+            items = entry.live_items()
         sched = self._sched
         upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
         needed = False  # does backward still read it this round (some record not unpacked yet)?
@@ -736,8 +775,13 @@ class OffloadHandle:
         """Drop offcore's device references of a landed entry; count what that really freed."""
         if entry.obj.state is State.OFFLOADING:
             entry.obj.release_device_copy()  # refuses unless the D2H event completed
+        empties = self._empty
         for item in entry.live_items() if items is None else items:
-            self._release_keeper(item)
+            empty = empties.get(item.meta.dtype)
+            if empty is None:
+                self._release_keeper(item)
+            else:  # _release_keeper, inlined (once per offloaded storage)
+                item.keeper.data = empty
         entry.src = None
         if entry.storage_ref() is not None:
             entry.alive_elsewhere = True
@@ -978,6 +1022,13 @@ class OffloadHandle:
             )
         return dst
 
+    # Note [A landed copy needs no wait]
+    # A prefetch whose event the host has seen complete (``query()`` returned True) is done on the
+    # device: work enqueued afterwards on any stream runs after it, so the compute stream waits on
+    # its event only while it is in flight. On CUDA and NPU a wait on a completed event is a no-op;
+    # the fake device's sanitizer counts the query itself as the host observing the recording
+    # (FakeEvent._observed), exactly as a wait would. One wait_event less per prefetch that landed
+    # before its use (the common case with deadline prefetch).
     def _await_prefetch(self, entry: Entry) -> torch.UntypedStorage:
         """The prefetched storage of ``entry``, with the compute stream ordered after its copy."""
         restored = entry.restored
@@ -1004,8 +1055,8 @@ class OffloadHandle:
                         ledger=self._ledger,
                         trace=self._trace,
                     )
-            else:
-                self.device.current_stream().wait_event(event)  # ordering only; it has landed
+            # else it has landed, and the host saw it complete: every later use, on any stream, is
+            # ordered after the copy without a wait (Note [A landed copy needs no wait])
         except Exception as exc:  # the prefetch failed on its stream: its buffer is garbage
             return self._prefetch_failed(entry, exc)
         self._sched.awaited(entry.key)
@@ -1033,7 +1084,11 @@ class OffloadHandle:
                 if len(items) == 1:  # the common case: one record per storage
                     item = items[0]()
                     if item is not None:
-                        self._release_keeper(item)
+                        empty = self._empty.get(item.meta.dtype)
+                        if empty is None:
+                            self._release_keeper(item)
+                        else:  # _release_keeper, inlined (once per offloaded storage)
+                            item.keeper.data = empty
                 else:
                     for item in entry.live_items():
                         self._release_keeper(item)
@@ -1130,7 +1185,10 @@ class OffloadHandle:
                 sched.refused(entry.key, "failed")
                 return False
         try:
-            dst = self._allocate_device(entry.nbytes)
+            if self._checked_allocation:  # _allocate_device, inlined (once per prefetch)
+                dst = self.device.allocate(entry.nbytes, Tier.DEVICE)
+            else:
+                dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
             if _is_oom(exc):
                 sched.refused(entry.key, "oom")

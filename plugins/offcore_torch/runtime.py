@@ -80,6 +80,7 @@ __all__ = ["DeviceRuntime", "runtime_for", "runtime_of"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _TIMING_BATCH = 32  # pending timing brackets a poll lets accumulate (Note [Timings are read in batches])
+_SAMPLE_FIRST = 16  # the first copies of a direction, all timed (DeviceRuntime.sample; inlined in offload._copy)
 _SAMPLE_EVERY = 64  # after the first 16 copies of a direction, one in this many is timed (a power of two)
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
 _fallback_by_id: dict[int, DeviceRuntime] = {}
@@ -313,7 +314,7 @@ class DeviceRuntime:
         else:
             count = self._sampled_h2d
             self._sampled_h2d = count + 1
-        return always or count < 16 or not count & (_SAMPLE_EVERY - 1)
+        return always or count < _SAMPLE_FIRST or not count & (_SAMPLE_EVERY - 1)
 
     def begin_timing(self, device: Any, stream: Any, *, record: bool = True) -> tuple[Any, float]:
         """A timing start event (None without event timing) and the host time.
