@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import offcore_torch  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.runtime import runtime_for  # noqa: E402
-from offload_helpers import pool_used_bytes, settle  # noqa: E402
+from offload_helpers import frozen_heap, pool_used_bytes, settle  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_test_devices import is_fake_device  # noqa: E402
 
@@ -124,36 +124,37 @@ def test_every_failed_copy_is_recovered_or_refused_and_nothing_leaks(
     start_copy_workers(dev)
     before = levels(dev)
     outcomes: dict[str, int] = {"recovered": 0, "refused": 0, "not reached": 0}
-    for nth in range(1, total + 1):
-        dev.inject_copy_fault(nth, mode=mode)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            refused = False
-            try:
-                got = run.step(0, prefetch=prefetch)
-            except offcore.CopyFailedError:
-                outcomes["refused"] += 1
-                refused = True
-            else:
-                assert_same(got, want[0])
-                del got  # its gradients are device memory
-                outcomes["not reached" if dev.copy_fault_armed else "recovered"] += 1
-            fired = not dev.copy_fault_armed  # a step may make fewer copies (held device copies, reuse)
-            dev.inject_copy_fault(None)
-            # a copy whose data was no longer needed may be seen failing only now; a raised
-            # error's traceback forms cycles with the step's frames
-            settle(dev, collect=True)
-        if fired:
-            assert any(issubclass(w.category, offcore.OffcoreWarning) for w in caught) or outcomes["refused"], (
-                f"copy {nth} failed unnoticed"
-            )
-        if not refused:
+    with frozen_heap():  # each fault's settle() collects only what the steps since made
+        for nth in range(1, total + 1):
+            dev.inject_copy_fault(nth, mode=mode)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                refused = False
+                try:
+                    got = run.step(0, prefetch=prefetch)
+                except offcore.CopyFailedError:
+                    outcomes["refused"] += 1
+                    refused = True
+                else:
+                    assert_same(got, want[0])
+                    del got  # its gradients are device memory
+                    outcomes["not reached" if dev.copy_fault_armed else "recovered"] += 1
+                fired = not dev.copy_fault_armed  # a step may make fewer copies (held device copies, reuse)
+                dev.inject_copy_fault(None)
+                # a copy whose data was no longer needed may be seen failing only now; a raised
+                # error's traceback forms cycles with the step's frames
+                settle(dev, collect=True)
+            if fired:
+                assert any(issubclass(w.category, offcore.OffcoreWarning) for w in caught) or outcomes["refused"], (
+                    f"copy {nth} failed unnoticed"
+                )
+            if not refused:
+                assert levels(dev) == before, f"after a fault in copy {nth} of {total} ({mode}), {outcomes}"
+            assert_same(run.step(1, prefetch=prefetch), want[1])  # the next step, on the same device
+            settle(dev)
+            # When backward raises, torch itself keeps the graph's unexecuted nodes (and so what
+            # their saved-tensor hooks packed) until the thread's next backward: checked after it.
             assert levels(dev) == before, f"after a fault in copy {nth} of {total} ({mode}), {outcomes}"
-        assert_same(run.step(1, prefetch=prefetch), want[1])  # the next step, on the same device
-        settle(dev)
-        # When backward raises, torch itself keeps the graph's unexecuted nodes (and so what
-        # their saved-tensor hooks packed) until the thread's next backward: checked after it.
-        assert levels(dev) == before, f"after a fault in copy {nth} of {total} ({mode}), {outcomes}"
     assert outcomes["recovered"] > 0, outcomes
 
 
