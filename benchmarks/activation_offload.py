@@ -49,10 +49,20 @@ allocation for the reload): negligible against the default workload's compute pe
 tensor, a large fraction of the small one's, where the step-time targets are not met.
 Each precondition and target is printed MET or MISSED.
 
+``--compare`` runs ``offcore compare``'s default workload instead (TinyGPT d_model 64, 4 layers,
+4 heads, seq 64, batch 8, vocab 256, no dropout) the way its offload strategy runs it
+(:class:`offcore_torch.executor.PlanExecutor`): ``min_bytes=0`` and ``modules=`` the model's
+layers, so every saved storage inside a layer moves (the embedding, the head and the loss keep
+theirs). The cost floor then copies the same storages: the saves inside the same layers, each
+storage once (a floor copying every saved storage would copy about 12 % more than offcore and
+overstate the floor). The breakdown gives the forward (the offload region) too, for the issue's
+target: the forward under offload <= 1.15 x keep-all's.
+
 Run::
 
     .venv/bin/python benchmarks/activation_offload.py --json /tmp/offload.json
     .venv/bin/python benchmarks/activation_offload.py --small --steps 15
+    .venv/bin/python benchmarks/activation_offload.py --compare --steps 15
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ from typing import Any
 
 import offcore_torch
 import torch
+from offcore_torch.layers import find_layers
 from offcore_torch.models import GPTConfig, Workload, gpt_workload
 from offcore_torch.storage import is_parameter_like
 
@@ -88,6 +99,8 @@ FILL = 0.7
 # step that computes for well under a millisecond per saved tensor.
 DEFAULT_WORKLOAD = {"batch": 4, "seq_len": 256, "d_model": 512, "layers": 4, "heads": 8, "vocab": 512}
 SMALL = {"seq_len": 64, "d_model": 128, "heads": 4}
+# --compare: offcore compare's default workload (offcore_torch.compare.CompareSettings), without dropout
+COMPARE = {"batch": 8, "seq_len": 64, "d_model": 64, "layers": 4, "heads": 4, "vocab": 256}
 
 
 # --------------------------------------------------------------------------- variants
@@ -149,20 +162,42 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
 
     _host: dict[int, list[torch.Tensor]] = {}  # per device (id): pinned buffers by save index, reused
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, scope: list[torch.nn.Module] | None = None, min_bytes: str = MIN_BYTES) -> None:
         self.device = device
         self.copied_bytes = 0
         self._seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # scope (offcore's modules=): new storages are copied only while one of these modules runs
+        self._scope = scope
+        self._depth = 0
+        self._scope_hooks: list[Any] = []
         self._reloads: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._index = 0
         streams = CopiesOnly._streams.setdefault(id(device), (device.new_stream(), device.new_stream()))
         self._d2h, self._h2d = streams
         self._order = device.new_event()
         self._buffers = CopiesOnly._host.setdefault(id(device), [])
-        self._min_bytes = offcore.parse_size(MIN_BYTES, what="min_bytes")
+        self._min_bytes = offcore.parse_size(min_bytes, what="min_bytes")
         super().__init__(self._pack, self._unpack)
 
     _streams: dict[int, tuple[Any, Any]] = {}
+
+    def __enter__(self) -> None:
+        for module in self._scope or ():
+            self._scope_hooks.append(module.register_forward_pre_hook(self._enter_scope))
+            self._scope_hooks.append(module.register_forward_hook(self._exit_scope, always_call=True))
+        super().__enter__()
+
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)
+        for hook in self._scope_hooks:
+            hook.remove()
+        self._scope_hooks.clear()
+
+    def _enter_scope(self, *_: Any) -> None:
+        self._depth += 1
+
+    def _exit_scope(self, *_: Any) -> None:
+        self._depth -= 1
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
@@ -177,6 +212,8 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
         key = storage._cdata
         seen = self._seen.get(key)
         if seen is None:
+            if self._scope is not None and not self._depth:
+                return tensor  # a new storage outside the scope (offcore: "outside_modules")
             index, self._index = self._index, self._index + 1
             if index == len(self._buffers) or self._buffers[index].numel() != nbytes:
                 host = self.device.allocate(nbytes, offcore.Tier.PINNED)
@@ -215,33 +252,41 @@ class Variant:
     """One column of the comparison: a name and how to wrap the forward."""
 
     name: str
-    make_context: Callable[[Any], contextlib.AbstractContextManager[Any]]
+    make_context: Callable[[Any, Any], contextlib.AbstractContextManager[Any]]
     device: Any = None
+    scope: list[torch.nn.Module] | None = None  # --compare: the model's layers (offcore's modules=)
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     step_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     main_cpu_s: list[float] = field(default_factory=list)
     forward_s: list[float] = field(default_factory=list)
+    forward_cpu_s: list[float] = field(default_factory=list)  # the forward's main-thread CPU time
     peak_bytes: list[int] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
 
 
-def variants() -> list[Variant]:
+def variants(*, scoped: bool = False) -> list[Variant]:
+    """The compared variants; ``scoped`` (--compare): offcore offloads every storage saved inside the layers
+    (``min_bytes=0``, ``modules=`` the layers, as PlanExecutor runs it) and the floor copies the same ones."""
+    min_bytes = 0 if scoped else MIN_BYTES
+
+    def offcore_region(prefetch: str) -> Callable[[Any, Any], contextlib.AbstractContextManager[Any]]:
+        return lambda device, scope: offcore_torch.offload_activations(
+            device, min_bytes=min_bytes, prefetch=prefetch, modules=scope
+        )
+
     return [
-        Variant("keep-all", lambda device: contextlib.nullcontext(None)),
-        Variant("save_on_cpu", lambda device: torch.autograd.graph.save_on_cpu(pin_memory=False)),
-        Variant("save_on_cpu (emulated link)", SaveOnCpuThroughLink),
-        Variant("copies only (cost floor)", CopiesOnly),
+        Variant("keep-all", lambda device, scope: contextlib.nullcontext(None)),
+        Variant("save_on_cpu", lambda device, scope: torch.autograd.graph.save_on_cpu(pin_memory=False)),
+        Variant("save_on_cpu (emulated link)", lambda device, scope: SaveOnCpuThroughLink(device)),
         Variant(
-            "offcore (on demand)",
-            lambda device: offcore_torch.offload_activations(device, min_bytes=MIN_BYTES, prefetch="on_demand"),
+            "copies only (cost floor)",
+            lambda device, scope: CopiesOnly(device, scope, min_bytes="1" if scoped else MIN_BYTES),
         ),
-        Variant(
-            "offcore (deadline)",
-            lambda device: offcore_torch.offload_activations(device, min_bytes=MIN_BYTES, prefetch="deadline"),
-        ),
+        Variant("offcore (on demand)", offcore_region("on_demand")),
+        Variant("offcore (deadline)", offcore_region("deadline")),
     ]
 
 
@@ -269,10 +314,10 @@ def run_step(variant: Variant, work: Workload, step: int, *, record: bool) -> fl
         device.reset_peak_memory_stats()
         torch.manual_seed(step)
         start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
-        context = variant.make_context(device)
+        context = variant.make_context(device, variant.scope)
         with context as entered:
             loss = work.loss(model, batch)
-        forward_s = time.perf_counter() - start
+        forward_s, forward_cpu = time.perf_counter() - start, time.thread_time() - main_start
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -286,6 +331,7 @@ def run_step(variant: Variant, work: Workload, step: int, *, record: bool) -> fl
             variant.cpu_s.append(cpu)
             variant.main_cpu_s.append(main_cpu)
             variant.forward_s.append(forward_s)
+            variant.forward_cpu_s.append(forward_cpu)
             variant.peak_bytes.append(device.memory_stats().peak_allocated_bytes)
             variant.wait_s.append(wait_s)
             variant.offloaded.append(offloaded)
@@ -293,19 +339,21 @@ def run_step(variant: Variant, work: Workload, step: int, *, record: bool) -> fl
     return forward_s
 
 
-def prepare(variant: Variant, work: Workload, device_options: dict[str, Any]) -> None:
+def prepare(variant: Variant, work: Workload, device_options: dict[str, Any], *, scoped: bool = False) -> None:
     variant.device = offcore.device("cpu", **device_options)
     with variant.device:
         variant.model = work.build(0).to(torch.device(variant.device.torch_device))
         variant.optimizer = torch.optim.AdamW(variant.model.parameters(), lr=1e-3)
+    if scoped:
+        variant.scope = [module for _, module in find_layers(variant.model)]
 
 
-def calibrate(work: Workload, *, steps: int) -> tuple[float, int]:
+def calibrate(work: Workload, *, steps: int, scoped: bool = False) -> tuple[float, int]:
     """(median keep-all forward seconds, offcore's offloaded bytes per step) on an unlimited link."""
     options = {"capacity": "8GiB", "h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0}
-    keep, off = variants()[0], variants()[-1]
-    prepare(keep, work, options)
-    prepare(off, work, options)
+    keep, off = variants(scoped=scoped)[0], variants(scoped=scoped)[-1]
+    prepare(keep, work, options, scoped=scoped)
+    prepare(off, work, options, scoped=scoped)
     forward = []
     for step in range(steps):
         forward.append(run_step(keep, work, step, record=False))
@@ -315,10 +363,12 @@ def calibrate(work: Workload, *, steps: int) -> tuple[float, int]:
     return statistics.median(forward[1:]), int(statistics.median(off.offloaded))
 
 
-def run_scenario(work: Workload, device_options: dict[str, Any], *, warmup: int, steps: int) -> list[Variant]:
-    chosen = variants()
+def run_scenario(
+    work: Workload, device_options: dict[str, Any], *, warmup: int, steps: int, scoped: bool = False
+) -> list[Variant]:
+    chosen = variants(scoped=scoped)
     for variant in chosen:
-        prepare(variant, work, device_options)
+        prepare(variant, work, device_options, scoped=scoped)
     for step in range(warmup + steps):
         for variant in chosen:
             run_step(variant, work, step, record=step >= warmup)
@@ -332,10 +382,12 @@ def run_scenario(work: Workload, device_options: dict[str, Any], *, warmup: int,
 
 def summarise(chosen: list[Variant]) -> list[dict[str, Any]]:
     base = statistics.median(chosen[0].step_s)
+    base_forward = statistics.median(chosen[0].forward_s)
     rows = []
     for variant in chosen:
         step = statistics.median(variant.step_s)
         wait = statistics.median(variant.wait_s)
+        forward = statistics.median(variant.forward_s)
         rows.append(
             {
                 "variant": variant.name,
@@ -349,6 +401,11 @@ def summarise(chosen: list[Variant]) -> list[dict[str, Any]]:
                 )
                 * 1e3,
                 "ratio_to_keep_all": step / base,
+                "forward_ms": forward * 1e3,
+                "forward_ratio_to_keep_all": forward / base_forward,
+                "forward_cpu_ms": statistics.median(variant.forward_cpu_s) * 1e3,
+                "forward_cpu_ratio_to_keep_all": statistics.median(variant.forward_cpu_s)
+                / statistics.median(chosen[0].forward_cpu_s),
                 "peak_device_bytes": int(statistics.median(variant.peak_bytes)),
                 "exposed_wait_ms": wait * 1e3,
                 "exposed_wait_pct_of_step": 100.0 * wait / step,
@@ -385,18 +442,23 @@ def breakdown(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     lines = [
         "| variant | + step (ms) | + main-thread CPU (ms) | + other threads' CPU (ms) | exposed wait (ms) "
-        "| ratio to keep-all | ratio to the cost floor |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| ratio to keep-all | ratio to the cost floor | forward (ms; x keep-all, x floor) "
+        "| forward main-thread CPU (ms; x keep-all, x floor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     floor = next((row for row in rows if row["variant"] == FLOOR), None)
     for row in rows[1:]:
         if row["variant"] != FLOOR and not row["variant"].startswith("offcore"):
             continue
         to_floor = f"{row['step_ms'] / floor['step_ms']:.3f}" if floor is not None else "-"
+        forward_to_floor = f"{row['forward_ms'] / floor['forward_ms']:.3f}" if floor is not None else "-"
+        cpu_to_floor = f"{row['forward_cpu_ms'] / floor['forward_cpu_ms']:.3f}" if floor is not None else "-"
         lines.append(
             f"| {row['variant']} | {row['step_ms'] - base['step_ms']:+.1f} | "
             f"{row['main_cpu_ms'] - base['main_cpu_ms']:+.1f} | {row['other_cpu_ms'] - base['other_cpu_ms']:+.1f} | "
-            f"{row['exposed_wait_ms']:.1f} | {row['ratio_to_keep_all']:.3f} | {to_floor} |"
+            f"{row['exposed_wait_ms']:.1f} | {row['ratio_to_keep_all']:.3f} | {to_floor} | "
+            f"{row['forward_ms']:.1f}; {row['forward_ratio_to_keep_all']:.3f}, {forward_to_floor} | "
+            f"{row['forward_cpu_ms']:.1f}; {row['forward_cpu_ratio_to_keep_all']:.3f}, {cpu_to_floor} |"
         )
     return "\n".join(lines)
 
@@ -450,6 +512,25 @@ def targets_unlimited(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def targets_forward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """--compare: the forward (the offload region) under offload <= 1.15 x keep-all's (issue 14)."""
+    floor = next(row for row in rows if row["variant"] == FLOOR)
+    print(
+        f"- cost floor's forward: {floor['forward_ratio_to_keep_all']:.3f} x keep-all's "
+        f"(main-thread CPU {floor['forward_cpu_ratio_to_keep_all']:.3f} x)"
+    )
+    return [
+        check(
+            f"{row['variant']}: forward <= 1.15 x keep-all's",
+            row["forward_ratio_to_keep_all"] <= 1.15,
+            f"{row['forward_ratio_to_keep_all']:.3f} x ({row['forward_ms'] / floor['forward_ms']:.3f} x the floor's; "
+            f"main-thread CPU {row['forward_cpu_ratio_to_keep_all']:.3f} x keep-all's)",
+        )
+        for row in rows
+        if row["variant"].startswith("offcore")
+    ]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -465,13 +546,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"the small workload ({', '.join(f'{k} {v}' for k, v in SMALL.items())}): 128 KiB tensors, "
         "where offcore's fixed cost per saved tensor dominates (see the module doc)",
     )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="offcore compare's default workload, offloaded as its offload strategy does (min_bytes=0, "
+        "modules= the layers; the floor copies the same storages); no dropout",
+    )
     for name, default in DEFAULT_WORKLOAD.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}")
     parser.add_argument("--latency", default="10us", help="per-copy latency of the emulated link in scenario (a)")
     args = parser.parse_args(argv)
     if args.steps < 3 or args.warmup < 1:
         parser.error("--steps must be at least 3 and --warmup at least 1")
-    base = {**DEFAULT_WORKLOAD, **(SMALL if args.small else {})}
+    if args.small and args.compare:
+        parser.error("--small and --compare are two workloads: pass one")
+    base = {**DEFAULT_WORKLOAD, **(SMALL if args.small else {}), **(COMPARE if args.compare else {})}
     for name, default in base.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -489,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         n_heads=args.heads,
         n_layers=args.layers,
         seq_len=args.seq_len,
-        dropout=0.1,
+        dropout=0.0 if args.compare else 0.1,
     )
+    scoped = args.compare
     work = gpt_workload(config, batch_size=args.batch)
     print("# Activation offload on the CPU fake device\n")
     print(f"Command: {' '.join([sys.executable, *sys.argv])}")
@@ -500,7 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "Baseline: keep-all (no hooks) on the same fake device, same model, same batches. "
-        f"offcore runs with min_bytes={MIN_BYTES}. Medians of {args.steps} steps after {args.warmup} warm-up steps, "
+        + (
+            "offcore runs as offcore compare's offload strategy does: min_bytes=0, modules= the layers (the floor "
+            "copies the same storages). "
+            if scoped
+            else f"offcore runs with min_bytes={MIN_BYTES}. "
+        )
+        + f"Medians of {args.steps} steps after {args.warmup} warm-up steps, "
         "variants interleaved round-robin.\n"
     )
     print(
@@ -511,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         "CPU->CPU copy through the fake link) so that it pays the same emulated bandwidth as offcore.\n"
     )
 
-    forward_s, offloaded = calibrate(work, steps=args.warmup + 4)
+    forward_s, offloaded = calibrate(work, steps=args.warmup + 4, scoped=scoped)
     bandwidth = offloaded / (FILL * forward_s)
     print(
         f"Calibration (unlimited link): keep-all forward {forward_s * 1e3:.1f} ms; offcore offloads "
@@ -544,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     for key, (title, link, targets) in scenarios.items():
-        chosen = run_scenario(work, {"capacity": "8GiB", **link}, warmup=args.warmup, steps=args.steps)
+        chosen = run_scenario(work, {"capacity": "8GiB", **link}, warmup=args.warmup, steps=args.steps, scoped=scoped)
         rows = summarise(chosen)
         forward_in_run = statistics.median(chosen[0].forward_s)
         print(f"## {title}\n")
@@ -571,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         checks += targets(rows)
+        if scoped:
+            checks += targets_forward(rows)
         print()
         report["scenarios"][key] = {
             "title": title,
