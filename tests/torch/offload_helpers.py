@@ -40,12 +40,13 @@ def settle(device: Any, *, collect: bool = False) -> None:
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Move every object alive now out of the cycle collector's reach until the block ends.
+    """Keep every object alive now out of the cycle collector's walks until the block ends.
 
-    A full ``gc.collect()`` with torch loaded walks the whole heap (~0.2 s, more late in a
-    session); tests that collect after every injected fault only need what they made since:
-    the frozen objects (the test session, torch, the model built before) are not garbage
-    they measure. Cycles among new objects are still found; the heap is unfrozen after.
+    tests/conftest.py freezes the heap that imports and collection built; a test that
+    collects after every injected fault also freezes what it set up itself (the lazily
+    imported parts of torch, the model, the reference results), so each ``gc.collect()``
+    walks only what the steps since made. Cycles among new objects are still found. On
+    exit the heap is collected once and frozen again, as the session had it.
     """
     gc.collect()
     gc.freeze()
@@ -53,6 +54,8 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def pool_used_bytes(device: Any) -> int:
