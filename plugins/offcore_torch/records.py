@@ -68,7 +68,7 @@ class Kept:
         # autograd cannot collect. The alias shares the version counter.
         if tensor.grad_fn is None:
             self.tensor = tensor  # a leaf: holding it forms no cycle
-        elif is_offloadable_kind(tensor) and dispatch_modes():
+        elif dispatch_modes() and is_offloadable_kind(tensor):  # no mode active (the common case): one C call
             with internal_ops():
                 self.tensor = tensor.detach()
         else:
