@@ -36,22 +36,34 @@ next forward waiting per parameter on its own event.
 # other, the main thread never blocks on a copy (the worker waits for D2H events), and on
 # the fake device the tensors the host optimizer creates are host memory (its storage
 # tracker counts tensors created on the activating thread only). ``step()``, ``zero_grad()``,
-# ``state_dict()`` ... drain the worker first, re-raising the first exception it met.
+# ``state_dict()`` ... drain the worker first, re-raising the first exception it met. One
+# exception: ``step()``'s host step runs on the caller's thread when the worker is idle (Note [One
+# host step at step()]): nothing else touches host state then (every gradient landed, the queue is
+# empty, and the only job it queues meanwhile, the lead's uploads, reads masters already stepped), and
+# the arithmetic runs inside the backend's ``host_work()`` (offcore.protocols.OPTIONAL_MEMBERS) so that
+# its temporaries are host memory even inside ``with dev:``.
 #
 # Note [One host step at step()]
 # By the time ``step()`` steps, every gradient has landed (it drains the worker first): there is
 # no backward left to overlap, so cutting the step into chunks only adds optimizer calls (each
 # with its Python and kernel-launch overhead) and runs the uploads of early chunks beside the
 # later chunks' arithmetic (on the fake device a memcpy contending for the same cores and
-# memory bandwidth). So ``step()`` makes one submission to the worker: it steps a *lead* (the
-# first-needed parameters, up to 1/_LEAD_FRACTION of the master bytes, when there is more than
-# _LEAD_MIN_BYTES to step) and issues its uploads, so the first layer's copy lands under the rest
-# of the step, then steps all the others in ONE optimizer call (torch's fused/foreach kernel over
-# every tensor at once, as a bare ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their
-# uploads due (``_Slot.upload_due``) and returns. ``step()`` returns there, when the arithmetic
-# finished; the due uploads are issued in need order by a second worker job queued after the
-# round's bookkeeping (``_issue_due``), or by whoever needs a parameter first, under the sched
-# lock, whichever comes first (``_flush_due``): the forward's pre-hook (its issue time traced as a
+# memory bandwidth). So ``step()`` steps a *lead* (the first-needed parameters, up to
+# 1/_LEAD_FRACTION of the master bytes, when there is more than _LEAD_MIN_BYTES to step) and has its
+# uploads issued, so the first layer's copy lands under the rest of the step, then steps all the
+# others in ONE optimizer call (torch's fused/foreach kernel over every tensor at once, as a bare
+# ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``)
+# and returns. It does so on its own thread when the worker is idle (the usual case: ``step()``
+# drained it; ``offload_gradients=False`` queues the gradients' landing first), inside the backend's
+# ``host_work()``: no hand-off to the worker and no waking the caller after it (~0.5 ms of a ~8 ms
+# step on the fake device); the lead's uploads are then issued by a worker job queued before the
+# rest is stepped, so their issue runs beside the rest's kernel instead of before it. Otherwise the
+# whole of it is one worker job, which issues the lead's uploads itself. ``step()`` returns when the
+# arithmetic finished; the due uploads are issued in need order by a worker job queued after the
+# round's bookkeeping (``_issue_due``, yielding the GIL between two uploads so that the returning
+# caller and the forward are not held up behind the whole batch), or by whoever needs a parameter
+# first, under the sched lock, whichever comes first (``_flush_due``): the forward's pre-hook (its
+# issue time traced as a
 # ``"wait"`` of that forward), ``wait_for_parameters`` / a module's ``state_dict``, and the round's
 # end (``_upload_rest``: ``synchronize()``, the next round's first gradient). A refused upload stays
 # offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
@@ -237,6 +249,7 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
+_SCHED_YIELD: Callable[[], None] | None = getattr(os, "sched_yield", None)  # releases the GIL (POSIX)
 _MASTER = "offcore_master"  # the fp32 master's entry in a parameter's object on NVMe (Note [Masters on NVMe])
 _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
 _NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
@@ -374,6 +387,15 @@ def _unhooked_step(host: torch.optim.Optimizer) -> None:
         host.step()
     else:
         inner(host)
+
+
+def _yield_gil() -> None:
+    """Release the GIL for a moment: a thread waiting for it runs first (the OS's yield; a zero sleep
+    where there is none). Not a wait for anything: the caller goes on at once when no one waits."""
+    if _SCHED_YIELD is not None:
+        _SCHED_YIELD()
+    else:
+        time.sleep(0)
 
 
 def _storage_id(param: torch.Tensor) -> int | None:
@@ -564,6 +586,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offcore-optimizer")
+        # Note [One host step at step()]: "host work, not device memory" on the calling thread (the
+        # backend's optional host_work(); where host tensors are host memory anyway, nothing to do)
+        self._host_work: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            getattr(device, "host_work", None) or contextlib.nullcontext
+        )
 
         # the host pool: budget for masters + grads (+ stages) and staging room
         flat = [_tensor_of(p) for g in groups for p in _params_of(g)]
@@ -1080,40 +1107,58 @@ class OffloadOptimizer(torch.optim.Optimizer):
             chosen[id(slot.group)].append(slot.master)
         saved = [(group, group["params"]) for group in self._host.param_groups]
         began = time.perf_counter()
-        try:
-            for group, _ in saved:
-                group["params"] = chosen.get(id(group), [])
-            _unhooked_step(self._host)
-        finally:
-            for group, params in saved:
-                group["params"] = params
-        if self.trace is not None:
-            self.trace.span("host", "step", began, time.perf_counter() - began, params=len(slots))
-        for slot in slots:
-            if slot.stage is not None:
-                slot.stage.copy_(slot.master)
+        with self._host_work():  # on step()'s caller inside `with dev:` too: its temporaries are host memory
+            try:
+                for group, _ in saved:
+                    group["params"] = chosen.get(id(group), [])
+                _unhooked_step(self._host)
+            finally:
+                for group, params in saved:
+                    group["params"] = params
+            if self.trace is not None:
+                self.trace.span("host", "step", began, time.perf_counter() - began, params=len(slots))
+            for slot in slots:
+                if slot.stage is not None:
+                    slot.stage.copy_(slot.master)
         if rs is not None:
             self._host_updated(rs, slots)
 
-    def _step_lead_and_rest(self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler) -> None:
-        """Worker, for ``step()`` (Note [One host step at step()]): step ``lead`` and issue its uploads,
-        then step ``rest`` in one optimizer call; their uploads are due (``_issue_due``, or the forward)."""
+    def _step_lead_and_rest(
+        self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler, *, on_caller: bool = False
+    ) -> None:
+        """For ``step()`` (Note [One host step at step()]): step ``lead`` and have its uploads issued,
+        then step ``rest`` in one optimizer call; their uploads are due (``_issue_due``, or the forward).
+
+        On the worker, the lead's uploads are issued here; on ``step()``'s caller (``on_caller``), by a
+        worker job queued now, while this thread steps the rest (its kernel runs without the GIL)."""
         if lead:
-            self._step_slots(lead, rs)
+            if on_caller:
+                self._step_slots(lead)
+                self._mark_due(lead)
+                self._submit(self._issue_due, lead)
+            else:
+                self._step_slots(lead, rs)
         if rest:
             self._step_slots(rest)
-            with self._sched_lock:
-                for slot in rest:
-                    slot.upload_due = slot.host_param is None
+            self._mark_due(rest)
+
+    def _mark_due(self, slots: list[_Slot]) -> None:
+        """``slots`` were stepped by ``step()``: their uploads are due, issued by ``_issue_due`` or a use."""
+        with self._sched_lock:
+            for slot in slots:
+                slot.upload_due = slot.host_param is None
 
     def _issue_due(self, slots: list[_Slot]) -> None:
         """Worker: the uploads of ``slots`` stepped by ``step()``, in need order, unless a use or the
-        round's end issued them first (Note [One host step at step()])."""
+        round's end issued them first (Note [One host step at step()]). Between two uploads the worker
+        yields the GIL (``_yield_gil``), so a thread waiting for it (the caller returning from ``step()``,
+        the forward between two kernels) does not wait for every upload's issue."""
         for slot in slots:
             with self._sched_lock:
                 if slot.upload_due and self._rs is not None:
                     with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
                         self._flush_due(self._rs, slot)
+            _yield_gil()
 
     def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
         """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""
@@ -1447,7 +1492,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
             else:
                 lead, rest = _lead_and_rest(remaining)
-                self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
+                if self._worker_idle():  # no hand-off to the worker, no waking this thread after it
+                    self._step_lead_and_rest(lead, rest, rs, on_caller=True)
+                else:
+                    self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
         except StorageError as exc:
             if self._nvme is None:
                 self._end_round()
@@ -1753,6 +1801,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         future = self._worker.submit(fn, *args)
         with self._lock:
             self._futures.append(future)
+
+    def _worker_idle(self) -> bool:
+        """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""
+        with self._lock:
+            return not self._futures
 
     def _drain(self) -> None:
         """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one worker thread])."""
