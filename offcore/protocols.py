@@ -142,6 +142,7 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
         "allocated_bytes": None,
         "active": None,
         "host_work": None,
+        "copy_many": None,
     }
 )
 """Backend members outside :class:`Backend`, and the capability that promises each.
@@ -175,7 +176,9 @@ class Backend(Protocol):
     (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
     (:attr:`Capability.PRIVATE_FORMATS`), and ``close()``, ``allocated_bytes()``, ``active`` (True
     while the calling thread is inside ``with device:``, for devices that are entered) and
-    ``host_work()`` (a context manager: host work on the calling thread, not device memory) when present.
+    ``host_work()`` (a context manager: host work on the calling thread, not device memory) and
+    ``copy_many(pairs, stream=...)`` (``copy_`` of each ``(dst, src)`` in order, one event for the last;
+    a backend whose copy streams pay per work item queues them as one) when present.
     """
 
     name: ClassVar[str]

@@ -28,7 +28,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, NoReturn
 
 from offcore.errors import ConfigurationError
@@ -571,6 +571,90 @@ class FakeDevice:
             state,
             started,
         )
+        return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+
+    # Note [A batch of copies is one work item]
+    # A binding that streams a module's parameters copies its weight and bias (two storages)
+    # back to back on one copy stream. Each queued copy_ is a work item of its own: a
+    # hand-off to the stream's worker, which must win the interpreter back from the compute
+    # thread at least twice per item (after taking it off the queue, after its memcpy). So
+    # copy_many queues a run of copies as *one* work item: each copy still pays its own
+    # latency on the link, is numbered, ledgered and logged as copy_ would, in order; only
+    # the event is shared (it completes when the last copy landed). Leading copies that
+    # would run inline on an idle stream still do (Note [Inline copies on an idle stream]).
+    # Whatever copy_ treats specially (the sanitizer, an armed fault, a closed gate, the
+    # compute stream) makes copy_many call copy_ for each pair instead: nothing is lost.
+    def copy_many(self, pairs: Sequence[tuple[Any, Any]], *, stream: Any) -> FakeEvent:
+        """Enqueue ``dst[...] = src`` for each ``(dst, src)`` of ``pairs``, in order, on ``stream``; the
+        returned event completes when the last one landed. Each copy is checked, timed on the link and
+        logged as :meth:`copy_` would; a copy stream gets them as one work item (Note [A batch of copies
+        is one work item]). An optional member of the backend protocol.
+
+            >>> done = dev.copy_many([(weight, host_w), (bias, host_b)], stream=h2d)   # doctest: +SKIP
+        """
+        if not pairs:
+            raise ConfigurationError("copy_many needs at least one (dst, src) pair")
+        compute = self._compute
+        state = None if stream is compute or not isinstance(stream, WorkerStream) else stream._state
+        special = state is None or len(pairs) == 1 or self._sanitizer.enabled or stream not in self._streams
+        checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
+        if not special:
+            for dst, src in pairs:
+                ops = ops_for(dst)
+                if ops is None or ops is not ops_for(src) or ops is NUMPY_OPS:
+                    special = True  # copy_ checks and reports it (numpy: its read-only check)
+                    break
+                nbytes = ops.nbytes(dst)
+                if nbytes != ops.nbytes(src):
+                    special = True
+                    break
+                direction = Direction.between(
+                    Tier.DEVICE if self._on_device(ops, src) else Tier.PINNED,
+                    Tier.DEVICE if self._on_device(ops, dst) else Tier.PINNED,
+                )
+                if self._gates.any_closed_for(state, direction):
+                    special = True
+                    break
+                checked.append((ops, dst, src, direction, nbytes))
+        if not special:
+            with self._fault_lock:  # numbered together, unless a fault is armed (copy_ counts to it)
+                if self._fault is None:
+                    first = self._copies + 1
+                    self._copies += len(checked)
+                else:
+                    special = True
+        if special:
+            event: Any = None
+            for dst, src in pairs:
+                event = self.copy_(dst, src, stream=stream)
+            return event
+        name = stream.name
+        at = 0
+        for ops, dst, src, direction, nbytes in checked:  # leading small copies on an idle stream: inline
+            if nbytes > _INLINE_COPY_LIMIT:
+                break
+            inline = stream.try_inline(
+                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, name, first + at)
+            )
+            if inline is None:
+                break
+            at += 1
+        if at == len(checked):
+            return inline
+        enqueued = time.perf_counter()
+        items = [
+            (ops, dst, src, direction, nbytes, 0.0, name, enqueued, first + i, state)
+            for i, (ops, dst, src, direction, nbytes) in enumerate(checked[at:], start=at)
+        ]
+        del checked, pairs  # the work item alone holds the buffers
+
+        def run() -> float:
+            landed = 0.0
+            for item in items:
+                landed = self._run_copy(*item)
+            items.clear()  # the buffers go with the item, before its event completes
+            return landed
+
         return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
 
     def _check_order(self, ops: BufferOps, dst: Any, src: Any, direction: Direction, stream: Any, number: int) -> None:

@@ -139,6 +139,20 @@ def _version_ref(tensor: torch.Tensor) -> torch.Tensor:
 # the device with its values at setup.
 
 
+# Note [A module's copies are one batch]
+# A module's storages (a weight and its bias) are used together, so ``_copy_in`` hands the untimed
+# copies of one use to the backend's optional ``copy_many`` (offcore.protocols.OPTIONAL_MEMBERS) at
+# once, smallest first, and every slot of the batch waits for its one event (the last copy's): the
+# fake device queues them as one work item (one hand-off to its copy worker instead of one per
+# storage; Note [A batch of copies is one work item] in backends/offcore_cpu/device.py), each copy
+# still paying its own latency on the link. A copy the runtime times (``rt.sample``) is issued on its
+# own with its start event, as before, so the link estimate is unchanged.
+
+
+def _slot_bytes(slot: _Slot) -> int:
+    return slot.nbytes
+
+
 def _graph_task_id() -> int:
     return int(_GRAPH_TASK_ID()) if _GRAPH_TASK_ID is not None else -1
 
@@ -180,8 +194,21 @@ def _offcore_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
     """Fetch offloaded parameters that an operator reads outside their module's announced use."""
-    kwargs = kwargs or {}
     name = getattr(func, "__name__", "")
+    if not kwargs and name not in _NOT_PLAIN:
+        # Note [An operator inside a module's use]: every offloaded argument is on the device and
+        # landed (pinned by its module's call or fetched outside already): nothing to fetch or wait for
+        for arg in args:
+            if type(arg) in _OFFLOADED:
+                slot = arg._offcore_slot
+                if not (slot.pins or slot.outside) or slot.event is not None or slot.handle._tier is not None:
+                    break
+            elif isinstance(arg, (list, tuple, dict)):
+                break
+        else:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args)
+    kwargs = kwargs or {}
     needs = True
     if name in ("__get__", "__set__"):
         attr = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -212,6 +239,20 @@ class OffloadedBuffer(torch.Tensor):
     """The class an offloaded buffer carries while ``offload_parameters(..., buffers=True)`` is active."""
 
     __torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
+
+
+_OFFLOADED = frozenset({OffloadedParameter, OffloadedBuffer})
+_NOT_PLAIN = _METADATA | {"__get__", "__set__"}  # what _torch_function's general path treats specially
+
+# Note [An operator inside a module's use]
+# Every operator on an offloaded parameter passes through ``_torch_function`` (a Python call; ~130
+# per step of a small GPT, most of them inside the parameter's own module call). The general path
+# collects the offloaded tensors of the arguments and asks the handle to fetch or wait for them;
+# inside a module's use the storages are pinned and their copies already waited for, so that
+# path does nothing. The fast path sees that from the flat positional arguments alone (each
+# offloaded one pinned or fetched outside, with no copy in flight, not on the NVMe tier) and calls
+# the operator at once; anything else (keyword arguments, nested lists, metadata functions,
+# ``.data``) takes the general path.
 
 
 # ------------------------------------------------------------------------- state
@@ -438,6 +479,8 @@ class ParameterOffloadHandle:
 
         # a device that is entered (``with dev:``) to place allocations on it, and can be inactive now
         self._enterable = hasattr(device, "__enter__") and hasattr(device, "active")
+        # Note [A module's copies are one batch]: the backend's copy_many (an optional member), if it has one
+        self._copy_many: Callable[..., Any] | None = getattr(device, "copy_many", None)
         self._collect(model)
         self._param_ids = {id(s.tensor) for s in self._slots}
         largest = max((u.nbytes for u in self._units), default=0)
@@ -816,8 +859,15 @@ class ParameterOffloadHandle:
         h2d = rt.h2d_stream
         h2d.wait_stream(dev.current_stream())
         event = None
+        many = self._copy_many
+        batch: list[_Slot] = []
+        nbytes = 0
         for slot in need:
+            nbytes += slot.nbytes
             timed = rt.sample(Direction.H2D)
+            if many is not None and not timed:
+                batch.append(slot)  # Note [A module's copies are one batch]
+                continue
             start, issued = rt.begin_timing(dev, h2d, record=False) if timed else (None, 0.0)
             event = dev.copy_(slot.alias, slot.host_view, stream=h2d, start_event=start)
             if timed:
@@ -831,10 +881,18 @@ class ParameterOffloadHandle:
                     label="param",
                     ledger=self.ledger,
                 )
-            self.ledger.record_copy(Direction.H2D, slot.nbytes)
             slot.event = event
             slot.landing = event
             slot.version = slot.vref._version
+        if batch:
+            if len(batch) > 1:
+                batch.sort(key=_slot_bytes)  # the small ones first: they may run at once on an idle stream
+            event = many([(slot.alias, slot.host_view) for slot in batch], stream=h2d)
+            for slot in batch:
+                slot.event = event
+                slot.landing = event
+                slot.version = slot.vref._version
+        self.ledger.record_copy(Direction.H2D, nbytes, copies=len(need))
         return event
 
     def _ready(self, slots: list[_Slot], label: str) -> None:
