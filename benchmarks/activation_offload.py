@@ -75,6 +75,7 @@ import platform
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,9 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
     threads (which share the 2 cores and the interpreter with compute), and the link.
     """
 
-    _host: dict[int, list[torch.Tensor]] = {}  # per device (id): pinned buffers by save index, reused
+    # per device, kept as long as the device lives (weakly: a later device may reuse a dead one's id):
+    # its two copy streams and its pinned buffers by save index, reused across steps
+    _per_device: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
     def __init__(self, device: Any, scope: list[torch.nn.Module] | None = None, min_bytes: str = MIN_BYTES) -> None:
         self.device = device
@@ -172,14 +175,15 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
         self._scope_hooks: list[Any] = []
         self._reloads: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._index = 0
-        streams = CopiesOnly._streams.setdefault(id(device), (device.new_stream(), device.new_stream()))
+        held = CopiesOnly._per_device.get(device)
+        if held is None:
+            held = CopiesOnly._per_device[device] = (device.new_stream(), device.new_stream(), [])
+        streams = held[:2]
         self._d2h, self._h2d = streams
         self._order = device.new_event()
-        self._buffers = CopiesOnly._host.setdefault(id(device), [])
+        self._buffers = held[2]
         self._min_bytes = offcore.parse_size(min_bytes, what="min_bytes")
         super().__init__(self._pack, self._unpack)
-
-    _streams: dict[int, tuple[Any, Any]] = {}
 
     def __enter__(self) -> None:
         for module in self._scope or ():
