@@ -153,8 +153,13 @@ def _slot_bytes(slot: _Slot) -> int:
     return slot.nbytes
 
 
-def _graph_task_id() -> int:
-    return int(_GRAPH_TASK_ID()) if _GRAPH_TASK_ID is not None else -1
+def _no_graph_task() -> int:
+    return -1
+
+
+# the running backward's graph task id (-1 outside backward): torch's own function where it has one
+# (called several times per module call; a Python wrapper around it cost a frame each time)
+_graph_task_id: Callable[[], int] = _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else _no_graph_task
 
 
 def _is_oom(exc: BaseException) -> bool:

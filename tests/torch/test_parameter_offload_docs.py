@@ -50,4 +50,5 @@ def test_scale_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         "params",
         "params, persist_below=64KiB",
         "params, unlimited link",
+        "params, prefetch=asap",
     ]
