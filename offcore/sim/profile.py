@@ -269,6 +269,11 @@ class StepProfile:
             transients (the batch-dependent bytes outside the layers). Allocated when the
             last layer's forward ends, freed before the last layer's backward starts.
             0 by default (everything in ``other_bytes`` is resident all step).
+        head_forward_bytes: the part of ``head_bytes`` already allocated when forward ends
+            (what the head and the loss saved): the runtime plans its first reloads there
+            (Note [Prefetch from the end of forward] in offcore_torch/offload.py), seeing these
+            bytes but not the head's backward transients that follow. ``None`` (the default):
+            all of ``head_bytes`` (Note [The turn sees the head's saved bytes] in simulator.py).
         d2h_bandwidth, h2d_bandwidth: bytes per second per direction (numbers or strings
             such as ``"53GB/s"``; ``"inf"`` for a free copy).
         latency_s: fixed cost added to every copy.
@@ -341,6 +346,7 @@ class StepProfile:
     nvme_write_bandwidth: float = math.inf
     nvme_read_latency_s: float = 0.0
     nvme_write_latency_s: float = 0.0
+    head_forward_bytes: int | None = None
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -387,6 +393,14 @@ class StepProfile:
                 f"head_bytes ({self.head_bytes}) is the part of other_bytes ({self.other_bytes}) alive only "
                 "around the turn from forward to backward: it cannot exceed other_bytes"
             )
+        if self.head_forward_bytes is not None:
+            early = parse_size(self.head_forward_bytes, what="head_forward_bytes", allow_zero=True)
+            if early > self.head_bytes:
+                raise ConfigurationError(
+                    f"head_forward_bytes ({early}) is the part of head_bytes ({self.head_bytes}) allocated when "
+                    "forward ends: it cannot exceed head_bytes"
+                )
+            set_(self, "head_forward_bytes", early)
         set_(self, "d2h_bandwidth", parse_bandwidth(self.d2h_bandwidth, what="d2h_bandwidth"))
         set_(self, "h2d_bandwidth", parse_bandwidth(self.h2d_bandwidth, what="h2d_bandwidth"))
         set_(self, "latency_s", parse_duration(self.latency_s, what="latency_s"))
@@ -463,6 +477,7 @@ class StepProfile:
             "nvme_write_bandwidth",
             "nvme_read_latency_s",
             "nvme_write_latency_s",
+            "head_forward_bytes",
         }
         unknown = set(changes) - allowed
         if unknown:
@@ -543,6 +558,7 @@ class StepProfile:
             "nvme_write_bandwidth": bandwidth(self.nvme_write_bandwidth),
             "nvme_read_latency_s": self.nvme_read_latency_s,
             "nvme_write_latency_s": self.nvme_write_latency_s,
+            "head_forward_bytes": self.head_forward_bytes,
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -581,6 +597,7 @@ class StepProfile:
             "nvme_write_bandwidth",
             "nvme_read_latency_s",
             "nvme_write_latency_s",
+            "head_forward_bytes",
         }
         unknown = set(data) - known - {"format"}
         if unknown:

@@ -128,6 +128,18 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # the smallest backward working set any action holds (``LayerProfile.offloaded_backward_work``), so
 # they stay lower bounds.
 
+# Note [The turn sees the head's saved bytes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# offcore_torch plans the first reloads when the offload region exits, after the loss was computed
+# (PlanExecutor; Note [Prefetch from the end of forward] in offcore_torch/offload.py): the device
+# then holds what the head and the loss saved, not yet their backward's transients, and the
+# scheduler's room (capacity minus bytes in use) is read there. The simulator's turn allocates
+# ``StepProfile.head_forward_bytes`` first, runs forward_ended, then allocates the rest of
+# ``head_bytes``. With all of ``head_bytes`` counted before the plan, a step near the capacity
+# deferred reloads the runtime issues: at 3.25 x the ``offcore compare`` default batch the offload
+# plan was predicted at 8.7 MiB and fitting where the runtime reloaded 1.6 MiB at the turn and ran
+# out of its 9.4 MiB, so the predicted max batch was 29 against 24 measured.
+
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A device copy may be freed only after its D2H completed (offcore/objects.py, Note [When
@@ -274,7 +286,12 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # the runtime can reach peaks at or below it; with no budget (``None``: the capacity, in
 # PlanExecutor) it is every remaining reload at once, i.e. as high as keeping them. Forward's
 # side — device copies waiting for their D2H to land — has no budget in the runtime and is not
-# bounded here. The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a
+# bounded here, except in a plan that drains its offloads (Note [Drained offloads bound the
+# forward's copies in flight]): there the bound also holds, at the end of each offloaded layer's
+# forward, every save of that layer on the device (none landed yet). Before the backward's
+# model freed saves as they are used (Note [An offloaded layer's saves go as backward uses
+# them]) its over-prediction covered a forward slowed by its copies; the measured param-stream
+# peak of benchmarks/sim_vs_measured.py came to 1.001 x this bound without the forward's term. The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a
 # finite budget is the way to a peak that holds in every run.
 #
 # Note [Drained offloads bound the forward's copies in flight]
@@ -1413,10 +1430,13 @@ class _Step:
             # end of forward (Note [Prefetch from the end of forward] in offcore_torch)
             if not self.turned:
                 self.turned = True
+                # Note [The turn sees the head's saved bytes]
                 head = self.profile.head_bytes
-                self.change(head)
+                early = head if self.profile.head_forward_bytes is None else self.profile.head_forward_bytes
+                self.change(early)
                 self.execute(sched.forward_ended(self.now))
                 sched.backward_began(self.now)
+                self.change(head - early)
                 self.refresh_room()  # the worst peak: the head's bytes and every reload the budget allows
                 self.change(-head)
                 self.refresh_room()
@@ -1493,6 +1513,11 @@ class _Step:
         self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
 
         def finish() -> None:
+            if self.plan.drain_offloads and action is Action.OFFLOAD:
+                # Note [The worst peak within the prefetch budget]: drained, the forward holds at most this
+                # layer's saves, whenever their copies land
+                landed = sum(obj.nbytes for obj in saves if not obj.resident)
+                self.worst = max(self.worst, self.level + landed)
             self.change(-self.fwork[i])
             if self.psched is not None and self.params[i] > 0:
                 # Note [Backward's first parameters stay after forward in the simulator]

@@ -558,8 +558,14 @@ def _scaled(profile: StepProfile, measurement: StepMeasurement, factor: float) -
     per_sample = measurement.per_sample_other_bytes
     fixed = max(0, profile.other_bytes - per_sample)
     head = min(math.ceil(per_sample * factor), math.ceil(profile.head_bytes * factor))
+    early = profile.head_forward_bytes
     return replace(
-        profile, layers=layers, other_bytes=fixed + math.ceil(per_sample * factor), head_bytes=head, batch_size=1
+        profile,
+        layers=layers,
+        other_bytes=fixed + math.ceil(per_sample * factor),
+        head_bytes=head,
+        head_forward_bytes=None if early is None else min(math.ceil(early * factor), head),
+        batch_size=1,
     )
 
 

@@ -237,7 +237,14 @@ class StepMeasurement:
             return self.profile
         fixed = self.profile.other_bytes - self.per_sample_other_bytes
         head = min(-(-self.per_sample_other_bytes // microbatches), self.profile.head_bytes)
-        return replace(self.profile, other_bytes=max(0, fixed) + head, head_bytes=head, grad_bytes=self.param_bytes)
+        early = self.profile.head_forward_bytes
+        return replace(
+            self.profile,
+            other_bytes=max(0, fixed) + head,
+            head_bytes=head,
+            head_forward_bytes=None if early is None else min(-(-early // microbatches), head),
+            grad_bytes=self.param_bytes,
+        )
 
     def predict(self, plan: Plan, **kwargs: Any) -> Any:
         """``simulate`` the plan on the matching profile; returns (SimResult, predicted step seconds)."""
@@ -838,6 +845,7 @@ def measure_step(
         grad_bytes=0,
         other_bytes=base_other,
         head_bytes=other_saved,  # saved by the head and the loss: alive around the turn only
+        head_forward_bytes=other_saved,  # Note [The turn sees the head's saved bytes] in offcore/sim/simulator.py
         capacity_bytes=capacity,
         batch_size=batch_size,
         reuse_in_flight=True,  # offcore_torch uses device copies still in flight (simulator.py Note)
