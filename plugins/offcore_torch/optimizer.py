@@ -39,9 +39,9 @@ next forward waiting per parameter on its own event.
 # ``state_dict()`` ... drain the worker first, re-raising the first exception it met. One
 # exception: ``step()``'s host step runs on the caller's thread when the worker is idle (Note [One
 # host step at step()]): nothing else touches host state then (every gradient landed, the queue is
-# empty, and the only job it queues meanwhile, the lead's uploads, reads masters already stepped), and
-# the arithmetic runs inside the backend's ``host_work()`` (offcore.protocols.OPTIONAL_MEMBERS) so that
-# its temporaries are host memory even inside ``with dev:``.
+# empty, nothing is queued until the step finished), and the arithmetic runs inside the backend's
+# ``host_work()`` (offcore.protocols.OPTIONAL_MEMBERS), so that its temporaries are host memory
+# even inside ``with dev:``.
 #
 # Note [One host step at step()]
 # By the time ``step()`` steps, every gradient has landed (it drains the worker first): there is
@@ -55,16 +55,15 @@ next forward waiting per parameter on its own event.
 # ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``)
 # and returns. It does so on its own thread when the worker is idle (the usual case: ``step()``
 # drained it; ``offload_gradients=False`` queues the gradients' landing first), inside the backend's
-# ``host_work()``: no hand-off to the worker and no waking the caller after it (~0.5 ms of a ~8 ms
-# step on the fake device); the lead's uploads are then issued by a worker job queued before the
-# rest is stepped, so their issue runs beside the rest's kernel instead of before it. Otherwise the
-# whole of it is one worker job, which issues the lead's uploads itself. ``step()`` returns when the
-# arithmetic finished; the due uploads are issued in need order by a worker job queued after the
-# round's bookkeeping (``_issue_due``, yielding the GIL between two uploads so that the returning
-# caller and the forward are not held up behind the whole batch), or by whoever needs a parameter
-# first, under the sched lock, whichever comes first (``_flush_due``): the forward's pre-hook (its
-# issue time traced as a
-# ``"wait"`` of that forward), ``wait_for_parameters`` / a module's ``state_dict``, and the round's
+# ``host_work()``: no hand-off to the worker and no waking the caller after it. (Issuing the lead's
+# uploads from a worker job beside the rest's kernel was measured and dropped: the job's Python
+# holds the GIL while the caller runs the optimizer's Python before the kernel, so the time only
+# moved.) Otherwise all of it is one worker job. ``step()`` returns when the arithmetic finished;
+# the due uploads are issued in need order by a worker job queued after the round's bookkeeping
+# (``_issue_due``, yielding the GIL between two uploads so that the returning caller and the
+# forward are not held up behind the whole batch), or by whoever needs a parameter first, under the
+# sched lock, whichever comes first (``_flush_due``): the forward's pre-hook (its issue time traced
+# as a ``"wait"`` of that forward), ``wait_for_parameters`` / a module's ``state_dict``, and the round's
 # end (``_upload_rest``: ``synchronize()``, the next round's first gradient). A refused upload stays
 # offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
 # last_micro_step) are unchanged: one per parameter as its gradient lands. tier="nvme" steps in
@@ -1123,21 +1122,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if rs is not None:
             self._host_updated(rs, slots)
 
-    def _step_lead_and_rest(
-        self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler, *, on_caller: bool = False
-    ) -> None:
-        """For ``step()`` (Note [One host step at step()]): step ``lead`` and have its uploads issued,
-        then step ``rest`` in one optimizer call; their uploads are due (``_issue_due``, or the forward).
-
-        On the worker, the lead's uploads are issued here; on ``step()``'s caller (``on_caller``), by a
-        worker job queued now, while this thread steps the rest (its kernel runs without the GIL)."""
+    def _step_lead_and_rest(self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler) -> None:
+        """For ``step()``, on its caller or the worker (Note [One host step at step()]): step ``lead``
+        and issue its uploads, then step ``rest`` in one optimizer call; their uploads are due
+        (``_issue_due``, or the forward)."""
         if lead:
-            if on_caller:
-                self._step_slots(lead)
-                self._mark_due(lead)
-                self._submit(self._issue_due, lead)
-            else:
-                self._step_slots(lead, rs)
+            self._step_slots(lead, rs)
         if rest:
             self._step_slots(rest)
             self._mark_due(rest)
@@ -1493,7 +1483,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 lead, rest = _lead_and_rest(remaining)
                 if self._worker_idle():  # no hand-off to the worker, no waking this thread after it
-                    self._step_lead_and_rest(lead, rest, rs, on_caller=True)
+                    self._step_lead_and_rest(lead, rest, rs)
                 else:
                     self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
         except StorageError as exc:

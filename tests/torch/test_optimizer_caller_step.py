@@ -28,7 +28,7 @@ MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 def test_the_host_step_runs_on_the_caller_when_the_worker_is_idle(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, offload_gradients: bool
 ) -> None:
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead too: its uploads go through the worker
+    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead too
     dev = make_fake_device()
     threads: list[threading.Thread] = []
     host_step = optimizer_module._unhooked_step
