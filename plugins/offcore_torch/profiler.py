@@ -331,6 +331,17 @@ class _Memory:
         self.device.reset_peak_memory_stats()
         return int(stats.get("allocated_bytes", 0) or 0)
 
+    def peak_and_allocated(self) -> tuple[int, int]:
+        """The peak since the last restart (folded into the step's) and the bytes allocated now, in one read."""
+        stats = self.device.memory_stats()
+        peak = int(stats.get("peak_allocated_bytes", 0) or 0)
+        self.step_peak = max(self.step_peak, peak)
+        return peak, int(stats.get("allocated_bytes", 0) or 0)
+
+    def reset(self) -> None:
+        """Restart peak tracking right after :meth:`peak_and_allocated` folded the peak so far."""
+        self.device.reset_peak_memory_stats()
+
     def peak_since_restart(self) -> int:
         peak = int(self.device.memory_stats().get("peak_allocated_bytes", 0) or 0)
         self.step_peak = max(self.step_peak, peak)
@@ -666,15 +677,17 @@ def measure_step(
 
             return hook
 
-        def fold(record: _LayerRecord) -> None:
-            """The peak since the last restart into ``record``'s backward working sets, net and gross."""
-            peak = memory.peak_since_restart()
+        def fold(record: _LayerRecord) -> int:
+            """The peak since the last restart into ``record``'s backward working sets, net and gross; returns
+            the bytes allocated now."""
+            peak, allocated = memory.peak_and_allocated()
             record.backward_transient = max(record.backward_transient, peak - record.backward_level)
             gross = max(0, peak - record.backward_level + record.released_bytes)
             if record.current < 0:
                 record.before_first_use = max(record.before_first_use, gross)
             else:
                 record.save_gross[record.current] = max(record.save_gross[record.current], gross)
+            return allocated
 
         def unpack(packed: Any) -> Any:
             if type(packed) is not _Held:
@@ -684,7 +697,7 @@ def measure_step(
                 record = records[entry[0]]
                 if record.current != entry[2]:  # the next save used: the interval of the previous one ends
                     fold(record)
-                    memory.restart()
+                    memory.reset()
                     record.current = entry[2]
                     if record.first_used < 0:
                         record.first_used = entry[2]
@@ -700,8 +713,7 @@ def measure_step(
             if not record.in_backward:
                 held.pop(key, None)
                 return
-            fold(record)
-            before = memory.allocated()
+            before = fold(record)
             held.pop(key, None)  # the storage goes now, unless something else holds it
             freed = before - memory.restart()
             record.released_bytes += max(0, min(nbytes, freed))
