@@ -248,6 +248,8 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
+_STEP_ON_CALLER = True  # step()'s host step on the caller when the worker is idle (Note [One host step at step()]);
+# benchmarks/optimizer_offload.py (b) turns it off in every other round, to compare the two side by side
 _SCHED_YIELD: Callable[[], None] | None = getattr(os, "sched_yield", None)  # releases the GIL (POSIX)
 _MASTER = "offcore_master"  # the fp32 master's entry in a parameter's object on NVMe (Note [Masters on NVMe])
 _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
@@ -1482,7 +1484,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
             else:
                 lead, rest = _lead_and_rest(remaining)
-                if self._worker_idle():  # no hand-off to the worker, no waking this thread after it
+                if _STEP_ON_CALLER and self._worker_idle():  # no hand-off to the worker, no waking this thread
                     self._step_lead_and_rest(lead, rest, rs)
                 else:
                     self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
