@@ -630,6 +630,7 @@ class FakeDevice:
             return event
         name = stream.name
         at = 0
+        inline: FakeEvent | None = None
         for ops, dst, src, direction, nbytes in checked:  # leading small copies on an idle stream: inline
             if nbytes > _INLINE_COPY_LIMIT:
                 break
@@ -640,6 +641,7 @@ class FakeDevice:
                 break
             at += 1
         if at == len(checked):
+            assert inline is not None
             return inline
         enqueued = time.perf_counter()
         items = [
