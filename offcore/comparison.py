@@ -59,8 +59,26 @@ STRATEGIES: tuple[str, ...] = (
 LEGEND = (
     "step ms: median of the timed steps; wait ms: compute time spent waiting for reloads; "
     "U = compute / (compute + wait); pred ms: the simulator's step time on the profile every plan was chosen on; "
-    "err: measured / predicted - 1; max batch: the largest batch that fits the capacity"
+    "err: measured / predicted - 1; max batch: the largest batch that fits the capacity, measured by real steps "
+    "(~N: extrapolated from the measured peaks; N (sim): the simulator's, for a strategy that did not run)"
 )
+
+
+def _max_batch_cell(r: StrategyResult) -> str:
+    """The table's max batch: plain when measured, ``~N`` extrapolated, ``N (sim)`` simulated."""
+    if r.max_batch is None or (not r.max_batch and r.max_batch_source != "measured"):
+        return "-"
+    if r.max_batch_source == "extrapolated":
+        return f"~{r.max_batch}"
+    if r.max_batch_source == "simulated":
+        return f"{r.max_batch} (sim)"
+    return str(r.max_batch)
+
+
+def _source(r: StrategyResult) -> str:
+    """`` (measured)``-style label of a max batch (empty when unknown)."""
+    return f" ({r.max_batch_source})" if r.max_batch_source and r.max_batch is not None else ""
+
 
 EXPOSED_WAIT_TUNE_FRACTION = 0.10
 """A strategy whose copies leave more than this share of its step waiting is marked *tune*."""
@@ -78,9 +96,12 @@ class StrategyResult:
     strategy ran (the host load of that moment). ``bit_identical`` compares every loss, gradient and final
     parameter with ``compared_with``; ``loss_delta`` is the largest absolute loss
     difference and ``grad_rel_diff`` the largest relative gradient difference (norm).
-    ``max_batch`` is the largest batch that fits the capacity, extrapolated from the
-    measured peak (bytes above the resident state grow linearly with the batch);
-    ``predicted_max_batch`` the simulator's answer for the same plan.
+    ``max_batch`` is the largest batch that fits the capacity and ``max_batch_source`` says
+    how it was found: ``"measured"`` (real training steps at that batch ran and one
+    micro-batch count more ran out of memory; ``max_batch_probes`` lists the probed
+    ``[batch, fits]``), ``"extrapolated"`` (from the measured peaks, linear in the batch;
+    also kept in ``extrapolated_max_batch``) or ``"simulated"`` (a strategy that did not run,
+    not probed); ``predicted_max_batch`` is the simulator's answer for the same plan.
     """
 
     name: str
@@ -107,6 +128,9 @@ class StrategyResult:
     predicted_peak_bytes: int | None = None
     predicted_wait_s: float | None = None
     max_batch: int | None = None
+    max_batch_source: str = ""
+    extrapolated_max_batch: int | None = None
+    max_batch_probes: list[list[Any]] = field(default_factory=list)
     predicted_max_batch: int | None = None
     memory_series: list[tuple[float, int]] = field(default_factory=list)
     predicted_memory: list[tuple[float, int]] = field(default_factory=list)
@@ -326,11 +350,7 @@ class Comparison:
                 else:
                     equal = f"no (Δloss {r.loss_delta:.0e}, Δgrad {r.grad_rel_diff or 0:.0e})"
                 err = r.prediction_error
-                last = (
-                    f"{base_step / r.step_s:.2f}x"
-                    if base_step and r.step_s
-                    else (str(r.max_batch) if r.max_batch else "-")
-                )
+                last = f"{base_step / r.step_s:.2f}x" if base_step and r.step_s else _max_batch_cell(r)
                 rows.append(
                     [
                         r.name,
@@ -353,7 +373,7 @@ class Comparison:
                 status = "OOM" if r.status == "oom" else r.status
                 rows.append(
                     [r.name, status, "-", "-", "-", "-", "-", "-", "-", "-", "-", _ms(r.predicted_step_s), "-"]
-                    + ([str(r.max_batch) if r.max_batch else "-"] if not base_step else ["-"])
+                    + ([_max_batch_cell(r)] if not base_step else ["-"])
                 )
         return headers, rows
 
@@ -379,17 +399,25 @@ class Comparison:
                 )
                 lines.append(
                     f"  {r.name}: runs batch {self.workload.get('batch')} with {_bytes(headroom)} headroom; "
-                    f"fits up to batch {r.max_batch or '-'}{gained} (simulator: {r.predicted_max_batch or '-'})"
+                    f"fits up to batch {r.max_batch or '-'}{_source(r)}{gained} "
+                    f"(simulator: {r.predicted_max_batch or '-'})"
                 )
             if base_batch is not None:
                 lines.append(
-                    f"  baseline (keep all): fits up to batch {base_batch or 0} "
+                    f"  baseline (keep all): fits up to batch {base_batch or 0}{_source(baseline)} "
                     f"(simulator: {baseline.predicted_max_batch or '-'})"
                 )
-            lines.append(
-                "  (max batch: extrapolated from each measured peak, the bytes above the resident state growing "
-                "linearly with the batch; the baseline's from the reference run)"
-            )
+            sources = {r.max_batch_source for r in self.results if r.max_batch is not None}
+            if "measured" in sources:
+                lines.append(
+                    "  (max batch measured: real training steps ran at that batch and ran out of memory one "
+                    "micro-batch count above it)"
+                )
+            if "extrapolated" in sources:
+                lines.append(
+                    "  (max batch ~extrapolated: from the measured peaks, the bytes above the resident state growing "
+                    "linearly with the batch; the baseline's from the reference run)"
+                )
         elif baseline is not None and baseline.ok and baseline.step_s:
             for r in self.results:
                 if r.ok and r.name != "baseline" and r.step_s:

@@ -112,6 +112,10 @@ def pcie_like_bandwidths(
     return d2h, h2d, why
 
 
+_PROBE_STEPS = 2  # full steps a max-batch probe runs (Note [The max batch is probed by real steps])
+_PROBE_ESTIMATE = 2  # probes a strategy usually needs (the progress bar's estimate)
+_PROBE_LIMIT = 12  # probes before the search gives up (the extrapolation stands)
+_PROBE_MAX_FACTOR = 8  # batches above this multiple of --batch are not probed (too slow; extrapolated)
 _OVERHEAD_PAIRS = 7  # timed pairs of (1, 2 micro-batches) steps, after one warm-up pair
 
 
@@ -145,6 +149,9 @@ class CompareSettings:
     planner_headroom: float = 0.0
     nvme_path: str | None = None
     """A directory on an NVMe disk: the row ``optimizer-offload-nvme`` runs there (skipped without it)."""
+    probe_max_batch: bool = True
+    """Measure each strategy's max batch by real steps (Note [The max batch is probed by real steps]);
+    ``False`` (``--no-probe-max-batch``): the two-point extrapolation instead."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -209,7 +216,8 @@ class CompareSettings:
     def total_steps(self) -> int:
         """Every training step the comparison runs (for a progress bar)."""
         reprofile = 1 if self.backend == "cpu" else 0
-        return self.profile_steps + len(self.strategies) * (self.steps_per_strategy + reprofile)
+        probes = _PROBE_ESTIMATE * _PROBE_STEPS if self.probe_max_batch else 0
+        return self.profile_steps + len(self.strategies) * (self.steps_per_strategy + reprofile + probes)
 
     @property
     def tokens_per_step(self) -> int:
@@ -642,6 +650,211 @@ def _max_batch(profile: StepProfile, measurement: StepMeasurement, step_plan: Pl
         else:
             high = middle
     return low * step_plan.microbatches
+
+
+# Note [The max batch is probed by real steps]
+# "Memory is measured, not assumed": a strategy's measured max batch is the largest batch whose
+# full training steps (forward, backward, optimizer step) run on the compared device, found by
+# running them, not by extrapolating peaks. Extrapolating (two_point_batch, _extrapolated_batch)
+# assumes the peak grows linearly with the batch; under a prefetch budget fixed in bytes it does
+# not (the loss's bytes grow, the budget's do not): param-stream's extrapolated 40 ran out of
+# memory at 33 in the default `offcore compare`. Each probe builds the model and its optimizer at
+# the probed batch and runs _PROBE_STEPS steps: AdamW allocates its state in the first step, and
+# the offload runtimes' schedulers learn in it, so the second is the steady step whose peak
+# counts. Each probe runs on a clean device state: on the fake device a fresh device with the
+# compared capacity and link (Note [A fresh fake device after an out-of-memory error]: an OOM may
+# leave bytes allocated); on another backend the compared device, the search giving up when a
+# probe left bytes allocated. The search starts at the simulator's figure, tests its neighbour,
+# and widens (doubling) only when that does not bracket the answer, then bisects: two probes
+# when the simulator is right. Batches above _PROBE_MAX_FACTOR x --batch are not probed (each
+# step would cost that many batch steps); there, and with --no-probe-max-batch, the
+# extrapolation is shown, labelled "extrapolated" (StrategyResult.max_batch_source).
+
+
+def probe_max_batch(
+    fits: Callable[[int], bool],
+    *,
+    guess: int,
+    multiple: int = 1,
+    fits_at: int | None = None,
+    fails_at: int | None = None,
+    limit: int,
+    max_probes: int = _PROBE_LIMIT,
+) -> tuple[int | None, list[tuple[int, bool]]]:
+    """The largest multiple of ``multiple`` for which ``fits(batch)`` holds (0: not even ``multiple``), and the probes.
+
+    ``fits`` is assumed monotone (a batch that fits, every smaller one fits). ``guess`` is
+    tested first, then its neighbour, widening by doubling steps until the answer is
+    bracketed, then bisecting (Note [The max batch is probed by real steps]). ``fits_at`` /
+    ``fails_at``: batches already known to fit / not to fit. Returns ``None`` as the batch
+    when the answer lies above ``limit`` or needs more than ``max_probes`` probes.
+
+        >>> probe_max_batch(lambda b: b <= 12, guess=12, limit=64)
+        (12, [(12, True), (13, False)])
+        >>> probe_max_batch(lambda b: b <= 12, guess=16, multiple=4, fits_at=8, limit=64)
+        (12, [(16, False), (12, True)])
+    """
+    if multiple < 1 or limit < 0:
+        raise ConfigurationError(f"probe_max_batch needs multiple >= 1 and limit >= 0, got {multiple}, {limit}")
+    probes: list[tuple[int, bool]] = []
+    low = (fits_at or 0) // multiple  # in units of `multiple`: known to fit (0 always "fits")
+    high = None if fails_at is None else -(-fails_at // multiple)  # known not to fit
+    top = limit // multiple
+
+    def test(units: int) -> bool | None:
+        if len(probes) >= max_probes:
+            return None
+        ok = bool(fits(units * multiple))
+        probes.append((units * multiple, ok))
+        return ok
+
+    start = max(low + 1, guess // multiple)
+    if high is not None:
+        start = min(start, high - 1)
+    if start > low and start <= top:
+        ok = test(start)
+        if ok is None:
+            return None, probes
+        if ok:
+            low, step = start, 1
+            while high is None:  # widen upwards
+                if low + step > top:
+                    return None, probes
+                ok = test(low + step)
+                if ok is None:
+                    return None, probes
+                if ok:
+                    low, step = low + step, step * 2
+                else:
+                    high = low + step
+        else:
+            high, step = start, 1
+            while high - low > 1 and high - step > low:  # widen downwards
+                ok = test(high - step)
+                if ok is None:
+                    return None, probes
+                if ok:
+                    low = high - step
+                    break
+                high, step = high - step, step * 2
+    elif high is None:
+        return None, probes  # nothing to test below the limit and no known failure
+    while high is not None and high - low > 1:
+        middle = (low + high) // 2
+        ok = test(middle)
+        if ok is None:
+            return None, probes
+        low, high = (middle, high) if ok else (low, middle)
+    return low * multiple, probes
+
+
+def _steps_run(device: Any, settings: CompareSettings, step_plan: Plan, batch: int) -> bool:
+    """Whether :data:`_PROBE_STEPS` full training steps at ``batch`` under ``step_plan`` run on ``device`` (no OOM).
+
+    The model and its optimizer are built as in :func:`_train` (same seed, same optimizer),
+    the batches from the workload at ``batch`` (Note [The max batch is probed by real steps]).
+    """
+    work = build_workload(replace(settings, batch=batch))
+    torch_device = torch.device(device.torch_device)
+    model = optimizer = handle = None
+    try:
+        with device:
+            model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
+            model, optimizer, handle = _optimizer_for(model, step_plan, device, settings)
+        with PlanExecutor(model, step_plan, device) as executor:
+            for step in range(_PROBE_STEPS):
+                torch.manual_seed(settings.seed + step)
+                with device:
+                    data = work.make_batch(step, torch_device)
+                    executor.forward_backward(data, work.loss)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    device.synchronize()
+                del data
+        return True
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        return False
+    finally:
+        _release_optimizer(optimizer, handle)
+        del model, optimizer, handle
+        gc.collect()
+        try:
+            device.synchronize()
+        except Exception:  # a failed copy already reported through the OOM
+            pass
+
+
+def _measure_max_batch(
+    settings: CompareSettings,
+    step_plan: Plan,
+    device: Any,
+    options: dict[str, Any],
+    *,
+    guess: int,
+    ran: bool,
+    report: Progress,
+    label: str,
+) -> tuple[int | None, list[tuple[int, bool]], str]:
+    """``step_plan``'s max batch by real steps (Note [The max batch is probed by real steps]).
+
+    ``ran``: whether the timed run at ``settings.batch`` completed (a known fit, else a known
+    failure). Returns the batch (``None``: not measured), the probes ``(batch, fits)`` and,
+    when not measured, why.
+    """
+    fresh = settings.backend == "cpu"
+    stuck: list[str] = []
+    used = 0
+
+    def fits(batch: int) -> bool:
+        nonlocal used
+        if stuck:
+            raise _ProbeStopped
+        used += _PROBE_STEPS
+        report(_PROBE_STEPS, f"{label} max batch {batch}")
+        if fresh:
+            probe_device = _make_device(settings, **options)
+            try:
+                return _steps_run(probe_device, settings, step_plan, batch)
+            finally:
+                if hasattr(probe_device, "close"):
+                    probe_device.close()
+        before = int(device.memory_stats().get("allocated_bytes", 0) or 0)
+        ok = _steps_run(device, settings, step_plan, batch)
+        left = int(device.memory_stats().get("allocated_bytes", 0) or 0) - before
+        if left > 0:
+            stuck.append(f"a probe at batch {batch} left {format_bytes(left)} allocated on the device")
+        return ok
+
+    try:
+        batch, probes = probe_max_batch(
+            fits,
+            guess=max(1, guess),
+            multiple=step_plan.microbatches,
+            fits_at=settings.batch if ran else None,
+            fails_at=None if ran else settings.batch,
+            limit=_PROBE_MAX_FACTOR * settings.batch,
+        )
+    except _ProbeStopped:
+        return None, [], stuck[0]
+    finally:
+        report(max(0, _PROBE_ESTIMATE * _PROBE_STEPS - used), label)
+    if stuck:
+        return None, probes, stuck[0]
+    if batch is None:
+        last = max((b for b, _ in probes), default=settings.batch)
+        why = (
+            f"still fits at batch {last}; larger batches than {_PROBE_MAX_FACTOR} x --batch are not probed"
+            if len(probes) < _PROBE_LIMIT
+            else f"no answer after {_PROBE_LIMIT} probes"
+        )
+        return None, probes, why
+    return batch, probes, ""
+
+
+class _ProbeStopped(Exception):
+    """A probe left the device unclean: the search stops (Note [The max batch is probed by real steps])."""
 
 
 @dataclass(frozen=True)
@@ -1433,7 +1646,7 @@ def _run_compare(
             result.predicted_wait_s = predicted.exposed_wait_s
             result.predicted_timeline, result.predicted_memory = predicted_step_series(predicted, measurement)
             result.predicted_max_batch = _max_batch(profile, measurement, step_plan, settings.batch)
-            result.max_batch = result.predicted_max_batch
+            result.max_batch, result.max_batch_source = result.predicted_max_batch, "simulated"
             run = _train(device, work, settings, step_plan, observe=settings.observe, progress=report, label=name)
             runs[name] = run
             if run.error is not None:
@@ -1458,6 +1671,7 @@ def _run_compare(
                 result.max_batch = _extrapolated_batch(
                     settings.batch, capacity, measurement, result.peak_device_bytes, multiple=step_plan.microbatches
                 )
+                result.max_batch_source = "extrapolated"
                 if run.half_peak is not None and result.peak_device_bytes is not None:
                     two_point = two_point_batch(
                         settings.batch,
@@ -1471,6 +1685,19 @@ def _run_compare(
                         result.max_batch = two_point
             if name == "baseline" and not result.ok:  # the reference measured its keep-all peak
                 result.max_batch = _extrapolated_batch(settings.batch, capacity, measurement, measurement.peak_bytes)
+                result.max_batch_source = "extrapolated"
+            result.extrapolated_max_batch = result.max_batch if result.max_batch_source == "extrapolated" else None
+            if settings.probe_max_batch:
+                # Note [The max batch is probed by real steps]
+                guess = result.predicted_max_batch or result.max_batch or settings.batch
+                measured, probes, why = _measure_max_batch(
+                    settings, step_plan, device, options, guess=guess, ran=result.ok, report=report, label=name
+                )
+                result.max_batch_probes = [[batch, ok] for batch, ok in probes]
+                if measured is not None:
+                    result.max_batch, result.max_batch_source = measured, "measured"
+                else:
+                    note(f"{name}: max batch not measured ({why}); the {result.max_batch_source} figure stands")
             if name == "baseline" and result.ok:
                 baseline_run = run
             results.append(result)

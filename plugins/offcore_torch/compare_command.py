@@ -101,6 +101,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads (default: 1 on the cpu fake device, else torch's)",
     )
+    run_group.add_argument(
+        "--no-probe-max-batch",
+        action="store_true",
+        help="do not measure each strategy's max batch by real training steps (a few extra steps per strategy); "
+        "show the figure extrapolated from the measured peaks instead, marked ~N",
+    )
     gates = parser.add_argument_group("decision gates")
     gates.add_argument("--memory-budget", default=None, help="device bytes a strategy may peak at (default: capacity)")
     gates.add_argument("--min-throughput", type=float, default=None, help="tokens/s a strategy must reach")
@@ -170,6 +176,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Gates]:
         sanitize=bool(args.sanitize),
         threads=args.threads,
         nvme_path=args.nvme_path,
+        probe_max_batch=not args.no_probe_max_batch,
         observe=True,
     )
     gates = Gates(
