@@ -261,7 +261,7 @@ def host_step_scenario(work: Any, *, rounds: int, warmup: int = 2) -> dict[str, 
         on_worker: dict[str, list[float]] = {"user": [], "ratio": []}
         try:
             for r in range(2 * (warmup + rounds)):
-                worker_round = r % 2 == 1
+                worker_round = r % 4 in (1, 2)  # ABBA: as many even rounds as odd ones each (parity shows)
                 optimizer_module._STEP_ON_CALLER = not worker_round
                 train_step(work, model, r)
                 opt.host_grads()  # every gradient landed and accumulated: the step alone is timed
