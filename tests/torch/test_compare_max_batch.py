@@ -1,0 +1,143 @@
+"""``offcore compare``'s measured max batch is a measurement (Note [The max batch is probed by real steps]).
+
+The search (:func:`offcore_torch.compare.probe_max_batch`) on a known answer, and on a small
+workload the figure compare reports against independent training steps on fresh fake devices:
+the measured max batch runs, one batch more runs out of memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from offcore_torch.compare import CompareSettings, probe_max_batch, run_compare  # noqa: E402
+
+from offcore.errors import ConfigurationError  # noqa: E402
+from offcore.sim import Plan  # noqa: E402
+
+
+def _fits_up_to(answer: int) -> tuple[list[int], Any]:
+    seen: list[int] = []
+
+    def fits(batch: int) -> bool:
+        seen.append(batch)
+        return batch <= answer
+
+    return seen, fits
+
+
+@pytest.mark.parametrize(
+    ("answer", "guess", "probes"),
+    [
+        (24, 24, 2),  # the simulator right: the guess and its neighbour
+        (23, 24, 2),  # one too many: the guess fails, its neighbour fits
+        (30, 24, 6),  # widening upwards: 25, 27, 31 bracket it, then bisection (29, 30)
+        (17, 24, 6),  # widening downwards: 23, 21, 17, then 19, 18
+    ],
+)
+def test_the_search_finds_the_largest_fitting_batch_with_few_probes(answer: int, guess: int, probes: int) -> None:
+    seen, fits = _fits_up_to(answer)
+    found, record = probe_max_batch(fits, guess=guess, limit=1000)
+    assert found == answer
+    assert [b for b, _ in record] == seen and len(seen) == probes, seen
+    assert all(ok == (b <= answer) for b, ok in record)
+
+
+def test_the_search_respects_multiples_and_known_batches() -> None:
+    seen, fits = _fits_up_to(13)
+    found, _ = probe_max_batch(fits, guess=16, multiple=4, fits_at=8, limit=64)
+    assert found == 12 and all(b % 4 == 0 for b in seen) and 8 not in seen
+    seen, fits = _fits_up_to(5)
+    found, _ = probe_max_batch(fits, guess=7, fails_at=8, limit=64)  # a strategy that ran out of memory at 8
+    assert found == 5 and 8 not in seen
+    seen, fits = _fits_up_to(0)
+    assert probe_max_batch(fits, guess=3, fails_at=8, limit=64)[0] == 0, "not even batch 1 fits"
+    seen, fits = _fits_up_to(8)
+    assert probe_max_batch(fits, guess=8, fits_at=8, fails_at=9, limit=64) == (8, []), "already bracketed"
+
+
+def test_the_search_gives_up_above_the_limit_or_after_too_many_probes() -> None:
+    seen, fits = _fits_up_to(10_000)
+    found, record = probe_max_batch(fits, guess=8, limit=64)
+    assert found is None and max(seen) <= 64 and record
+    seen, fits = _fits_up_to(500)
+    assert probe_max_batch(fits, guess=1, limit=10_000, max_probes=4)[0] is None
+    assert len(seen) == 4
+    with pytest.raises(ConfigurationError):
+        probe_max_batch(fits, guess=1, multiple=0, limit=10)
+
+
+SMALL = {"batch": 4, "seq_len": 32, "layers": 3, "d_model": 64, "heads": 2, "vocab": 32, "warmup": 0, "iters": 2}
+
+
+def _runs(report: Any, name: str, batch: int, make_fake_device: Any) -> bool:
+    """Two full steps of ``name``'s plan at ``batch`` on a fresh fake device with the compared capacity and link."""
+    import torch
+    from offcore_torch.compare import DTYPES, _is_oom, _optimizer_for, _release_optimizer, build_workload
+    from offcore_torch.executor import PlanExecutor
+
+    row = report.result(name)
+    plan = Plan.from_dict(row.plan_dict)
+    settings = CompareSettings(**{**SMALL, "batch": batch})
+    work = build_workload(settings)
+    link = report.device
+    device = make_fake_device(
+        capacity=link["capacity_bytes"],
+        d2h_bandwidth=link["d2h_bandwidth"],
+        h2d_bandwidth=link["h2d_bandwidth"],
+        latency=link["latency_s"],
+    )
+    torch_device = torch.device(device.torch_device)
+    optimizer = handle = None
+    try:
+        with device:
+            model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
+            model, optimizer, handle = _optimizer_for(model, plan, device, settings)
+        with device, PlanExecutor(model, plan, device) as executor:
+            for step in range(2):  # AdamW's state appears in the first step
+                executor.forward_backward(work.make_batch(step, torch_device), work.loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                device.synchronize()
+        return True
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        return False
+    finally:
+        _release_optimizer(optimizer, handle)
+
+
+@pytest.fixture(scope="module")
+def small_compare() -> Any:
+    return run_compare(CompareSettings(**SMALL, strategies=("baseline", "checkpoint", "offload"), observe=False))
+
+
+@pytest.mark.parametrize("name", ["baseline", "checkpoint", "offload"])
+def test_the_measured_max_batch_runs_and_one_more_does_not(
+    small_compare: Any, name: str, make_fake_device: Any
+) -> None:
+    row = small_compare.result(name)
+    assert row.max_batch_source == "measured", (name, row.max_batch_source, small_compare.notes)
+    assert row.max_batch_probes and [row.max_batch, True] in row.max_batch_probes
+    assert [row.max_batch + 1, False] in row.max_batch_probes or row.max_batch + 1 == SMALL["batch"]
+    assert row.max_batch >= 1
+    assert _runs(small_compare, name, row.max_batch, make_fake_device), (name, row.max_batch)
+    assert not _runs(small_compare, name, row.max_batch + 1, make_fake_device), (name, row.max_batch)
+    assert "(measured)" in "\n".join(small_compare.scale_lines())
+
+
+def test_without_probing_the_extrapolation_is_shown_and_labelled() -> None:
+    comparison = run_compare(
+        CompareSettings(**SMALL, strategies=("baseline", "checkpoint"), observe=False, probe_max_batch=False)
+    )
+    row = comparison.result("checkpoint")
+    assert row.max_batch_source == "extrapolated" and not row.max_batch_probes
+    assert row.max_batch == row.extrapolated_max_batch and row.max_batch
+    headers, rows = comparison.table()
+    cells = {r[0]: r[headers.index("max batch")] for r in rows}
+    assert cells["checkpoint"] == f"~{row.max_batch}"
+    assert "~extrapolated" in "\n".join(comparison.scale_lines())
