@@ -66,6 +66,7 @@ def test_the_table_has_every_strategy_and_the_baseline_runs_out_of_memory(defaul
     assert rows["checkpoint"] == "ok"
     assert "vs base" not in lines[header], "never a speedup against a baseline that did not run"
     assert "max batch" in lines[header]
+    assert "fits up to batch" in default_run["stdout"] and "(measured)" in default_run["stdout"], "real steps"
     text = default_run["stdout"]
     assert "scale gained" in text and "reference run (keep all on an unlimited-capacity cpu device" in text
     assert "capacity:" in text and "link:" in text, "what was chosen and why is printed"
