@@ -609,6 +609,8 @@ def two_point_batch(batch: int, half: int, capacity: int, peak: int, half_peak: 
     # and benchmarks/sim_vs_measured.py; two batch sizes measure the slope (16 there). Under
     # offload a peak also moves with copy timing (Note [The worst peak within the prefetch
     # budget]), so both points carry that noise. ``None`` when the peak did not grow.
+    # compare shows this figure only where probing is off or impossible (Note [The max batch
+    # is probed by real steps]): a prefetch budget fixed in bytes does not grow with the batch.
 
         >>> two_point_batch(8, 4, capacity=1000, peak=600, half_peak=400, multiple=1)   # 200 fixed + 50 a sample
         16
@@ -799,14 +801,16 @@ def _measure_max_batch(
     ran: bool,
     report: Progress,
     label: str,
+    fresh: bool | None = None,
 ) -> tuple[int | None, list[tuple[int, bool]], str]:
     """``step_plan``'s max batch by real steps (Note [The max batch is probed by real steps]).
 
     ``ran``: whether the timed run at ``settings.batch`` completed (a known fit, else a known
-    failure). Returns the batch (``None``: not measured), the probes ``(batch, fits)`` and,
-    when not measured, why.
+    failure). ``fresh``: each probe on a new device made from ``options`` (default: on the
+    fake device) rather than on ``device``. Returns the batch (``None``: not measured), the
+    probes ``(batch, fits)`` and, when not measured, why.
     """
-    fresh = settings.backend == "cpu"
+    fresh = settings.backend == "cpu" if fresh is None else fresh
     stuck: list[str] = []
     used = 0
 

@@ -146,3 +146,35 @@ def test_without_probing_the_extrapolation_is_shown_and_labelled() -> None:
     cells = {r[0]: r[headers.index("max batch")] for r in rows}
     assert cells["checkpoint"] == f"~{row.max_batch}"
     assert "~extrapolated" in "\n".join(comparison.scale_lines())
+
+
+def test_probes_on_the_compared_device_itself_find_the_same_batch(small_compare: Any, make_fake_device: Any) -> None:
+    """Another backend's probes run on the compared device (its capacity cap is process-wide): same answer,
+    and nothing left allocated after its out-of-memory probe."""
+    from offcore_torch.compare import _measure_max_batch
+
+    row = small_compare.result("checkpoint")
+    link = small_compare.device
+    options = {
+        "capacity": link["capacity_bytes"],
+        "d2h_bandwidth": link["d2h_bandwidth"],
+        "h2d_bandwidth": link["h2d_bandwidth"],
+        "latency": link["latency_s"],
+    }
+    device = make_fake_device(**options)
+    settings = CompareSettings(**{**SMALL, "batch": small_compare.workload["batch"]}, capacity=options["capacity"])
+    reported: list[int] = []
+    found, probes, why = _measure_max_batch(
+        settings,
+        Plan.from_dict(row.plan_dict),
+        device,
+        options,
+        guess=row.predicted_max_batch,
+        ran=True,
+        report=lambda steps, label: reported.append(steps),
+        label="checkpoint",
+        fresh=False,
+    )
+    assert (found, why) == (row.max_batch, ""), probes
+    assert device.memory_stats().get("allocated_bytes", 0) == 0
+    assert sum(reported) >= 2 * len(probes), "every probe's steps reach the progress bar"
