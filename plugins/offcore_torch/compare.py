@@ -818,8 +818,10 @@ def _measure_max_batch(
         nonlocal used
         if stuck:
             raise _ProbeStopped
-        used += _PROBE_STEPS
-        report(_PROBE_STEPS, f"{label} max batch {batch}")
+        # the bar counts the estimated probes (CompareSettings.total_steps); more probes only relabel it
+        steps = min(_PROBE_STEPS, _PROBE_ESTIMATE * _PROBE_STEPS - used)
+        used += steps
+        report(steps, f"{label} max batch {batch}")
         if fresh:
             probe_device = _make_device(settings, **options)
             try:
@@ -846,7 +848,7 @@ def _measure_max_batch(
     except _ProbeStopped:
         return None, [], stuck[0]
     finally:
-        report(max(0, _PROBE_ESTIMATE * _PROBE_STEPS - used), label)
+        report(_PROBE_ESTIMATE * _PROBE_STEPS - used, label)
     if stuck:
         return None, probes, stuck[0]
     if batch is None:
@@ -1630,7 +1632,8 @@ def _run_compare(
             result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
             if step_plan is None:
                 result.status, result.error = "skipped", why
-                report(settings.steps_per_strategy + (1 if reprofile else 0), name)
+                probes = _PROBE_ESTIMATE * _PROBE_STEPS if settings.probe_max_batch else 0
+                report(settings.steps_per_strategy + (1 if reprofile else 0) + probes, name)
                 results.append(result)
                 continue
             result.plan = step_plan.describe()

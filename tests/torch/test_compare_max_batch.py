@@ -177,4 +177,11 @@ def test_probes_on_the_compared_device_itself_find_the_same_batch(small_compare:
     )
     assert (found, why) == (row.max_batch, ""), probes
     assert device.memory_stats().get("allocated_bytes", 0) == 0
-    assert sum(reported) >= 2 * len(probes), "every probe's steps reach the progress bar"
+    assert sum(reported) == 4, "the progress bar gets the estimated probes' steps (CompareSettings.total_steps)"
+
+
+def test_the_progress_bar_ends_at_its_total() -> None:
+    settings = CompareSettings(**SMALL, strategies=("baseline", "offload", "optimizer-offload-nvme"), observe=False)
+    reported: list[int] = []
+    run_compare(settings, progress=lambda steps, label: reported.append(steps))
+    assert sum(reported) == settings.total_steps and min(reported) >= 0
