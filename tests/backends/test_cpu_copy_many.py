@@ -4,31 +4,14 @@ copies is one work item] in backends/offcore_cpu/device.py)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from offcore_cpu.device import FakeDevice
 
-import offcore
 from offcore import ConfigurationError, Direction, Tier
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-@pytest.fixture
-def make_device() -> Iterator[Any]:
-    made: list[FakeDevice] = []
-
-    def make(**options: Any) -> FakeDevice:
-        dev = offcore.device("cpu", **options)
-        made.append(dev)
-        return dev
-
-    yield make
-    for dev in made:
-        dev.close()
 
 
 @pytest.fixture

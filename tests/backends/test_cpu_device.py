@@ -31,21 +31,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def make_device() -> Iterator[Any]:
-    """Build fake devices that are closed (worker threads stopped) after the test."""
-    made: list[FakeDevice] = []
-
-    def make(**options: Any) -> FakeDevice:
-        dev = offcore.device("cpu", **options)
-        made.append(dev)
-        return dev
-
-    yield make
-    for dev in made:
-        dev.close()
-
-
-@pytest.fixture
 def ndev(make_device: Any) -> FakeDevice:
     """A numpy-buffer fake device with a fast link."""
     return make_device(capacity="64MiB", buffers="numpy", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
