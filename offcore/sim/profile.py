@@ -104,6 +104,12 @@ class LayerProfile:
             parameters (offcore_torch.offload_parameters copies each parameter tensor on its
             own): each pays the link's ``latency_s`` (Note [Parameter copies pay one latency
             each] in simulator.py). 0 (the default) means one copy.
+        reads_after: per saved tensor (in save order, one entry when ``saved_tensors`` is
+            empty), how many tensors the runtime does not offload (parameters, saves outside
+            the layers' storages) backward reads after that save and before the next save of
+            the layer: each read is a trigger of the runtime's scheduler, after the save was
+            consumed (Note [Reads of kept tensors are triggers] in simulator.py). Empty (the
+            default): unknown, no such trigger is simulated.
 
     >>> LayerProfile("mlp", 1e-3, 2e-3, 1 << 20, working_bytes=4096).recompute_s
     0.001
@@ -123,6 +129,7 @@ class LayerProfile:
     param_copies: int = 0
     forward_working_bytes: int = 0
     gross_working_bytes: tuple[int, ...] = ()
+    reads_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -152,6 +159,7 @@ class LayerProfile:
             raise ConfigurationError(f"param_copies of layer {self.name!r} must be an integer >= 0, got {copies!r}")
         set_(self, "saved_tensors", self._checked_tensors())
         set_(self, "gross_working_bytes", self._checked_gross())
+        set_(self, "reads_after", self._checked_reads())
 
     def _checked_tensors(self) -> tuple[tuple[float, int], ...]:
         raw = self.saved_tensors
@@ -199,6 +207,24 @@ class LayerProfile:
             )
         return tuple(parse_size(n, what=f"gross_working_bytes of layer {self.name!r}", allow_zero=True) for n in raw)
 
+    def _checked_reads(self) -> tuple[int, ...]:
+        raw = self.reads_after
+        if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)):
+            raise ConfigurationError(
+                f"reads_after of layer {self.name!r} must be a list of counts, got {type(raw).__name__}"
+            )
+        if not raw:
+            return ()
+        expected = len(self.saved_tensors) or 1
+        if len(raw) != expected:
+            raise ConfigurationError(
+                f"reads_after of layer {self.name!r} has {len(raw)} entries; it needs one per saved tensor ({expected})"
+            )
+        for count in raw:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ConfigurationError(f"reads_after of layer {self.name!r}: counts are integers >= 0, got {count!r}")
+        return tuple(raw)
+
     def scaled(self, factor: float) -> LayerProfile:
         """This layer at ``factor`` × the batch: times and per-sample bytes scale (bytes rounded up).
 
@@ -227,6 +253,7 @@ class LayerProfile:
             param_copies=self.param_copies,
             forward_working_bytes=size(self.forward_working_bytes),
             gross_working_bytes=tuple(size(n) for n in self.gross_working_bytes),
+            reads_after=self.reads_after,  # reads, not bytes
         )
 
     @property

@@ -140,6 +140,27 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # plan was predicted at 8.7 MiB and fitting where the runtime reloaded 1.6 MiB at the turn and ran
 # out of its 9.4 MiB, so the predicted max batch was 29 against 24 measured.
 
+# Note [Reads of kept tensors are triggers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every read of a saved tensor in backward is a trigger of offcore_torch's scheduler, also of one it
+# keeps on the device (a parameter a linear layer saved: ``Kept``, ``used`` without a managed key).
+# A node that saved an activation and a weight reads the weight right after the activation, once
+# that activation was consumed: its reload no longer counts against the prefetch budget, and the
+# trigger offers the next reloads into the room it left, before the node's transient bytes are
+# allocated. Without that trigger the simulator offered them only at the next save's use: with a
+# budget of 2 MiB and two consecutive 1.25 MiB saves (a TinyGPT block's attention scores and
+# probabilities at batch 20 of benchmarks/sim_vs_measured.py), the second could never be
+# prefetched (the first was outstanding at its use), was reloaded on demand at its own use, outside
+# the budget, and the budget was then filled with 1.9 MiB more on top of it; the runtime had
+# prefetched it at the weight's read within the budget (0.6 MiB more). The simulated peak came
+# 1.09 x the measured one at batches 20 and 21, above the planning budget, and 8.73 MiB at batch 22
+# below batch 21's 9.21 (the stepwise budget decision moved the peak elsewhere), so the predicted
+# max batch was 19 against 21. ``LayerProfile.reads_after`` (measured by the profiler: the reads
+# of tensors it does not count, after each save's use and before the layer's next save's) says
+# where these triggers are; after a group whose saves have any, the simulator feeds the scheduler
+# one ``used`` of a key outside the saves' (a kept read) once the group was consumed. Without
+# ``reads_after`` (a profile from shapes, an older profile) nothing changes.
+
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A device copy may be freed only after its D2H completed (offcore/objects.py, Note [When
@@ -818,6 +839,16 @@ class _Step:
                 self.group_work.append([max(gross[obj.key - first] for obj in group) for _, group in self.groups[i]])
             else:
                 self.group_work.append(None)
+        # Note [Reads of kept tensors are triggers]: per layer and group, whether backward reads a kept
+        # tensor after the group's saves (a trigger once they were consumed)
+        self.reads_after: list[list[bool]] = []
+        for i, layer in enumerate(layers):
+            reads = layer.reads_after
+            first = self.keys_of[i][0]
+            self.reads_after.append(
+                [bool(reads) and any(reads[obj.key - first] for obj in group) for _, group in self.groups[i]]
+            )
+        self.read_key = key  # keys of the kept reads: after every save's (the runtime numbers them apart too)
         self.grads = [0 if profile.grad_bytes else layer.grad_bytes for layer in layers]
         # Note [Optimizer offload and parameter streaming in the simulator]
         self.offload_optimizer = plan.optimizer == "offload"
@@ -1524,12 +1555,18 @@ class _Step:
                 self.p_turn_kept[i] = self.p_turn[i]
                 self.param_release(i)
             if self.plan.drain_offloads and action is Action.OFFLOAD:
-                # Note [Drained offloads bound the forward's copies in flight]
-                landed = max((obj.d2h_end for obj in saves if obj.managed), default=self.now)
-                if landed > self.now:
-                    self.wait(i, self.now, landed)
-                    self.at(landed, _START, lambda: self.next_task(index + 1))
-                    return
+                # after a save made at the forward's end (its callback comes at this instant, after the frees)
+                self.at(self.now, _START, drain)
+                return
+            self.next_task(index + 1)
+
+        def drain() -> None:
+            # Note [Drained offloads bound the forward's copies in flight]
+            landed = max((obj.d2h_end for obj in saves if obj.managed), default=self.now)
+            if landed > self.now:
+                self.wait(i, self.now, landed)
+                self.at(landed, _START, lambda: self.next_task(index + 1))
+                return
             self.next_task(index + 1)
 
         self.at(end, _END, finish)
@@ -1608,6 +1645,9 @@ class _Step:
             if obj.managed:
                 self.sched.consumed(obj.key)
                 obj.used = True
+        if self.reads_after[i][g]:  # Note [Reads of kept tensors are triggers]
+            self.execute(self.sched.used(self.read_key, self.now))
+            self.read_key += 1
         self.refresh_room()
         work = self.group_work[i]
         if work is None:

@@ -373,6 +373,13 @@ class _LayerRecord:
     host_start: float = 0.0  # host clock at the forward's start and end, and at each save (sim.profile.saved_tensors)
     host_end: float = 0.0
     saves: list[tuple[float, int]] = field(default_factory=list)
+    # Note [Reads of kept tensors are triggers] (offcore/sim/simulator.py): per save, the backward reads of
+    # tensors the profiler does not count (parameters, ...) after its use and before the layer's next save's
+    reads: list[int] = field(default_factory=list)
+
+    def reads_after(self) -> tuple[int, ...]:
+        """``LayerProfile.reads_after``; empty when its backward used none of its saves."""
+        return tuple(self.reads) if self.first_used >= 0 else ()
 
     def gross_working_bytes(self) -> tuple[int, ...]:
         """``LayerProfile.gross_working_bytes`` (Note [Gross working bytes of a backward]); empty when its
@@ -689,12 +696,17 @@ def measure_step(
                 record.save_gross[record.current] = max(record.save_gross[record.current], gross)
             return allocated
 
+        last_used: list[_LayerRecord | None] = [None]  # the layer whose save backward used last
+
         def unpack(packed: Any) -> Any:
-            if type(packed) is not _Held:
-                return packed
-            entry = counted.get(packed.key)
-            if entry is not None and records[entry[0]].in_backward:
-                record = records[entry[0]]
+            entry = counted.get(packed.key) if type(packed) is _Held else None
+            if entry is None:  # Note [Reads of kept tensors are triggers]: a read after the last save used
+                record = last_used[0]
+                if record is not None and record.in_backward and record.current >= 0:
+                    record.reads[record.current] += 1
+                return packed.tensor if type(packed) is _Held else packed
+            if records[entry[0]].in_backward:
+                record = last_used[0] = records[entry[0]]
                 if record.current != entry[2]:  # the next save used: the interval of the previous one ends
                     fold(record)
                     memory.reset()
@@ -735,6 +747,7 @@ def measure_step(
                 records[stack[-1]].saves.append((time.perf_counter(), storage.nbytes()))
                 counted[key] = (stack[-1], storage.nbytes(), len(records[stack[-1]].saves) - 1)
                 records[stack[-1]].save_gross.append(0)
+                records[stack[-1]].reads.append(0)
                 held[key] = tensor  # the profiler's own reference, dropped when autograd released every record
                 return _Held(tensor, key, live, released)
             other_saved += storage.nbytes()
@@ -821,6 +834,7 @@ def measure_step(
                 working_bytes=max(record.forward_transient, record.backward_transient),
                 forward_working_bytes=record.forward_transient,
                 gross_working_bytes=record.gross_working_bytes(),
+                reads_after=record.reads_after(),
                 input_bytes=record.input_bytes,
                 offload_overhead_s=per_storage * record.saved_storages,
                 saved_tensors=record.saved_tensors(),
