@@ -191,39 +191,32 @@ class LayerProfile:
             )
         return tuple(out)
 
-    def _checked_gross(self) -> tuple[int, ...]:
-        raw = self.gross_working_bytes
+    def _per_save(self, field: str, unit: str) -> tuple[Any, ...]:
+        """``field``'s raw entries (one per saved tensor, or none), checked for shape; ``unit`` names them."""
+        raw = getattr(self, field)
         if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)):
             raise ConfigurationError(
-                f"gross_working_bytes of layer {self.name!r} must be a list of byte counts, got {type(raw).__name__}"
+                f"{field} of layer {self.name!r} must be a list of {unit}, got {type(raw).__name__}"
             )
-        if not raw:
-            return ()
         expected = len(self.saved_tensors) or 1
-        if len(raw) != expected:
+        if raw and len(raw) != expected:
             raise ConfigurationError(
-                f"gross_working_bytes of layer {self.name!r} has {len(raw)} entries; it needs one per saved tensor "
-                f"({expected})"
+                f"{field} of layer {self.name!r} has {len(raw)} entries; it needs one per saved tensor ({expected})"
             )
-        return tuple(parse_size(n, what=f"gross_working_bytes of layer {self.name!r}", allow_zero=True) for n in raw)
+        return tuple(raw)
+
+    def _checked_gross(self) -> tuple[int, ...]:
+        what = f"gross_working_bytes of layer {self.name!r}"
+        return tuple(
+            parse_size(n, what=what, allow_zero=True) for n in self._per_save("gross_working_bytes", "byte counts")
+        )
 
     def _checked_reads(self) -> tuple[int, ...]:
-        raw = self.reads_after
-        if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)):
-            raise ConfigurationError(
-                f"reads_after of layer {self.name!r} must be a list of counts, got {type(raw).__name__}"
-            )
-        if not raw:
-            return ()
-        expected = len(self.saved_tensors) or 1
-        if len(raw) != expected:
-            raise ConfigurationError(
-                f"reads_after of layer {self.name!r} has {len(raw)} entries; it needs one per saved tensor ({expected})"
-            )
+        raw = self._per_save("reads_after", "counts")
         for count in raw:
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigurationError(f"reads_after of layer {self.name!r}: counts are integers >= 0, got {count!r}")
-        return tuple(raw)
+        return raw
 
     def scaled(self, factor: float) -> LayerProfile:
         """This layer at ``factor`` × the batch: times and per-sample bytes scale (bytes rounded up).
