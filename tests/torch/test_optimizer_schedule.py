@@ -76,7 +76,6 @@ def test_step_order_is_the_cores_need_order(make_fake_device: Any) -> None:
                 model(torch.randn(4, 8)).square().mean().backward()
                 log.clear()
                 opt.step()
-                opt.run_on_host(lambda: None)  # the worker issued the rest (zero_grad() does not wait for it)
                 opt.zero_grad()
                 # c's weight and bias (slots 4, 5) are used first, a's (0, 1) last: gradients arrive
                 # a, b, c, so the default (LIFO) and the learnt order agree on c, b, a
@@ -133,7 +132,6 @@ def test_budget_holds_uploads_until_the_forward(make_fake_device: Any) -> None:
             for step in range(2):
                 MLP.loss(model, MLP.make_batch(step, torch.device("cpu"))).backward()
                 opt.step()
-                opt.run_on_host(lambda: None)  # the worker's turn first (zero_grad() does not wait for it)
                 opt.zero_grad()
             opt.synchronize()  # uploads what the budget still holds back
             phases = [phase for _, phase in log]

@@ -85,9 +85,9 @@ def test_an_nvme_optimizer_step_is_predicted(make_fake_device: Any, tmp_path: Pa
                     executors[tier].forward_backward(batch, work.loss)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    # the step's uploads in the window, for both tiers (zero_grad() no longer waits for
-                    # the host tier's, Note [zero_grad() does not wait for uploads]; the NVMe tier issues
-                    # its own inside step()): the window this test has always timed
+                    # the step's uploads in the window, for both tiers (zero_grad() waits for the host
+                    # tier's to be issued, Note [zero_grad() waits for step()'s uploads]; the NVMe tier
+                    # issues its own inside step()), landed too
                     optimizer.synchronize()
                     device.synchronize()
                     seconds = time.perf_counter() - start
