@@ -15,7 +15,7 @@ Checked, per step of the steady state:
   adds is right). Each window holds the step's parameter uploads (``optimizer.synchronize()``):
   on the fake device an upload ≤ 1 MiB is a memcpy on the thread that issues it — the NVMe tier's
   worker, inside ``step()`` — while the simulator puts it on the H2D link, as a GPU's DMA; both
-  tiers carry that alike (1.3–1.5 × their predictions here), so only the paired ratio isolates the
+  tiers carry that alike (1.3–1.6 × their predictions here), so only the paired ratio isolates the
   NVMe model and each tier's own median is printed, not checked. When the host tier itself is
   outside 0.7–1.6 × its prediction the machine is too loaded for step times and that part is
   skipped, saying so (the bytes are checked regardless).
