@@ -12,13 +12,9 @@ Checked, per step of the steady state:
   step and then runs one step of the NVMe tier and one of the host tier (paired, as
   ``benchmarks/sim_vs_measured.py``), each divided by its prediction from that round's profile;
   the median NVMe / host ratio of the two is within 25 % of 1 (what the NVMe part of the model
-  adds is right). Each window holds the step's parameter uploads (``optimizer.synchronize()``):
-  on the fake device an upload ≤ 1 MiB is a memcpy on the thread that issues it — the NVMe tier's
-  worker, inside ``step()`` — while the simulator puts it on the H2D link, as a GPU's DMA; both
-  tiers carry that alike (1.3–1.6 × their predictions here), so only the paired ratio isolates the
-  NVMe model and each tier's own median is printed, not checked. When the host tier itself is
-  outside 0.7–1.6 × its prediction the machine is too loaded for step times and that part is
-  skipped, saying so (the bytes are checked regardless).
+  adds is right), and the NVMe tier's own median within 35 % of 1 (the whole model, on a loaded
+  2-core host). When the host tier itself is more than 30 % off its prediction the machine is too
+  loaded for step times and that part is skipped, saying so (the bytes are checked regardless).
 """
 
 from __future__ import annotations
@@ -85,10 +81,6 @@ def test_an_nvme_optimizer_step_is_predicted(make_fake_device: Any, tmp_path: Pa
                     executors[tier].forward_backward(batch, work.loss)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    # the step's uploads in the window, for both tiers (zero_grad() waits for the host
-                    # tier's to be issued, Note [zero_grad() waits for step()'s uploads]; the NVMe tier
-                    # issues its own inside step()), landed too
-                    optimizer.synchronize()
                     device.synchronize()
                     seconds = time.perf_counter() - start
                     if step >= 2:
@@ -113,11 +105,11 @@ def test_an_nvme_optimizer_step_is_predicted(make_fake_device: Any, tmp_path: Pa
     median = {tier: statistics.median(values) for tier, values in ratios.items()}
     print(f"measured / predicted step: {median}; host bytes {host_bytes} / {result.optimizer_host_bytes}")
     assert results["nvme"][1] > results["host"][1]  # the disk's reads and writes are on the step's path
-    if not 0.7 <= median["host"] <= 1.6:
+    if abs(median["host"] - 1.0) > 0.30:
         # the optimizer runtime's wall-time overhead and the host worker's share of two cores move
         # with the machine's load (load 4-7 from other jobs made the host tier 1.3-2.5 x its
-        # prediction; quiet, the uploads in the window alone make it 1.3-1.5 x): a step-time check
-        # then says nothing about the NVMe model
+        # prediction): a step-time check then says nothing about the NVMe model
         pytest.skip(f"the host is too loaded for step times: the host tier ran {median['host']:.2f} x its prediction")
     paired = statistics.median(n / h for n, h in zip(ratios["nvme"], ratios["host"], strict=True))
     assert abs(paired - 1.0) <= 0.25, ratios
+    assert abs(median["nvme"] - 1.0) <= 0.35, ratios
