@@ -1787,13 +1787,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.grad.zero_()
 
     # -- worker -----------------------------------------------------------------------------
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
         future = self._worker.submit(fn, *args)
         with self._lock:
             self._futures.append(future)
-        return future
 
     def _worker_idle(self) -> bool:
         """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""

@@ -42,7 +42,7 @@ def settle(device: Any, *, collect: bool = False) -> None:
 def frozen_heap() -> Iterator[None]:
     """Keep every object alive now out of the cycle collector's walks until the block ends.
 
-    tests/conftest.py freezes the heap that imports and collection built; a test that
+    The conftests freeze the heap that imports and collection built; a test that
     collects after every injected fault also freezes what it set up itself (the lazily
     imported parts of torch, the model, the reference results), so each ``gc.collect()``
     walks only what the steps since made. Cycles among new objects are still found. On
