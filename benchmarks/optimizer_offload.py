@@ -231,7 +231,7 @@ def host_step_scenario(work: Any, *, rounds: int, warmup: int = 2) -> dict[str, 
 
     Per round, in this order: forward + backward (the gradients land; drained), the bare step,
     ``opt.step()`` timed until it returns, ``opt.zero_grad()`` timed (a training loop's order: it
-    waits for step()'s uploads to be issued, Note [zero_grad() waits for step()'s uploads]), the next forward timed with the time it waited for
+    issues step()'s uploads not issued yet, Note [zero_grad() issues step()'s uploads]), the next forward timed with the time it waited for
     parameters (the optimizer's ``"wait"`` spans: the uploads it blocked on or issued itself),
     ``opt.synchronize()`` (when the last upload landed, from the device's copy log), the same forward
     again with nothing in flight, and the uploads alone (the same H2D copies, nothing else running).

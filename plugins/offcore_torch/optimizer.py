@@ -568,6 +568,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
         self._futures: list[concurrent.futures.Future[Any]] = []
+        # step()'s job issuing the rest's uploads, and those slots in need order (Note [zero_grad() issues
+        # step()'s uploads])
+        self._issue_job: concurrent.futures.Future[Any] | None = None
+        self._due: list[_Slot] = []
         self._last_micro = False
         # the core scheduler (Note [The optimizer's moves go through the core])
         self._predictor = Scheduler(margin=0.0)
@@ -1141,16 +1145,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.upload_due = slot.host_param is None
 
     def _issue_due(self, slots: list[_Slot]) -> None:
-        """Worker: the uploads of ``slots`` stepped by ``step()``, in need order, unless a use or the
-        round's end issued them first (Note [One host step at step()]). Between two uploads the worker
-        yields the GIL (``_yield_gil``), so a thread waiting for it (the caller returning from ``step()``,
-        the forward between two kernels) does not wait for every upload's issue."""
+        """Worker: the uploads of ``slots`` stepped by ``step()``, in need order, unless a use, the
+        round's end or ``zero_grad()`` issued them first (Note [One host step at step()]). Between two
+        uploads the worker yields the GIL (``_yield_gil``), so a thread waiting for it (the caller
+        returning from ``step()``, the forward between two kernels) does not wait for every upload's issue."""
         for slot in slots:
             with self._sched_lock:
                 if slot.upload_due and self._rs is not None:
                     with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
                         self._flush_due(self._rs, slot)
             _yield_gil()
+
+    def _issue_due_now(self) -> None:
+        """Caller: issue every upload ``step()``'s job has not issued yet, in need order, on this thread
+        (Note [zero_grad() issues step()'s uploads]); afterwards the job finds nothing due."""
+        slots, self._due = self._due, []
+        if not slots:
+            return
+        with self._sched_lock:
+            rs = self._rs
+            if rs is None:
+                return
+            for slot in slots:
+                if slot.upload_due:
+                    with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
+                        self._flush_due(rs, slot)
 
     def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
         """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""
@@ -1498,7 +1517,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise
         self._end_round()
         if rest:
-            self._submit(self._issue_due, rest)  # after _end_round: the two never wait for each other
+            self._due = rest
+            self._issue_job = self._submit(self._issue_due, rest)  # after _end_round: they never wait for each other
         return loss
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
@@ -1766,8 +1786,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the host gradients (and any device gradients), as ``torch.optim.Optimizer.zero_grad``."""
+        self._issue_due_now()  # Note [zero_grad() issues step()'s uploads]
         with contextlib.suppress(CopyFailedError):  # reported already; zero_grad is how one starts over
-            self._drain()  # step()'s upload job too (Note [zero_grad() waits for step()'s uploads])
+            self._drain(but=self._issue_job)  # it has nothing left to issue; a later drain collects it
         self._lost = None
         for slot in self._slots:
             grad = slot.param.grad
@@ -1787,33 +1808,43 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.grad.zero_()
 
     # -- worker -----------------------------------------------------------------------------
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
         future = self._worker.submit(fn, *args)
         with self._lock:
             self._futures.append(future)
+        return future
 
     def _worker_idle(self) -> bool:
         """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""
         with self._lock:
             return not self._futures
 
-    def _drain(self) -> None:
-        """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one worker thread])."""
-        # Note [zero_grad() waits for step()'s uploads]
+    def _drain(self, *, but: concurrent.futures.Future[Any] | None = None) -> None:
+        """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one
+        worker thread]). ``but``: a submission not waited for (kept for a later drain unless done)."""
+        # Note [zero_grad() issues step()'s uploads]
         # After step() the worker issues the remaining parameters' uploads in need order (_issue_due;
-        # Note [One host step at step()]). zero_grad() waits for that job although it touches no
-        # gradient: code after zero_grad() may write parameters (an EMA swap, ``p.data = ...``), and
-        # "an upload not issued yet is cancelled when issued" (Note [Writes to parameters after
-        # step()]) holds only while no upload is being issued beside the write: the job's check
-        # ("the parameter still matches its master") and its copy are two steps, and a write between
-        # them is lost (tried: zero_grad() leaving the job running made
-        # test_reference_optimizers' write-after-step test fail in a full run). On the fake device
-        # the wait is the uploads' own memcpy (a median 8.5 ms after a 10 ms bare step in
-        # optimizer_offload.py (b), which now counts it); on a GPU it is their issue only.
+        # Note [One host step at step()]). Code after zero_grad() may write parameters (an EMA swap,
+        # ``p.data = ...``), and "an upload not issued yet is cancelled when issued" (Note [Writes to
+        # parameters after step()]) holds only while no upload is being issued beside the write: the
+        # job's check ("the parameter still matches its master") and its copy are two steps, and a
+        # write between them would be lost. So zero_grad() ends the job's work before it returns, without
+        # waiting for the worker thread: under the sched lock (which the job takes per upload, around
+        # check and copy) it issues every upload still due itself, in need order (_issue_due_now), and
+        # leaves the job's future to the next drain; the job then finds nothing due. A write after
+        # zero_grad() thus meets only issued uploads, which it waits for like any copy on another
+        # stream (opt.wait_for_parameters / synchronize). Waiting for the job instead (the first
+        # version) made zero_grad() wait for the worker to be scheduled between every two issues, which on
+        # the fake device meant waiting behind the uploads' own memcpy (a median 4.5 ms after a 7 ms
+        # bare step in optimizer_offload.py (b)). Leaving the job running unguarded lost a parameter
+        # write (test_reference_optimizers' write-after-step test).
         with self._lock:
             futures, self._futures = self._futures, []
+            if but is not None and not but.done() and but in futures:
+                futures.remove(but)
+                self._futures.append(but)
         error: BaseException | None = None
         for future in futures:
             try:
