@@ -53,19 +53,13 @@ next forward waiting per parameter on its own event.
 # uploads issued, so the first layer's copy lands under the rest of the step, then steps all the
 # others in ONE optimizer call (torch's fused/foreach kernel over every tensor at once, as a bare
 # ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``)
-# and returns. It does so on its own thread when the worker is idle (the usual case: ``step()``
+# and returns (Note [Who issues step()'s uploads]). It does so on its own thread when the worker is idle (the usual case: ``step()``
 # drained it; ``offload_gradients=False`` queues the gradients' landing first), inside the backend's
 # ``host_work()``: no hand-off to the worker and no waking the caller after it. (Issuing the lead's
 # uploads from a worker job beside the rest's kernel was measured and dropped: the job's Python
 # holds the GIL while the caller runs the optimizer's Python before the kernel, so the time only
-# moved.) Otherwise all of it is one worker job. ``step()`` returns when the arithmetic finished;
-# the due uploads are issued in need order by a worker job queued after the round's bookkeeping
-# (``_issue_due``, yielding the GIL between two uploads so that the returning caller and the
-# forward are not held up behind the whole batch), or by whoever needs a parameter first, under the
-# sched lock, whichever comes first (``_flush_due``): the forward's pre-hook (its issue time traced
-# as a ``"wait"`` of that forward), ``wait_for_parameters`` / a module's ``state_dict``, and the round's
-# end (``_upload_rest``: ``synchronize()``, the next round's first gradient). A refused upload stays
-# offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
+# moved.) Otherwise all of it is one worker job. ``step()`` returns when the arithmetic finished.
+# A refused upload stays offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
 # last_micro_step) are unchanged: one per parameter as its gradient lands. tier="nvme" steps in
 # its pipelined groups (Note [Optimizer states on NVMe]), uploads issued as each group is stepped.
 #
@@ -112,6 +106,27 @@ next forward waiting per parameter on its own event.
 #   the parameter meanwhile: the master is refreshed from whatever the device holds, so master and
 #   device never disagree. The upload's destination is kept alive until the next upload
 #   (``h2d_dst``): ``p.data = ...`` may drop the storage the copy writes.
+#
+# Note [Who issues step()'s uploads]
+# The uploads ``step()`` left due are issued all at once, in need order, on the caller's thread
+# under the sched lock (``_issue_due``), by the first of: ``zero_grad()`` (a training loop calls it
+# between ``step()`` and the next forward, or at the top of the next iteration), the first use of a
+# parameter (the forward's pre-hook: its issue time is traced as a ``"wait"`` of that forward),
+# ``wait_for_parameters`` / a module's ``state_dict`` or ``load_state_dict``, and the round's end
+# (``_upload_rest``: ``synchronize()``, the next round's first gradient). Issuing all of them at the
+# first use keeps them prefetched: the later layers' copies fly while the first layers compute.
+# They are not issued by a worker job in the background any more, for two reasons measured in
+# optimizer_offload.py (b): (1) writes. Code after ``step()`` may write parameters (an EMA swap,
+# ``p.data = ...``, ``p.copy_`` under no_grad), and "an upload not issued yet is cancelled when
+# issued" (Note [Writes to parameters after step()]) holds only while no upload is being issued
+# beside the write: a job's check ("the parameter still matches its master") and its copy are two
+# steps, and a write between them was lost (test_reference_optimizers' write-after-step test, in a
+# full run); guarding it made ``zero_grad()`` wait for the job. On one thread the check and the copy
+# are never split by a write. (2) time. The job woke as ``step()`` returned and took the GIL from the
+# caller (step() +1.3 ms of a 7.4 ms bare step), and ``zero_grad()`` waiting for it waited behind
+# the uploads' memcpy on the fake device (a median 4.5 ms). What a background job bought, uploads
+# issued while the caller does something else between ``step()`` and the forward, is little on one
+# interpreter: the issue is Python under the GIL wherever it runs.
 #
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
@@ -250,7 +265,6 @@ _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the byt
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
 _STEP_ON_CALLER = True  # step()'s host step on the caller when the worker is idle (Note [One host step at step()]);
 # benchmarks/optimizer_offload.py (b) turns it off in every other round, to compare the two side by side
-_SCHED_YIELD: Callable[[], None] | None = getattr(os, "sched_yield", None)  # releases the GIL (POSIX)
 _MASTER = "offcore_master"  # the fp32 master's entry in a parameter's object on NVMe (Note [Masters on NVMe])
 _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
 _NVME_GROUP_BYTES = 4 * 1024**2  # tier="nvme": a group is one parameter or small ones up to this many master bytes
@@ -388,15 +402,6 @@ def _unhooked_step(host: torch.optim.Optimizer) -> None:
         host.step()
     else:
         inner(host)
-
-
-def _yield_gil() -> None:
-    """Release the GIL for a moment: a thread waiting for it runs first (the OS's yield; a zero sleep
-    where there is none). Not a wait for anything: the caller goes on at once when no one waits."""
-    if _SCHED_YIELD is not None:
-        _SCHED_YIELD()
-    else:
-        time.sleep(0)
 
 
 def _storage_id(param: torch.Tensor) -> int | None:
@@ -568,9 +573,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
         self._futures: list[concurrent.futures.Future[Any]] = []
-        # step()'s job issuing the rest's uploads, and those slots in need order (Note [zero_grad() issues
-        # step()'s uploads])
-        self._issue_job: concurrent.futures.Future[Any] | None = None
+        # step()'s rest, in need order: their uploads are due (Note [Who issues step()'s uploads])
         self._due: list[_Slot] = []
         self._last_micro = False
         # the core scheduler (Note [The optimizer's moves go through the core])
@@ -1131,7 +1134,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _step_lead_and_rest(self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler) -> None:
         """For ``step()``, on its caller or the worker (Note [One host step at step()]): step ``lead``
         and issue its uploads, then step ``rest`` in one optimizer call; their uploads are due
-        (``_issue_due``, or the forward)."""
+        (Note [Who issues step()'s uploads])."""
         if lead:
             self._step_slots(lead, rs)
         if rest:
@@ -1139,37 +1142,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._mark_due(rest)
 
     def _mark_due(self, slots: list[_Slot]) -> None:
-        """``slots`` were stepped by ``step()``: their uploads are due, issued by ``_issue_due`` or a use."""
+        """``slots`` were stepped by ``step()``: their uploads are due (Note [Who issues step()'s uploads])."""
         with self._sched_lock:
             for slot in slots:
                 slot.upload_due = slot.host_param is None
 
-    def _issue_due(self, slots: list[_Slot]) -> None:
-        """Worker: the uploads of ``slots`` stepped by ``step()``, in need order, unless a use, the
-        round's end or ``zero_grad()`` issued them first (Note [One host step at step()]). Between two
-        uploads the worker yields the GIL (``_yield_gil``), so a thread waiting for it (the caller
-        returning from ``step()``, the forward between two kernels) does not wait for every upload's issue."""
-        for slot in slots:
-            with self._sched_lock:
-                if slot.upload_due and self._rs is not None:
-                    with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
-                        self._flush_due(self._rs, slot)
-            _yield_gil()
-
-    def _issue_due_now(self) -> None:
-        """Caller: issue every upload ``step()``'s job has not issued yet, in need order, on this thread
-        (Note [zero_grad() issues step()'s uploads]); afterwards the job finds nothing due."""
+    def _issue_due(self, rs: ResidencyScheduler) -> None:
+        """Issue every upload ``step()`` left due, in need order, on this thread (Note [Who issues step()'s
+        uploads]; sched lock held)."""
         slots, self._due = self._due, []
-        if not slots:
-            return
-        with self._sched_lock:
-            rs = self._rs
-            if rs is None:
-                return
-            for slot in slots:
-                if slot.upload_due:
-                    with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
-                        self._flush_due(rs, slot)
+        for slot in slots:
+            if slot.upload_due:
+                with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
+                    self._flush_due(rs, slot)
 
     def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
         """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""
@@ -1268,6 +1253,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rs = None
 
     def _upload_rest(self, rs: ResidencyScheduler) -> None:
+        self._issue_due(rs)
         for slot in self._slots:
             if slot.upload_due:
                 self._flush_due(rs, slot)
@@ -1301,12 +1287,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the budget held it back) and the compute stream waits for it (sched lock held)."""
         rs = self._rs
         if rs is not None:
-            if slot.upload_due:  # stepped by step(), the worker has not issued its upload yet
+            if slot.upload_due:  # stepped by step(), not issued yet: all of them now (Note [Who issues ...])
                 began = time.perf_counter()
-                self._flush_due(rs, slot)
+                self._issue_due(rs)
                 if self.trace is not None:  # the use pays it: a wait of the forward
                     self.trace.span(
-                        "wait", f"param {slot.index} (upload issued by its use)", began, time.perf_counter() - began
+                        "wait",
+                        f"param {slot.index} (step()'s uploads issued by its use)",
+                        began,
+                        time.perf_counter() - began,
                     )
             obj = rs.objects.get(slot.index)
             if obj is not None:
@@ -1422,7 +1411,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _settle(self, params: list[torch.Tensor]) -> None:
         """Before ``params`` are written by a module's ``load_state_dict`` (Note [Writes to parameters after
         step()]): their pending uploads are issued, land, and the host observes them."""
-        self._drain()  # the worker's _issue_due: nothing issues these uploads behind the write
+        self._drain()
         slots = [self._slot(p) for p in params]
         with self._sched_lock:
             for slot in slots:
@@ -1516,9 +1505,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._end_round()
             raise
         self._end_round()
-        if rest:
-            self._due = rest
-            self._issue_job = self._submit(self._issue_due, rest)  # after _end_round: they never wait for each other
+        self._due = rest  # issued by the next zero_grad() or use (Note [Who issues step()'s uploads])
         return loss
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
@@ -1786,9 +1773,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the host gradients (and any device gradients), as ``torch.optim.Optimizer.zero_grad``."""
-        self._issue_due_now()  # Note [zero_grad() issues step()'s uploads]
+        if self._due:
+            with self._sched_lock:
+                if self._rs is not None:
+                    self._issue_due(self._rs)  # Note [Who issues step()'s uploads]
         with contextlib.suppress(CopyFailedError):  # reported already; zero_grad is how one starts over
-            self._drain(but=self._issue_job)  # it has nothing left to issue; a later drain collects it
+            self._drain()
         self._lost = None
         for slot in self._slots:
             grad = slot.param.grad
@@ -1808,43 +1798,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.grad.zero_()
 
     # -- worker -----------------------------------------------------------------------------
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
         future = self._worker.submit(fn, *args)
         with self._lock:
             self._futures.append(future)
-        return future
 
     def _worker_idle(self) -> bool:
         """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""
         with self._lock:
             return not self._futures
 
-    def _drain(self, *, but: concurrent.futures.Future[Any] | None = None) -> None:
-        """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one
-        worker thread]). ``but``: a submission not waited for (kept for a later drain unless done)."""
-        # Note [zero_grad() issues step()'s uploads]
-        # After step() the worker issues the remaining parameters' uploads in need order (_issue_due;
-        # Note [One host step at step()]). Code after zero_grad() may write parameters (an EMA swap,
-        # ``p.data = ...``), and "an upload not issued yet is cancelled when issued" (Note [Writes to
-        # parameters after step()]) holds only while no upload is being issued beside the write: the
-        # job's check ("the parameter still matches its master") and its copy are two steps, and a
-        # write between them would be lost. So zero_grad() ends the job's work before it returns, without
-        # waiting for the worker thread: under the sched lock (which the job takes per upload, around
-        # check and copy) it issues every upload still due itself, in need order (_issue_due_now), and
-        # leaves the job's future to the next drain; the job then finds nothing due. A write after
-        # zero_grad() thus meets only issued uploads, which it waits for like any copy on another
-        # stream (opt.wait_for_parameters / synchronize). Waiting for the job instead (the first
-        # version) made zero_grad() wait for the worker to be scheduled between every two issues, which on
-        # the fake device meant waiting behind the uploads' own memcpy (a median 4.5 ms after a 7 ms
-        # bare step in optimizer_offload.py (b)). Leaving the job running unguarded lost a parameter
-        # write (test_reference_optimizers' write-after-step test).
+    def _drain(self) -> None:
+        """Wait for the worker's queue; re-raise the first exception it met (Note [Host work runs on one worker thread])."""
         with self._lock:
             futures, self._futures = self._futures, []
-            if but is not None and not but.done() and but in futures:
-                futures.remove(but)
-                self._futures.append(but)
         error: BaseException | None = None
         for future in futures:
             try:

@@ -94,10 +94,14 @@ def run(
     seed: int = 0,
     build: Callable[[int], torch.nn.Module] | None = None,
     options: dict[str, Any] | None = None,
+    zero_grad_before_backward: bool = False,
 ) -> Trace:
     """``steps`` optimizer steps of ``accumulation`` micro-steps each; offloaded or the host reference.
 
-    ``options``: more OffloadOptimizer keywords (``upload_budget``, ``tier``...)."""
+    ``options``: more OffloadOptimizer keywords (``upload_budget``, ``tier``...).
+    ``zero_grad_before_backward``: ``zero_grad()`` between the first micro-step's forward and its
+    backward (PyTorch's quickstart order) instead of after ``step()``: the forward after ``step()`` is
+    the first to need the parameters (Note [Who issues step()'s uploads])."""
     cls, kwargs = OPTIMIZERS[optimizer]
     trace = Trace()
     model = (build or work.build)(seed).to(dtype)
@@ -122,6 +126,8 @@ def run(
                     batch = work.make_batch(step * accumulation + micro, torch.device("cpu"))
                     batch = tuple(b.to(dtype) if b.is_floating_point() else b for b in batch)
                     loss = work.loss(model, batch)
+                    if zero_grad_before_backward and micro == 0:
+                        opt.zero_grad()
                     loss.backward()
                     trace.losses.append(loss.detach().clone())
                     if not offload:
@@ -137,7 +143,8 @@ def run(
                 else:
                     trace.grads.append([m.grad.clone() for m in opt.masters if m.grad is not None])
                     opt.step()
-                opt.zero_grad()
+                if not zero_grad_before_backward:
+                    opt.zero_grad()
             if offload:
                 opt.synchronize()
                 trace.masters = [opt.master(p).clone() for p in model.parameters()]

@@ -2,9 +2,10 @@
 
 - with every gradient landed, ``step()`` makes one optimizer call over the first-needed lead
   (whose uploads it issues) and one over all the rest, never one per chunk;
-- the rest's uploads, due when ``step()`` returns, are issued by the worker, or by the forward /
-  ``synchronize()`` when the worker has not got there yet: the numbers stay bit-identical to the
-  host reference either way (the sanitizer poisons what an unwaited copy would leave behind).
+- the rest's uploads, due when ``step()`` returns, are issued by ``zero_grad()``, or by the forward /
+  a ``state_dict()`` / ``synchronize()`` when one comes first (Note [Who issues step()'s uploads]): the
+  numbers stay bit-identical to the host reference either way (the sanitizer poisons what an unwaited
+  copy would leave behind).
 """
 
 from __future__ import annotations
@@ -64,34 +65,30 @@ def test_step_makes_two_optimizer_calls(
                 assert len(calls) == 2 and 1 <= lead < n and sum(calls) == n, calls
                 assert len(issued) >= lead  # the lead's uploads were issued before step() returned
                 opt.zero_grad()
-                assert sorted(issued) == list(range(n))  # the worker issued the rest, each once
+                assert sorted(issued) == list(range(n))  # zero_grad() issued the rest, each once
         finally:
             opt.close()
 
 
-class _NoWorkerUploads:
-    """The worker never gets to the due uploads: every one is issued by a use or the round's end."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_issue_due", lambda self, slots: None)
-
-
-@pytest.mark.parametrize("worker", ["worker", "uses"])
+@pytest.mark.parametrize("issuer", ["zero_grad", "uses"])
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_due_uploads_bit_identical(
-    make_fake_device: Any, always_lead: None, monkeypatch: pytest.MonkeyPatch, worker: str, accumulation: int
-) -> None:
-    if worker == "uses":
-        _NoWorkerUploads(monkeypatch)
-    want = run(MLP, device=make_fake_device(), offload=False, steps=4, accumulation=accumulation)
-    got = run(MLP, device=make_fake_device(link="slow"), steps=4, accumulation=accumulation)
+def test_due_uploads_bit_identical(make_fake_device: Any, always_lead: None, issuer: str, accumulation: int) -> None:
+    first = issuer == "uses"  # zero_grad() after the next forward: the forward issues them
+    want = run(
+        MLP,
+        device=make_fake_device(),
+        offload=False,
+        steps=4,
+        accumulation=accumulation,
+        zero_grad_before_backward=first,
+    )
+    got = run(
+        MLP, device=make_fake_device(link="slow"), steps=4, accumulation=accumulation, zero_grad_before_backward=first
+    )
     assert_equivalent(got, want)
 
 
-def test_model_state_dict_right_after_step_with_uploads_not_issued(
-    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _NoWorkerUploads(monkeypatch)
+def test_model_state_dict_right_after_step_with_uploads_not_issued(make_fake_device: Any) -> None:
     dev = make_fake_device(link="slow")
     with dev:
         model = place(MLP.build(0), dev)

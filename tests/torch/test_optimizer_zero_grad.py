@@ -1,12 +1,9 @@
-"""``zero_grad()`` after ``step()`` issues the uploads still due itself (Note [zero_grad() issues step()'s
-uploads]), on the sanitized fake device.
+"""Who issues the uploads ``step()`` left due (Note [Who issues step()'s uploads]), on the sanitized fake device.
 
-- it returns while ``step()``'s upload job is held on the worker: it does not wait for that thread;
-- when it returns, every upload of the round is issued (in flight, ``wait_for_parameters`` sees it),
-  and the job, released afterwards, issues nothing more;
-- a write to a parameter after ``zero_grad()`` (after waiting for the in-flight uploads, as for any copy
-  on another stream) wins over the job, and the next step starts from it: bit-identical to the plain
-  optimizer that sees the same write.
+- ``zero_grad()`` issues all of them, in need order, on its own thread; nothing is queued on the worker;
+- without ``zero_grad()``, the forward's first use of a parameter issues all of them at once, so the
+  later layers' copies are in flight while the first layers compute;
+- a write to the parameters between ``step()`` and ``zero_grad()`` (nothing issued yet) wins, and the next step starts from it: bit-identical to the plain optimizer that sees the same write.
 """
 
 from __future__ import annotations
@@ -27,78 +24,87 @@ MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 CPU = torch.device("cpu")
 
 
-def _h2d_copies(dev: Any) -> int:
-    return sum(1 for c in dev.copy_log() if c["direction"] == "h2d")
+def _spy_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, threading.Thread]]:
+    """(parameter index, thread) of every upload issued for a due parameter, in order."""
+    flushes: list[tuple[int, threading.Thread]] = []
+    flush_due = optimizer_module.OffloadOptimizer._flush_due
+
+    def spy(self: Any, rs: Any, slot: Any) -> None:
+        flushes.append((slot.index, threading.current_thread()))
+        flush_due(self, rs, slot)
+
+    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_flush_due", spy)
+    return flushes
 
 
-def _held_job(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """step()'s upload job waits for ``release`` before it looks at anything; ``entered`` says it is running."""
-    entered, release = threading.Event(), threading.Event()
-    issue_due = optimizer_module.OffloadOptimizer._issue_due
-
-    def held(self: Any, slots: Any) -> None:
-        entered.set()
-        assert release.wait(30), "the test never released the upload job"
-        issue_due(self, slots)
-
-    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_issue_due", held)
-    return entered, release
-
-
-def test_zero_grad_issues_the_due_uploads_without_waiting_for_the_worker(
+def test_zero_grad_issues_the_due_uploads_on_its_thread_in_need_order(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead, and a rest whose uploads are due
-    entered, release = _held_job(monkeypatch)
+    flushes = _spy_flushes(monkeypatch)
     dev = make_fake_device(sanitize=True)
     with dev:
         model = place(MLP.build(0), dev)
         params = list(model.parameters())
         opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
         try:
-            MLP.loss(model, MLP.make_batch(0, CPU)).backward()
-            opt.step()
-            assert entered.wait(30)  # the job runs, and is held
-            due = [s for s in opt._slots if s.upload_due]
-            assert due, "nothing was left for the job: the test checks nothing"
-            for slot in opt._slots:  # the lead's uploads land (the log records a copy when it lands)
-                if slot.h2d is not None:
-                    slot.h2d.synchronize()
-            before = _h2d_copies(dev)
-            opt.zero_grad()  # would hang here if it waited for the held job
-            assert not any(s.upload_due for s in opt._slots)
-            issued = _h2d_copies_after(dev, opt)
-            assert issued - before == len(due), (before, issued, len(due))
-            release.set()
-            opt.synchronize()  # collects the job
-            assert _h2d_copies(dev) == issued, "the job issued an upload zero_grad() had issued already"
-            assert all(p.grad is None for p in params)
+            for step in range(3):
+                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+                opt.step()
+                due = [s.index for s in opt._due if s.upload_due]
+                assert due, "nothing was left due: the test checks nothing"
+                assert opt._worker_idle()  # no job in the background
+                flushes.clear()
+                opt.zero_grad()
+                assert [i for i, _ in flushes] == due  # all of them, in need order
+                assert all(t is threading.current_thread() for _, t in flushes)
+                assert not any(s.upload_due for s in opt._slots)
+                assert opt._worker_idle()
+                assert all(p.grad is None for p in params)
+            opt.synchronize()
         finally:
-            release.set()
             opt.close()
 
 
-def _h2d_copies_after(dev: Any, opt: Any) -> int:
-    """The H2D copies once everything issued so far landed (the log records a copy when it lands)."""
-    opt.wait_for_parameters()
-    for slot in opt._slots:
-        if slot.h2d is not None:
-            slot.h2d.synchronize()
-    return _h2d_copies(dev)
+def test_the_first_use_issues_all_due_uploads(make_fake_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    flushes = _spy_flushes(monkeypatch)
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        model = place(MLP.build(0), dev)
+        params = list(model.parameters())
+        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+        first = next(m for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+        seen: list[int] = []
+        # runs after the optimizer's pre-hook (registered at construction)
+        first.register_forward_pre_hook(lambda *_: seen.append(len(flushes)))
+        try:
+            for step in range(3):
+                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+                opt.step()
+                due = [s.index for s in opt._due if s.upload_due]
+                flushes.clear()
+                seen.clear()
+                MLP.loss(model, MLP.make_batch(step + 1, CPU))  # no zero_grad(): the forward needs them first
+                assert due and seen[0] == len(due), (seen, due)  # the first module's use issued them all
+                assert [i for i, _ in flushes] == due
+                opt.zero_grad()
+            opt.synchronize()
+        finally:
+            opt.close()
 
 
 @pytest.mark.parametrize("how", ["copy_", "data"])
-def test_a_write_after_zero_grad_wins_over_the_held_job(
+def test_a_write_between_step_and_the_forward_wins(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """The job is released only after the write: it must not overwrite it (Note [Writes to parameters after step()])."""
+    """The write comes before zero_grad() (an EMA swap, a resume): the uploads are still due then; issued
+    afterwards, they are cancelled (Note [Writes to parameters after step()]) and the next step starts
+    from the write."""
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
     runs = []
     for offload in (False, True):
         dev = make_fake_device(sanitize=True)
-        release = None
-        if offload:
-            entered, release = _held_job(monkeypatch)
         with dev:
             model = place(MLP.build(0), dev)
             params = list(model.parameters())
@@ -110,28 +116,27 @@ def test_a_write_after_zero_grad_wins_over_the_held_job(
                 for step in range(3):
                     MLP.loss(model, MLP.make_batch(step, CPU)).backward()
                     opt.step()
-                    opt.zero_grad()
                     if step == 0:
                         if offload:
-                            assert entered.wait(30)
-                            opt.wait_for_parameters()  # the issued uploads land before a write of one's own
+                            assert any(s.upload_due for s in opt._slots), "nothing due: the test checks nothing"
+                            # the lead's uploads are in flight: a write of one's own waits for them first
+                            opt.wait_for_parameters([p for p in params if id(p) in opt._pending_h2d])
+                            assert any(s.upload_due for s in opt._slots)
                         with torch.no_grad():
                             for p in params:
                                 if how == "copy_":
                                     p.copy_(torch.full_like(p, 0.25))
                                 else:
                                     p.data = torch.full_like(p, 0.25)
-                        if release is not None:
-                            release.set()
-                            opt.synchronize()
-                            for p in params:
-                                assert torch.equal(p, torch.full_like(p, 0.25))  # the write won
+                    opt.zero_grad()  # after the write: the uploads it issues are cancelled
+                    if step == 0 and offload:
+                        opt.synchronize()
+                        for p in params:
+                            assert torch.equal(p, torch.full_like(p, 0.25))  # the write won
                 if offload:
                     opt.synchronize()
                 runs.append([p.detach().clone() for p in params])
             finally:
-                if release is not None:
-                    release.set()
                 if offload:
                     opt.close()
     for plain, offloaded in zip(*runs, strict=True):
