@@ -107,7 +107,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -567,14 +567,34 @@ class ResidencyScheduler:
         the binding answers each with ``started``/``refused``, as for every prefetch)."""
         if self.record:
             self._log("host_updated", key)
+        self._host_copy_is_data(key)
+        if self.plan is None:
+            return NO_ACTIONS
+        return self._offered(self._offer(self.vtime))
+
+    def host_updated_all(self, keys: Iterable[int]) -> Iterator[Action]:
+        """:meth:`host_updated` of every key of ``keys`` at once, then ONE offer: the uploads due now, in
+        deadline order within the budget, as the calls one by one would offer them, but one scan of the
+        plan instead of one per key (a binding that learns of many host steps together: an optimizer's
+        ``step()`` over all its parameters).
+
+            >>> actions = list(rs.host_updated_all([0, 1, 2]))   # doctest: +SKIP
+        """
+        keys = list(keys)
+        if self.record:
+            self._log("host_updated_all", keys)
+        for key in keys:
+            self._host_copy_is_data(key)
+        if self.plan is None or not keys:
+            return NO_ACTIONS
+        return self._offered(self._offer(self.vtime))
+
+    def _host_copy_is_data(self, key: int) -> None:
         self._awaiting_host.discard(key)
         obj = self.objects[key]
         if obj.state is State.RESIDENT:
             obj.start_offload(_COMPLETED, obj.host_tier or Tier.PINNED)
             obj.release_device_copy()
-        if self.plan is None:
-            return NO_ACTIONS
-        return self._offered(self._offer(self.vtime))
 
     def upload_order(self, keys: list[int]) -> list[int]:
         """``keys`` in the order their uploads are planned: predicted next use first (ties: key order).

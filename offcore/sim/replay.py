@@ -65,7 +65,7 @@ _LANDED = _Landed()
 # events whose positional argument after the key is an event object the log does not keep
 _WITH_EVENT = {"offload_started", "started", "reloaded"}
 # triggers: the events whose result is an offer of actions, taken one by one by the ``next`` events after them
-_OFFERS = {"used", "forward_ended", "staged"}
+_OFFERS = {"used", "forward_ended", "staged", "host_updated", "host_updated_all"}
 
 
 class ReplayedPredictor(Scheduler):

@@ -1151,10 +1151,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Issue every upload ``step()`` left due, in need order, on this thread (Note [Who issues step()'s
         uploads]; sched lock held)."""
         slots, self._due = self._due, []
+        keys = []
         for slot in slots:
             if slot.upload_due:
-                with contextlib.suppress(Exception):  # refused: still offloaded, its use issues it again
-                    self._flush_due(rs, slot)
+                slot.upload_due = False
+                keys.append(slot.index)
+        # one offer for all of them (host_updated_all), not one scan of the plan per parameter
+        for action in rs.host_updated_all(keys):
+            if action.kind is ActionKind.PREFETCH:
+                try:
+                    event = self._copy_up(self._slots[action.key])
+                except Exception:  # refused: still offloaded, its use issues it again
+                    rs.refused(action.key, "failed")
+                    continue
+                rs.started(action.key, event)
 
     def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
         """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""

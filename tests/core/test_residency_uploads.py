@@ -87,3 +87,30 @@ def test_deadline_mode_and_existing_modes_unchanged() -> None:
     assert rs.host_updated(0) is not None
     with pytest.raises(ConfigurationError, match="prefetch must be one of"):
         ResidencyScheduler(Scheduler(), duration=lambda n: 0.0, prefetch="sometimes")
+
+
+@pytest.mark.parametrize("budget", [1000, 250, 100])
+def test_host_updated_all_offers_what_the_calls_one_by_one_offer(budget: int) -> None:
+    """One offer for many host steps: the same uploads, in need order, within the same budget."""
+    predictor = Scheduler(margin=0.0)
+    predictor.observe(_learned({0: 0.3, 1: 0.0, 2: 0.1, 3: 0.2}))
+    sizes = {0: 100, 1: 100, 2: 100, 3: 100}
+    one = _round(predictor, sizes, budget=budget)
+    one.make_plan()
+    singly = [key for k in (1, 2, 3, 0) for key in _run(one, one.host_updated(k))]
+    together = _round(predictor, sizes, budget=budget)
+    together.make_plan()
+    at_once = _run(together, together.host_updated_all([1, 2, 3, 0]))
+    assert at_once == singly == [1, 2, 3, 0][: max(1, budget // 100)]
+    for key in sizes:
+        assert together.objects[key].state is one.objects[key].state
+    assert list(together.host_updated_all([])) == []
+
+
+def test_host_updated_all_before_a_plan_offers_nothing() -> None:
+    rs = _round(Scheduler(margin=0.0), {0: 10, 1: 10}, budget=100)
+    assert rs.objects[0].state is State.RESIDENT
+    assert list(rs.host_updated_all([0, 1])) == []
+    assert (
+        rs.objects[0].state is State.OFFLOADED and rs.objects[1].state is State.OFFLOADED
+    )  # the host copy is the data

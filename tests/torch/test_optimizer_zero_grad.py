@@ -25,15 +25,15 @@ CPU = torch.device("cpu")
 
 
 def _spy_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, threading.Thread]]:
-    """(parameter index, thread) of every upload issued for a due parameter, in order."""
+    """(parameter index, thread) of every upload issued, in order."""
     flushes: list[tuple[int, threading.Thread]] = []
-    flush_due = optimizer_module.OffloadOptimizer._flush_due
+    copy_up = optimizer_module.OffloadOptimizer._copy_up
 
-    def spy(self: Any, rs: Any, slot: Any) -> None:
+    def spy(self: Any, slot: Any, **kwargs: Any) -> Any:
         flushes.append((slot.index, threading.current_thread()))
-        flush_due(self, rs, slot)
+        return copy_up(self, slot, **kwargs)
 
-    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_flush_due", spy)
+    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_copy_up", spy)
     return flushes
 
 
