@@ -235,13 +235,21 @@ import itertools
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, StorageError
+from offcore.errors import (
+    CapacityExceededError,
+    ConfigurationError,
+    CopyFailedError,
+    OffcoreError,
+    OffcoreWarning,
+    StorageError,
+)
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
 from offcore.nvme import NvmeSpec, NvmeTier, pipelined
@@ -575,6 +583,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._futures: list[concurrent.futures.Future[Any]] = []
         # step()'s rest, in need order: their uploads are due (Note [Who issues step()'s uploads])
         self._due: list[_Slot] = []
+        # Note [Host gradients are cleared by opt.zero_grad()]: a step ran since the last zero_grad()
+        self._stepped_since_zero_grad = False
+        self._warned_kept_gradients = False
         self._last_micro = False
         # the core scheduler (Note [The optimizer's moves go through the core])
         self._predictor = Scheduler(margin=0.0)
@@ -926,6 +937,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "of this round ran; call opt.step() before the next backward, or raise accumulation_steps "
                 "(Note [Host step rounds])"
             )
+        if slot.accumulated and self._stepped_since_zero_grad and not self._warned_kept_gradients:
+            self._warn_kept_gradients()
         self._cap_in_flight(grad.numel() * grad.element_size())
         dev, rt = self._device, self._runtime
         produced = dev.new_event()
@@ -1516,6 +1529,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise
         self._end_round()
         self._due = rest  # issued by the next zero_grad() or use (Note [Who issues step()'s uploads])
+        self._stepped_since_zero_grad = True
         return loss
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
@@ -1768,6 +1782,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.accumulated = True
             self._submit(self._land, slot, done, None, staging, target, False, False)  # p.grad keeps the source
 
+    def _warn_kept_gradients(self) -> None:
+        # Note [Host gradients are cleared by opt.zero_grad()]
+        # With offloaded gradients the sum of a round's gradients lives on the host, not in
+        # ``param.grad`` (None once each D2H started). ``model.zero_grad()`` or ``p.grad = None``
+        # therefore clear nothing of it: a gradient of the next backward is *added* to the host
+        # gradient the last step used — what torch does when ``.grad`` is not cleared between two
+        # steps, but silently different from what a loop that clears gradients that way expects.
+        # Only ``opt.zero_grad()`` clears the host gradients. The case is told once per optimizer.
+        self._warned_kept_gradients = True
+        warnings.warn(
+            "OffloadOptimizer: a gradient arrived after step() with no opt.zero_grad() since: it is added to the "
+            "host gradient that step used (as torch adds to a .grad that was not cleared). model.zero_grad() and "
+            "p.grad = None do not clear the optimizer's host gradients: call opt.zero_grad() after opt.step() "
+            "(this is said once per optimizer)",
+            OffcoreWarning,
+            stacklevel=4,
+        )
+
     def _count_state(self) -> None:
         total = 0
         for state in self.state.values():
@@ -1790,6 +1822,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with contextlib.suppress(CopyFailedError):  # reported already; zero_grad is how one starts over
             self._drain()
         self._lost = None
+        self._stepped_since_zero_grad = False
         for slot in self._slots:
             grad = slot.param.grad
             if grad is not None:
