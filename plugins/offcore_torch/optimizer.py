@@ -52,16 +52,17 @@ next forward waiting per parameter on its own event.
 # 1/_LEAD_FRACTION of the master bytes, when there is more than _LEAD_MIN_BYTES to step) and has its
 # uploads issued, so the first layer's copy lands under the rest of the step, then steps all the
 # others in ONE optimizer call (torch's fused/foreach kernel over every tensor at once, as a bare
-# ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``)
-# and returns (Note [Who issues step()'s uploads]). It does so on its own thread when the worker is idle (the usual case: ``step()``
-# drained it; ``offload_gradients=False`` queues the gradients' landing first), inside the backend's
-# ``host_work()``: no hand-off to the worker and no waking the caller after it. (Issuing the lead's
-# uploads from a worker job beside the rest's kernel was measured and dropped: the job's Python
-# holds the GIL while the caller runs the optimizer's Python before the kernel, so the time only
-# moved.) Otherwise all of it is one worker job. ``step()`` returns when the arithmetic finished.
-# A refused upload stays offloaded and is issued again by its use. Host steps under backward (accumulation_steps,
-# last_micro_step) are unchanged: one per parameter as its gradient lands. tier="nvme" steps in
-# its pipelined groups (Note [Optimizer states on NVMe]), uploads issued as each group is stepped.
+# ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``;
+# Note [Who issues step()'s uploads]) and returns. It does so on its own thread when the worker is
+# idle (the usual case: ``step()`` drained it; ``offload_gradients=False`` queues the gradients'
+# landing first), inside the backend's ``host_work()``: no hand-off to the worker and no waking the
+# caller after it. (Issuing the lead's uploads from a worker job beside the rest's kernel was
+# measured and dropped: the job's Python holds the GIL while the caller runs the optimizer's Python
+# before the kernel, so the time only moved.) Otherwise all of it is one worker job. ``step()``
+# returns when the arithmetic finished. A refused upload stays offloaded and is issued again by its
+# use. Host steps under backward (accumulation_steps, last_micro_step) are unchanged: one per
+# parameter as its gradient lands. tier="nvme" steps in its pipelined groups (Note [Optimizer states
+# on NVMe]), uploads issued as each group is stepped.
 #
 # Note [In-flight gradients are capped]
 # A gradient's device copy is held from its D2H's start until the copy landed (then the core frees
