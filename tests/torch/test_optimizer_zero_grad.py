@@ -178,3 +178,30 @@ def test_gradients_kept_across_a_step_are_told_once(make_fake_device: Any) -> No
             opt.zero_grad()
         finally:
             opt.close()
+
+
+def test_reads_between_step_and_the_forward_see_the_step_after_wait_for_parameters(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EMA update or a norm logged right after ``step()``: ``wait_for_parameters()`` issues what is due and
+    orders the reads after the uploads, so they see the stepped values (the masters, fp32 here)."""
+    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    dev = make_fake_device(sanitize=True, link="slow")
+    with dev:
+        model = place(MLP.build(0), dev)
+        params = list(model.parameters())
+        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+        ema = [p.detach().clone() for p in params]
+        try:
+            for step in range(3):
+                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+                opt.step()
+                assert any(s.upload_due for s in opt._slots), "nothing due: the test checks nothing"
+                opt.wait_for_parameters()
+                with torch.no_grad():
+                    for e, p in zip(ema, params, strict=True):
+                        assert torch.equal(p, opt.master(p))
+                        e.mul_(0.9).add_(p, alpha=0.1)
+                opt.zero_grad()
+        finally:
+            opt.close()
