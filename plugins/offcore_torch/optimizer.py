@@ -1300,11 +1300,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # EVICT: the upload writes the parameter's own storage; nothing to free, the copy stays
 
     def _host_updated(self, rs: ResidencyScheduler, slots: list[_Slot]) -> None:
-        """The host steps of ``slots`` finished: the core returns the uploads due now."""
-        with self._sched_lock:
-            for slot in slots:
-                if slot.host_param is None:
-                    self._execute(rs, rs.host_updated(slot.index))
+        """The host steps of ``slots`` finished: the core returns the uploads due now (one offer for all)."""
+        keys = [slot.index for slot in slots if slot.host_param is None]
+        if keys:
+            with self._sched_lock:
+                self._execute(rs, rs.host_updated_all(keys))
 
     def _make_current(self, slot: _Slot) -> None:
         """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
