@@ -1156,10 +1156,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._mark_due(rest)
 
     def _mark_due(self, slots: list[_Slot]) -> None:
-        """``slots`` were stepped by ``step()``: their uploads are due (Note [Who issues step()'s uploads])."""
+        """``slots`` (in need order) were stepped by ``step()``: their uploads are due (Note [Who issues step()'s
+        uploads])."""
         with self._sched_lock:
             for slot in slots:
                 slot.upload_due = slot.host_param is None
+            self._due = slots
 
     def _issue_due(self, rs: ResidencyScheduler) -> None:
         """Issue every upload ``step()`` left due, in need order, on this thread (Note [Who issues step()'s
@@ -1170,20 +1172,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot.upload_due:
                 slot.upload_due = False
                 keys.append(slot.index)
-        # one offer for all of them (host_updated_all), not one scan of the plan per parameter
-        for action in rs.host_updated_all(keys):
-            if action.kind is ActionKind.PREFETCH:
-                try:
-                    event = self._copy_up(self._slots[action.key])
-                except Exception:  # refused: still offloaded, its use issues it again
-                    rs.refused(action.key, "failed")
-                    continue
-                rs.started(action.key, event)
-
-    def _flush_due(self, rs: ResidencyScheduler, slot: _Slot) -> None:
-        """``slot``'s host step of ``step()`` finished: tell the core, issue the uploads due (sched lock held)."""
-        slot.upload_due = False
-        self._execute(rs, rs.host_updated(slot.index))
+        # one offer for all of them (host_updated_all), not one scan of the plan per parameter; a failed
+        # copy ends the offer (refused): what it did not issue stays offloaded and its use issues it
+        with contextlib.suppress(Exception):
+            self._execute(rs, rs.host_updated_all(keys))
 
     def _h2d_after_compute(self) -> None:
         """Order the H2D stream after the work queued so far on this thread's compute stream.
@@ -1278,9 +1270,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _upload_rest(self, rs: ResidencyScheduler) -> None:
         self._issue_due(rs)
-        for slot in self._slots:
-            if slot.upload_due:
-                self._flush_due(rs, slot)
         rest = [k for k, o in rs.objects.items() if k >= 0 and o.state is State.OFFLOADED]
         if rest:
             self._h2d_after_compute()
@@ -1508,7 +1497,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._check_fresh(slot)
         self._h2d_after_compute()
         # Note [One host step at step()]
-        rest: list[_Slot] = []
         try:
             if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
                 pass
@@ -1529,7 +1517,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._end_round()
             raise
         self._end_round()
-        self._due = rest  # issued by the next zero_grad() or use (Note [Who issues step()'s uploads])
         self._stepped_since_zero_grad = True
         return loss
 
