@@ -1,8 +1,8 @@
 """``offcore compare``'s measured max batch is a measurement (Note [The max batch is probed by real steps]).
 
 The search (:func:`offcore_torch.compare.probe_max_batch`) on a known answer, and on a small
-workload the figure compare reports against independent training steps on fresh fake devices:
-the measured max batch runs, one batch more runs out of memory.
+workload the figure compare reports against its training steps run again on fresh sanitized fake
+devices: the measured max batch runs, one batch more runs out of memory.
 """
 
 from __future__ import annotations
@@ -74,15 +74,10 @@ SMALL = {"batch": 4, "seq_len": 32, "layers": 3, "d_model": 64, "heads": 2, "voc
 
 
 def _runs(report: Any, name: str, batch: int, make_fake_device: Any) -> bool:
-    """Two full steps of ``name``'s plan at ``batch`` on a fresh fake device with the compared capacity and link."""
-    import torch
-    from offcore_torch.compare import DTYPES, _is_oom, _optimizer_for, _release_optimizer, build_workload
-    from offcore_torch.executor import PlanExecutor
+    """Whether compare's two full training steps (``_steps_run``) of ``name``'s plan run at ``batch`` on a
+    fresh sanitized fake device with the compared capacity and link (compare probes on unsanitized ones)."""
+    from offcore_torch.compare import _steps_run
 
-    row = report.result(name)
-    plan = Plan.from_dict(row.plan_dict)
-    settings = CompareSettings(**{**SMALL, "batch": batch})  # the model and data as compare's
-    work = build_workload(settings)
     link = report.device
     device = make_fake_device(
         capacity=link["capacity_bytes"],
@@ -90,25 +85,8 @@ def _runs(report: Any, name: str, batch: int, make_fake_device: Any) -> bool:
         h2d_bandwidth=link["h2d_bandwidth"],
         latency=link["latency_s"],
     )
-    torch_device = torch.device(device.torch_device)
-    optimizer = handle = None
-    try:
-        with device:
-            model = work.build(settings.seed).to(device=torch_device, dtype=DTYPES[settings.dtype])
-            model, optimizer, handle = _optimizer_for(model, plan, device, settings)
-        with device, PlanExecutor(model, plan, device) as executor:
-            for step in range(2):  # AdamW's state appears in the first step
-                executor.forward_backward(work.make_batch(step, torch_device), work.loss)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                device.synchronize()
-        return True
-    except Exception as exc:
-        if not _is_oom(exc):
-            raise
-        return False
-    finally:
-        _release_optimizer(optimizer, handle)
+    plan = Plan.from_dict(report.result(name).plan_dict)
+    return _steps_run(device, CompareSettings(**{**SMALL, "batch": batch}), plan, batch)
 
 
 @pytest.fixture(scope="module")
