@@ -8,7 +8,6 @@ fails the test (:func:`torch_test_devices.finish_device`).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ torch = pytest.importorskip("torch")
 from torch_test_devices import assert_sanitized, fake_device, finish_device  # noqa: E402
 
 import offcore  # noqa: E402
+from offcore.testing.heap import freeze_collected_heap  # noqa: E402
 
 # The models here are tiny: one intra-op thread computes them as fast as two, and leaves a
 # core to the fake device's copy threads (which the tests want running concurrently).
@@ -71,16 +71,4 @@ def backend(backend_name: str) -> Iterator[Any]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze the heap built by imports and collection out of the cycle collector's reach (once a session).
-
-    With torch imported a full ``gc.collect()`` walks millions of objects (~0.2 s, more as the
-    session grows); many tests collect to make freed memory observable (leak and accounting
-    checks). Objects alive after collection (modules, test functions, parametrisations) are
-    never garbage those tests measure, so freezing them changes no outcome and makes each
-    such collect walk only what tests made since. (In a conftest per folder, not in
-    ``tests/conftest.py``: that one would put ``tests/`` on ``sys.path``, where ``tests/torch``
-    passes for a ``torch`` package in the torch-free core job.)
-    """
-    if gc.get_freeze_count() == 0:  # the other folder's conftest froze it already
-        gc.collect()
-        gc.freeze()
+    freeze_collected_heap()  # gc.collect() in leak and accounting checks walks only what tests made
