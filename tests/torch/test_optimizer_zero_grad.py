@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +27,19 @@ from optimizer_offload_helpers import place  # noqa: E402
 
 MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _adamw(dev: Any) -> Iterator[tuple[Any, list[Any], Any]]:
+    """Inside ``with dev:``, the test MLP on ``dev`` and an OffloadOptimizer running fused AdamW over it (closed on exit)."""
+    with dev:
+        model = place(MLP.build(0), dev)
+        params = list(model.parameters())
+        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+        try:
+            yield model, params, opt
+        finally:
+            opt.close()
 
 
 def _spy_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, threading.Thread]]:
@@ -45,56 +60,42 @@ def test_zero_grad_issues_the_due_uploads_on_its_thread_in_need_order(
 ) -> None:
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead, and a rest whose uploads are due
     flushes = _spy_flushes(monkeypatch)
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        model = place(MLP.build(0), dev)
-        params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
-        try:
-            for step in range(3):
-                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
-                opt.step()
-                due = [s.index for s in opt._due if s.upload_due]
-                assert due, "nothing was left due: the test checks nothing"
-                assert opt._worker_idle()  # no job in the background
-                flushes.clear()
-                opt.zero_grad()
-                assert [i for i, _ in flushes] == due  # all of them, in need order
-                assert all(t is threading.current_thread() for _, t in flushes)
-                assert not any(s.upload_due for s in opt._slots)
-                assert opt._worker_idle()
-                assert all(p.grad is None for p in params)
-            opt.synchronize()
-        finally:
-            opt.close()
+    with _adamw(make_fake_device(sanitize=True)) as (model, params, opt):
+        for step in range(3):
+            MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+            opt.step()
+            due = [s.index for s in opt._due if s.upload_due]
+            assert due, "nothing was left due: the test checks nothing"
+            assert opt._worker_idle()  # no job in the background
+            flushes.clear()
+            opt.zero_grad()
+            assert [i for i, _ in flushes] == due  # all of them, in need order
+            assert all(t is threading.current_thread() for _, t in flushes)
+            assert not any(s.upload_due for s in opt._slots)
+            assert opt._worker_idle()
+            assert all(p.grad is None for p in params)
+        opt.synchronize()
 
 
 def test_the_first_use_issues_all_due_uploads(make_fake_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
     flushes = _spy_flushes(monkeypatch)
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        model = place(MLP.build(0), dev)
-        params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+    with _adamw(make_fake_device(sanitize=True)) as (model, params, opt):
         first = next(m for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
         seen: list[int] = []
         # runs after the optimizer's pre-hook (registered at construction)
         first.register_forward_pre_hook(lambda *_: seen.append(len(flushes)))
-        try:
-            for step in range(3):
-                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
-                opt.step()
-                due = [s.index for s in opt._due if s.upload_due]
-                flushes.clear()
-                seen.clear()
-                MLP.loss(model, MLP.make_batch(step + 1, CPU))  # no zero_grad(): the forward needs them first
-                assert due and seen[0] == len(due), (seen, due)  # the first module's use issued them all
-                assert [i for i, _ in flushes] == due
-                opt.zero_grad()
-            opt.synchronize()
-        finally:
-            opt.close()
+        for step in range(3):
+            MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+            opt.step()
+            due = [s.index for s in opt._due if s.upload_due]
+            flushes.clear()
+            seen.clear()
+            MLP.loss(model, MLP.make_batch(step + 1, CPU))  # no zero_grad(): the forward needs them first
+            assert due and seen[0] == len(due), (seen, due)  # the first module's use issued them all
+            assert [i for i, _ in flushes] == due
+            opt.zero_grad()
+        opt.synchronize()
 
 
 @pytest.mark.parametrize("how", ["copy_", "data"])
@@ -186,22 +187,15 @@ def test_reads_between_step_and_the_forward_see_the_step_after_wait_for_paramete
     """An EMA update or a norm logged right after ``step()``: ``wait_for_parameters()`` issues what is due and
     orders the reads after the uploads, so they see the stepped values (the masters, fp32 here)."""
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
-    dev = make_fake_device(sanitize=True, link="slow")
-    with dev:
-        model = place(MLP.build(0), dev)
-        params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+    with _adamw(make_fake_device(sanitize=True, link="slow")) as (model, params, opt):
         ema = [p.detach().clone() for p in params]
-        try:
-            for step in range(3):
-                MLP.loss(model, MLP.make_batch(step, CPU)).backward()
-                opt.step()
-                assert any(s.upload_due for s in opt._slots), "nothing due: the test checks nothing"
-                opt.wait_for_parameters()
-                with torch.no_grad():
-                    for e, p in zip(ema, params, strict=True):
-                        assert torch.equal(p, opt.master(p))
-                        e.mul_(0.9).add_(p, alpha=0.1)
-                opt.zero_grad()
-        finally:
-            opt.close()
+        for step in range(3):
+            MLP.loss(model, MLP.make_batch(step, CPU)).backward()
+            opt.step()
+            assert any(s.upload_due for s in opt._slots), "nothing due: the test checks nothing"
+            opt.wait_for_parameters()
+            with torch.no_grad():
+                for e, p in zip(ema, params, strict=True):
+                    assert torch.equal(p, opt.master(p))
+                    e.mul_(0.9).add_(p, alpha=0.1)
+            opt.zero_grad()
