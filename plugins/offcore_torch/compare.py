@@ -216,8 +216,12 @@ class CompareSettings:
     def total_steps(self) -> int:
         """Every training step the comparison runs (for a progress bar)."""
         reprofile = 1 if self.backend == "cpu" else 0
-        probes = _PROBE_ESTIMATE * _PROBE_STEPS if self.probe_max_batch else 0
-        return self.profile_steps + len(self.strategies) * (self.steps_per_strategy + reprofile + probes)
+        return self.profile_steps + len(self.strategies) * (self.steps_per_strategy + reprofile + self.probe_steps)
+
+    @property
+    def probe_steps(self) -> int:
+        """The steps one strategy's max-batch probes count for on a progress bar (their usual number)."""
+        return _PROBE_ESTIMATE * _PROBE_STEPS if self.probe_max_batch else 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -819,7 +823,7 @@ def _measure_max_batch(
         if stuck:
             raise _ProbeStopped
         # the bar counts the estimated probes (CompareSettings.total_steps); more probes only relabel it
-        steps = min(_PROBE_STEPS, _PROBE_ESTIMATE * _PROBE_STEPS - used)
+        steps = min(_PROBE_STEPS, settings.probe_steps - used)
         used += steps
         report(steps, f"{label} max batch {batch}")
         if fresh:
@@ -848,7 +852,7 @@ def _measure_max_batch(
     except _ProbeStopped:
         return None, [], stuck[0]
     finally:
-        report(_PROBE_ESTIMATE * _PROBE_STEPS - used, label)
+        report(settings.probe_steps - used, label)
     if stuck:
         return None, probes, stuck[0]
     if batch is None:
@@ -1632,8 +1636,7 @@ def _run_compare(
             result = StrategyResult(name, why=why, tokens_per_step=settings.tokens_per_step)
             if step_plan is None:
                 result.status, result.error = "skipped", why
-                probes = _PROBE_ESTIMATE * _PROBE_STEPS if settings.probe_max_batch else 0
-                report(settings.steps_per_strategy + (1 if reprofile else 0) + probes, name)
+                report(settings.steps_per_strategy + (1 if reprofile else 0) + settings.probe_steps, name)
                 results.append(result)
                 continue
             result.plan = step_plan.describe()
