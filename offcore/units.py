@@ -27,6 +27,7 @@ bare number mean bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -119,6 +120,30 @@ def _split(
     return Fraction(number), Fraction(factor, 8) if in_bits else Fraction(factor)  # exact: floats lose bytes
 
 
+# Note [Texts are read once]
+# offload_activations is called once per step, and its options are mostly the same strings every
+# step ("64KiB", "256MiB", "0.5ms"); reading one (exact fractions, a regular expression) cost about
+# 30 us, a third of a region's fixed cost. parse_size and parse_duration read a text once per
+# (text, what) and reuse the result; a bad text raises each time (an exception is never cached),
+# and the checks that depend on the caller (allow_zero, the limits) run on every call.
+@functools.lru_cache(maxsize=256)
+def _bytes_of_text(value: str, what: str) -> int:
+    number, factor = _split(value, what, "64MiB")
+    total = number * factor
+    if total.denominator != 1:
+        raise ConfigurationError(f"{what} {_show(value)} is not a whole number of bytes")
+    return int(total)
+
+
+@functools.lru_cache(maxsize=256)
+def _seconds_of_text(value: str, what: str) -> float:
+    match = re.match(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|ns)?\s*$", value)
+    if match is None:
+        raise ConfigurationError(f"cannot read {what} {_show(value)}: write e.g. '10us', '2ms' or '0.5s'")
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1.0}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
 def parse_size(value: int | str, *, what: str = "size", allow_zero: bool = False) -> int:
     """Return a size in bytes from an integer or a string such as ``"64MiB"``.
 
@@ -134,11 +159,7 @@ def parse_size(value: int | str, *, what: str = "size", allow_zero: bool = False
             raise ConfigurationError(f"{what} must be a whole number of bytes, got {_show(value)}")
         nbytes = int(value)
     elif isinstance(value, str):
-        number, factor = _split(value, what, "64MiB")
-        total = number * factor
-        if total.denominator != 1:
-            raise ConfigurationError(f"{what} {_show(value)} is not a whole number of bytes")
-        nbytes = int(total)
+        nbytes = _bytes_of_text(value, what)
     else:
         raise ConfigurationError(f"{what} must be an int or a string like '64MiB', not {type(value).__name__}")
     if nbytes < 0 or (nbytes == 0 and not allow_zero):
@@ -208,11 +229,7 @@ def parse_duration(value: int | float | str, *, what: str = "duration") -> float
         except OverflowError:  # an int beyond float's range, e.g. 10**400
             raise ConfigurationError(f"{what} {_show(value)} is too large: give a finite time in seconds") from None
     elif isinstance(value, str):
-        match = re.match(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|ns)?\s*$", value)
-        if match is None:
-            raise ConfigurationError(f"cannot read {what} {_show(value)}: write e.g. '10us', '2ms' or '0.5s'")
-        scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1.0}[match.group(2)]
-        seconds = float(match.group(1)) * scale
+        seconds = _seconds_of_text(value, what)
     else:
         raise ConfigurationError(f"{what} must be a number or a string like '10us', not {type(value).__name__}")
     if not math.isfinite(seconds) or seconds < 0:

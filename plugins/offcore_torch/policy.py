@@ -19,7 +19,6 @@ per-thread switch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import weakref
@@ -53,36 +52,6 @@ _current_autograd_node = torch._C._current_autograd_node
 # the live submodules by every region: a parameter replaced or re-pointed (``param.data = ...``)
 # between steps is seen at once.
 _TREE_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], dict[int, str]]] = weakref.WeakKeyDictionary()
-
-
-# Note [Option texts are read once]
-# offload_activations is called once per step, and its options are mostly the same strings
-# every step ("64KiB", "256MiB", "0.5ms"); reading one (offcore.units: exact fractions) cost
-# about 30 µs, a third of a region's fixed cost. A text is read once per (text, option) and
-# the result reused; a bad text raises each time (an exception is never cached), and
-# anything but a str is read as before.
-@functools.lru_cache(maxsize=256)
-def _size_of_text(text: str, what: str, allow_zero: bool) -> int:
-    return parse_size(text, what=what, allow_zero=allow_zero)
-
-
-@functools.lru_cache(maxsize=256)
-def _duration_of_text(text: str, what: str) -> float:
-    return parse_duration(text, what=what)
-
-
-def _size(value: int | str, what: str, allow_zero: bool) -> int:
-    """``parse_size(value, what=what, allow_zero=allow_zero)``, a str read once (Note [Option texts are read once])."""
-    if type(value) is str:
-        return _size_of_text(value, what, allow_zero)
-    return parse_size(value, what=what, allow_zero=allow_zero)
-
-
-def _duration(value: float | str, what: str) -> float:
-    """``parse_duration(value, what=what)``, a str read once (Note [Option texts are read once])."""
-    if type(value) is str:
-        return _duration_of_text(value, what)
-    return parse_duration(value, what=what)
 
 
 def _submodules(module: nn.Module) -> list[nn.Module]:
@@ -226,11 +195,11 @@ class OffloadPolicy:
         if spec is not None and tier != "nvme":
             raise ConfigurationError(f"nvme={nvme!r} was given with tier={tier!r}: pass tier='nvme' (or leave it out)")
         return cls(
-            min_bytes=_size(min_bytes, "min_bytes", True),
+            min_bytes=parse_size(min_bytes, what="min_bytes", allow_zero=True),
             prefetch=prefetch,
-            prefetch_budget=_size(prefetch_budget, "prefetch_budget", True),
-            margin=_duration(margin, "prefetch margin"),
-            host_budget=_size(host_budget, "host_budget", False),
+            prefetch_budget=parse_size(prefetch_budget, what="prefetch_budget", allow_zero=True),
+            margin=parse_duration(margin, what="prefetch margin"),  # texts: Note [Texts are read once] (units.py)
+            host_budget=parse_size(host_budget, what="host_budget"),
             pinned=pinned,
             fallback=fallback,
             watermark=None if watermark is None else float(watermark),
@@ -242,7 +211,7 @@ class OffloadPolicy:
             record=record,
             tier=tier,
             nvme=spec,
-            nvme_read_ahead=_size(nvme_read_ahead, "nvme_read_ahead", False),
+            nvme_read_ahead=parse_size(nvme_read_ahead, what="nvme_read_ahead"),
         )
 
 
