@@ -312,8 +312,9 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # forward, every save of that layer on the device (none landed yet). Before the backward's
 # model freed saves as they are used (Note [An offloaded layer's saves go as backward uses
 # them]) its over-prediction covered a forward slowed by its copies; the measured param-stream
-# peak of benchmarks/sim_vs_measured.py came to 1.001 x this bound without the forward's term. The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a
-# finite budget is the way to a peak that holds in every run.
+# peak of benchmarks/sim_vs_measured.py came to 1.001 x this bound without the forward's term.
+# The planner and ``offcore compare`` still size with ``peak_bytes``; a plan given a finite
+# budget is the way to a peak that holds in every run.
 #
 # Note [Drained offloads bound the forward's copies in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
