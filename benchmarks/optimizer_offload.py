@@ -352,6 +352,7 @@ def host_step_scenario(work: Any, *, rounds: int, warmup: int = 2) -> dict[str, 
         "ratio_of_medians": med["user"] / med["bare"],
         "ratio_of_fastest": min(t["user"]) / min(t["bare"]),  # load only adds time: the quiet-machine estimate
         "ratios": ratios,
+        "samples_s": t,  # every round's figures, in order (the medians above are of these)
         "on_worker_user_s": statistics.median(on_worker["user"]),
         "on_worker_ratio": statistics.median(on_worker["ratio"]),
         "on_worker_ratios": on_worker["ratio"],

@@ -59,6 +59,8 @@ def clip_grad_norm_(
             "accumulation_steps=None to clip"
         )
 
+    optimizer.gradients_to_host()  # offload_gradients=False: the device gradients come over first
+
     def clip() -> Any:
         masters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(

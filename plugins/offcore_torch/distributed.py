@@ -447,6 +447,7 @@ def _clip_sharded(
         )
     norm_type = float(norm_type)
     masters = [p for g in optimizer.param_groups for p in g["params"]]
+    optimizer.gradients_to_host()  # offload_gradients=False: the device gradients come over first
 
     def local_norms() -> torch.Tensor:
         # one norm per parameter (0 without a gradient), in the same order on every rank

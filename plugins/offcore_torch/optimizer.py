@@ -54,8 +54,8 @@ next forward waiting per parameter on its own event.
 # others in ONE optimizer call (torch's fused/foreach kernel over every tensor at once, as a bare
 # ``AdamW(fused=True).step()``), casts for bf16/fp16, marks their uploads due (``_Slot.upload_due``;
 # Note [Who issues step()'s uploads]) and returns. It does so on its own thread when the worker is
-# idle (the usual case: ``step()`` drained it; ``offload_gradients=False`` queues the gradients'
-# landing first), inside the backend's ``host_work()``: no hand-off to the worker and no waking the
+# idle (the usual case: ``step()`` drained it, and ``offload_gradients=False``'s gradients landed
+# first), inside the backend's ``host_work()``: no hand-off to the worker and no waking the
 # caller after it. (Issuing the lead's uploads from a worker job beside the rest's kernel was
 # measured and dropped: the job's Python holds the GIL while the caller runs the optimizer's Python
 # before the kernel, so the time only moved.) Otherwise all of it is one worker job. ``step()``
@@ -270,6 +270,11 @@ MASTER_WEIGHTS_KEY = "offcore_master_weights"
 (only when the masters' dtype differs from the device parameters'; torch optimizers ignore it)."""
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_NO_STEPS_UNDER_BACKWARD = (
+    "OffloadOptimizer: {what} steps parameters under backward, as their gradients land on the host; with "
+    "offload_gradients=False the gradients stay on the device until step(), so nothing could step under "
+    "backward: drop {what} or keep offload_gradients=True"
+)
 _LEAD_FRACTION = 16  # step(): the first-needed parameters up to 1/16 of the bytes are stepped (and uploaded) first
 _LEAD_MIN_BYTES = 1024**2  # below this many master bytes, step() makes one optimizer call
 _STEP_ON_CALLER = True  # step()'s host step on the caller when the worker is idle (Note [One host step at step()]);
@@ -521,6 +526,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
         ):
             raise ConfigurationError(f"accumulation_steps must be a positive int or None, got {accumulation_steps!r}")
+        if accumulation_steps is not None and not offload_gradients:
+            raise ConfigurationError(_NO_STEPS_UNDER_BACKWARD.format(what=f"accumulation_steps={accumulation_steps}"))
         if isinstance(params, torch.Tensor):
             raise ConfigurationError("params must be an iterable of tensors or of param-group dicts, not one tensor")
         if tier not in ("host", "nvme"):
@@ -586,6 +593,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._due: list[_Slot] = []
         # Note [Host gradients are cleared by opt.zero_grad()]: a step ran since the last zero_grad()
         self._stepped_since_zero_grad = False
+        # offload_gradients=False: the device gradients this round already copied to the host (by id and
+        # version at the copy), or None (Note [Device gradients are read on the host once per round])
+        self._taken: dict[int, tuple[weakref.ref[torch.Tensor], int] | None] | None = None
+        self._taken_stepped = False
         self._warned_kept_gradients = False
         self._last_micro = False
         # the core scheduler (Note [The optimizer's moves go through the core])
@@ -1463,6 +1474,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         >>> with opt.last_micro_step():        # doctest: +SKIP
         ...     loss.backward()
         """
+        if not self._offload_gradients:
+            raise ConfigurationError(_NO_STEPS_UNDER_BACKWARD.format(what="last_micro_step()"))
         self._last_micro = True
         try:
             yield self
@@ -1486,8 +1499,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"OffloadOptimizer.step(): not applied, a gradient of this round was lost ({self._lost}); "
                 "call opt.zero_grad() and run the micro-steps again"
             )
-        if not self._offload_gradients:
-            self._gradients_from_device()
+        if not self._offload_gradients:  # Note [Device gradients are read on the host once per round]
+            self._check_taken()
+            self.gradients_to_host()
         with self._sched_lock:
             rs = self._round()
             rs.make_plan()  # with this round's gradient arrivals
@@ -1733,6 +1747,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         raise exc  # the round stays open: the retry steps what is left
 
     def _end_round(self) -> None:
+        self._taken_stepped = True
         for slot in self._slots:
             slot.stepped = False
             slot.arrivals = 0
@@ -1743,6 +1758,60 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._rs is not None and self._phase == _COLLECT:
                 self._phase = _STEPPED  # the next forward's first uses are this round's uses
         self._count_state()
+
+    # Note [Device gradients are read on the host once per round]
+    # With offload_gradients=False the gradients stay in ``param.grad`` (autograd sums the micro-steps
+    # there) and reach the host in one batch of copies. Everything that reads the host gradients before
+    # the step -- clip_grad_norm_ (plain and distributed), OffloadGradScaler.unscale_, host_grads() -- must
+    # see them, and the step must then use what those readers left (clipped, unscaled), not copy the
+    # unclipped device sum over it again. So the copies are made once per round, by the first of those
+    # readers or step() (``gradients_to_host``), which records each device gradient's identity and
+    # version (``_taken``). A backward after that and before step() changes a device gradient the host
+    # no longer follows: step() refuses it with a ConfigurationError (``_check_taken``) rather than step
+    # with a stale or unclipped gradient. After step() the record stays (host_grads() then reads what the
+    # step used); a backward without opt.zero_grad() in between (torch sums into the same .grad) makes
+    # the next reader copy the new device sum, as a new round. opt.zero_grad() forgets the record.
+    def gradients_to_host(self) -> None:
+        """Make this round's host gradients current: with ``offload_gradients=False`` the device gradients
+        are copied to the host now (once per round; ``step()`` does it otherwise), and the copies in flight
+        land either way. :func:`offcore_torch.clip_grad_norm_`, :class:`OffloadGradScaler` and
+        :meth:`host_grads` call it; call it before reading the host gradients yourself (``run_on_host``).
+
+            >>> opt.gradients_to_host(); norms = opt.run_on_host(lambda: [m.grad.norm() for m in masters])  # doctest: +SKIP
+        """
+        if not self._offload_gradients and (self._taken is None or (self._taken_stepped and self._grads_changed())):
+            taken = self._device_grads()
+            self._gradients_from_device()
+            self._taken, self._taken_stepped = taken, False
+        self._drain()
+
+    def _device_grads(self) -> dict[int, tuple[weakref.ref[torch.Tensor], int] | None]:
+        """Each parameter's device gradient (weakly: the record must not keep it alive) and its version."""
+        grads = ((slot.index, slot.param.grad) for slot in self._slots)
+        return {index: None if grad is None else (weakref.ref(grad), grad._version) for index, grad in grads}
+
+    def _grads_changed(self) -> bool:
+        """Whether a device gradient is another tensor, or was written, since the host copied it."""
+        taken = self._taken or {}
+        for slot in self._slots:
+            grad, seen = slot.param.grad, taken.get(slot.index)
+            if grad is None or seen is None:
+                if grad is not seen:
+                    return True
+            elif seen[0]() is not grad or seen[1] != grad._version:
+                return True
+        return False
+
+    def _check_taken(self) -> None:
+        """step(), offload_gradients=False: no backward changed a device gradient after its host copy was read."""
+        if self._taken is None or self._taken_stepped or not self._grads_changed():
+            return
+        raise ConfigurationError(
+            "OffloadOptimizer.step(): a device gradient changed after the host gradients were read this round "
+            "(clip_grad_norm_, OffloadGradScaler.unscale_ or host_grads(), with offload_gradients=False): a "
+            "backward ran in between, and the host gradients no longer follow it. Read the host gradients after "
+            "the last backward of the step, or call opt.zero_grad() and run the micro-steps again"
+        )
 
     def _gradients_from_device(self) -> None:
         """``offload_gradients=False``: the device gradients come over now (host gradient = device sum)."""
@@ -1811,6 +1880,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._drain()
         self._lost = None
         self._stepped_since_zero_grad = False
+        self._taken = None
         for slot in self._slots:
             grad = slot.param.grad
             if grad is not None:
@@ -1864,8 +1934,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return future.result()
 
     def host_grads(self) -> list[torch.Tensor]:
-        """The accumulated host gradients, in parameter order (drains the worker first)."""
-        self._drain()
+        """The accumulated host gradients, in parameter order (:meth:`gradients_to_host` first)."""
+        self.gradients_to_host()
         return [s.master.grad for s in self._slots if s.master.grad is not None]
 
     @property
@@ -2278,6 +2348,7 @@ class OffloadGradScaler:
     def unscale_(self, optimizer: OffloadOptimizer) -> None:
         """Divide the host gradients by the scale (once per step), recording inf/NaN."""
         self._check(optimizer)
+        optimizer.gradients_to_host()  # offload_gradients=False: the device gradients come over first
         optimizer.run_on_host(self._scaler.unscale_, optimizer.host_optimizer)
 
     def step(self, optimizer: OffloadOptimizer) -> Any:

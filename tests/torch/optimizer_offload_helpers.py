@@ -45,13 +45,24 @@ class HostReference:
     """The same optimizer on host copies, no offload: the numbers OffloadOptimizer must reproduce."""
 
     def __init__(
-        self, model: torch.nn.Module, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], *, master_weights: bool
+        self,
+        model: torch.nn.Module,
+        cls: type[torch.optim.Optimizer],
+        kwargs: dict[str, Any],
+        *,
+        master_weights: bool,
+        sum_on_device: bool = False,
     ) -> None:
+        # sum_on_device: the micro-steps' gradients are summed in .grad (the parameter's dtype) and reach
+        # the masters at the step, as OffloadOptimizer(offload_gradients=False) promises
+        self.sum_on_device = sum_on_device
         self.params = [p for p in model.parameters()]
         self.masters = [p.detach().to(master_dtype(p, master_weights)).clone() for p in self.params]
         self.opt = cls(self.masters, **kwargs)
 
-    def accumulate(self) -> None:
+    def accumulate(self, *, last: bool = True) -> None:
+        if self.sum_on_device and not last:
+            return  # autograd sums into .grad until the step
         for p, m in zip(self.params, self.masters, strict=True):
             if p.grad is None:
                 continue
@@ -67,8 +78,8 @@ class HostReference:
             for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)
 
-    def zero_grad(self) -> None:
-        self.opt.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
 
 
 def place(model: torch.nn.Module, device: Any) -> torch.nn.Module:
@@ -95,6 +106,7 @@ def run(
     build: Callable[[int], torch.nn.Module] | None = None,
     options: dict[str, Any] | None = None,
     zero_grad_before_backward: bool = False,
+    set_to_none: bool = True,
 ) -> Trace:
     """``steps`` optimizer steps of ``accumulation`` micro-steps each; offloaded or the host reference.
 
@@ -119,7 +131,7 @@ def run(
                 **kwargs,
             )
         else:
-            opt = HostReference(model, cls, kwargs, master_weights=master_weights)
+            opt = HostReference(model, cls, kwargs, master_weights=master_weights, sum_on_device=not offload_gradients)
         try:
             for step in range(steps):
                 for micro in range(accumulation):
@@ -127,11 +139,11 @@ def run(
                     batch = tuple(b.to(dtype) if b.is_floating_point() else b for b in batch)
                     loss = work.loss(model, batch)
                     if zero_grad_before_backward and micro == 0:
-                        opt.zero_grad()
+                        opt.zero_grad(set_to_none=set_to_none)
                     loss.backward()
                     trace.losses.append(loss.detach().clone())
                     if not offload:
-                        opt.accumulate()
+                        opt.accumulate(last=micro == accumulation - 1)
                 if clip is not None:
                     if offload:
                         trace.norms.append(offcore_torch.clip_grad_norm_(opt, clip))
@@ -144,7 +156,7 @@ def run(
                     trace.grads.append([m.grad.clone() for m in opt.masters if m.grad is not None])
                     opt.step()
                 if not zero_grad_before_backward:
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=set_to_none)
             if offload:
                 opt.synchronize()
                 trace.masters = [opt.master(p).clone() for p in model.parameters()]

@@ -1,7 +1,8 @@
 """``step()``'s host step on the caller's thread (Note [One host step at step()]), on the sanitized fake device.
 
-- with the worker idle, the host optimizer runs on the thread that called ``step()``; with work
-  queued (``offload_gradients=False`` lands the gradients on the worker first), on the worker;
+- the host optimizer runs on the thread that called ``step()``, with offloaded gradients and with
+  ``offload_gradients=False`` (whose gradients land before the step: Note [Device gradients are read on
+  the host once per round]); with the caller path switched off (``_STEP_ON_CALLER``), on the worker;
 - inside ``with dev:`` the host step's temporaries are host memory (the backend's ``host_work()``):
   the device peak across ``step()`` is what was allocated before it, in both accounting modes;
 (Bit-identity on this path, with a lead: test_optimizer_step.py and the reference suites, which run it.)
@@ -24,11 +25,16 @@ from optimizer_offload_helpers import place  # noqa: E402
 MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 
 
-@pytest.mark.parametrize("offload_gradients", [True, False], ids=["idle-worker", "busy-worker"])
+@pytest.mark.parametrize(
+    "offload_gradients,on_caller",
+    [(True, True), (False, True), (True, False)],
+    ids=["offloaded-grads", "device-grads", "worker"],
+)
 def test_the_host_step_runs_on_the_caller_when_the_worker_is_idle(
-    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, offload_gradients: bool
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, offload_gradients: bool, on_caller: bool
 ) -> None:
     monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead too
+    monkeypatch.setattr(optimizer_module, "_STEP_ON_CALLER", on_caller)
     dev = make_fake_device()
     threads: list[threading.Thread] = []
     host_step = optimizer_module._unhooked_step
@@ -49,7 +55,7 @@ def test_the_host_step_runs_on_the_caller_when_the_worker_is_idle(
                 threads.clear()
                 opt.step()
                 assert len(threads) == 2, threads  # the lead and the rest
-                if offload_gradients:
+                if on_caller:
                     assert all(t is threading.current_thread() for t in threads), threads
                 else:
                     assert all(t.name.startswith("offcore-optimizer") for t in threads), threads

@@ -47,8 +47,16 @@ def test_gradients_kept_on_device_until_step(make_fake_device: Any) -> None:
     assert_equivalent(got, want)
 
 
-def test_clipping_matches_torch(make_fake_device: Any) -> None:
-    options = dict(optimizer="adamw_fused", accumulation=2, clip=0.05)
+@pytest.mark.parametrize("offload_gradients", [True, False], ids=["offloaded-grads", "device-grads"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16-masters"])
+def test_clipping_matches_torch(make_fake_device: Any, offload_gradients: bool, dtype: str) -> None:
+    """With ``offload_gradients=False`` clip_grad_norm_ brings the device gradients over first and step()
+    uses the clipped ones (before: it clipped nothing and stepped unclipped gradients)."""
+    options: dict[str, Any] = dict(
+        optimizer="adamw_fused", accumulation=2, clip=0.05, offload_gradients=offload_gradients
+    )
+    if dtype == "bf16-masters":
+        options.update(dtype=torch.bfloat16, master_weights=True)
     want = run(MLP, device=make_fake_device(), offload=False, **options)
     got = run(MLP, device=make_fake_device(link="slow"), **options)
     assert len(got.norms) == 5 and all(n > 0.05 for n in got.norms)  # it really clipped
@@ -71,3 +79,78 @@ def test_cnn(make_fake_device: Any) -> None:
     want = run(work, device=make_fake_device(), offload=False, **options)
     got = run(work, device=make_fake_device(link="slow"), **options)
     assert_equivalent(got, want)
+
+
+def test_device_gradients_read_once_per_round(make_fake_device: Any) -> None:
+    """offload_gradients=False (Note [Device gradients are read on the host once per round]): host_grads()
+    before step() shows this round's device gradients; step() uses what clip_grad_norm_ left, and
+    host_grads() after it reads that, not the device's unclipped sum again; a backward between a read
+    and step() is refused; one after step() without zero_grad() sums into the same .grad, as torch does."""
+    import offcore_torch
+
+    from offcore.errors import ConfigurationError
+
+    dev = make_fake_device()
+    model = MLP.build(0)
+    with dev:
+        dev.adopt(model)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.SGD, device=dev, lr=0.1, offload_gradients=False
+        )
+        try:
+            batch = MLP.make_batch(0, torch.device("cpu"))
+            MLP.loss(model, batch).backward()
+            device_grads = [p.grad.clone() for p in model.parameters()]
+            host = opt.host_grads()
+            assert all(torch.equal(h, d) for h, d in zip(host, device_grads, strict=True))
+            offcore_torch.clip_grad_norm_(opt, 1e-3)
+            clipped = [h.clone() for h in opt.host_grads()]
+            assert not torch.equal(clipped[0], device_grads[0])
+            before = [opt.master(p).clone() for p in model.parameters()]
+            opt.step()
+            after_step = opt.host_grads()  # what the step used: still the clipped gradients
+            assert all(torch.equal(a, c) for a, c in zip(after_step, clipped, strict=True))
+            for b, p, c in zip(before, model.parameters(), clipped, strict=True):
+                assert torch.equal(opt.master(p), b - 0.1 * c)  # SGD: one step of the clipped gradient
+
+            # a backward after step() without zero_grad(): the device sums into .grad, the next read follows it
+            MLP.loss(model, MLP.make_batch(1, torch.device("cpu"))).backward()
+            summed = [p.grad.clone() for p in model.parameters()]
+            assert all(torch.equal(h, s) for h, s in zip(opt.host_grads(), summed, strict=True))
+
+            # a backward between a read and step(): refused, nothing stepped
+            MLP.loss(model, MLP.make_batch(2, torch.device("cpu"))).backward()
+            masters = [opt.master(p).clone() for p in model.parameters()]
+            with pytest.raises(ConfigurationError, match="a backward ran in between"):
+                opt.step()
+            assert all(torch.equal(opt.master(p), m) for p, m in zip(model.parameters(), masters, strict=True))
+            opt.zero_grad()  # starts over: the next round reads its own gradients
+            MLP.loss(model, MLP.make_batch(3, torch.device("cpu"))).backward()
+            opt.step()
+        finally:
+            opt.close()
+
+
+def test_steps_under_backward_need_offloaded_gradients(make_fake_device: Any) -> None:
+    """accumulation_steps= / last_micro_step() with offload_gradients=False could step nothing under
+    backward: refused, instead of silently ignored."""
+    import offcore_torch
+
+    from offcore.errors import ConfigurationError
+
+    dev = make_fake_device()
+    model = MLP.build(0)
+    with dev:
+        dev.adopt(model)
+        with pytest.raises(ConfigurationError, match="drop accumulation_steps=2 or keep offload_gradients=True"):
+            offcore_torch.OffloadOptimizer(
+                model.parameters(), torch.optim.SGD, device=dev, lr=0.1, offload_gradients=False, accumulation_steps=2
+            )
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.SGD, device=dev, lr=0.1, offload_gradients=False
+        )
+        try:
+            with pytest.raises(ConfigurationError, match="last_micro_step"), opt.last_micro_step():
+                pass
+        finally:
+            opt.close()

@@ -135,8 +135,13 @@ def test_exact_resume_in_a_fresh_process(tmp_path: Path) -> None:
     assert losses == json.loads(Path(straight + ".json").read_text())
 
 
-def test_grad_scaler_fp16_skips_inf_steps(make_fake_device: Any) -> None:
-    """fp16 device params, fp32 masters: unscale on the host, skip on inf/NaN, as torch.amp.GradScaler does."""
+@pytest.mark.parametrize("offload_gradients", [True, False], ids=["offloaded-grads", "device-grads"])
+def test_grad_scaler_fp16_skips_inf_steps(make_fake_device: Any, offload_gradients: bool) -> None:
+    """fp16 device params, fp32 masters: unscale on the host, skip on inf/NaN, as torch.amp.GradScaler does.
+
+    With ``offload_gradients=False`` the gradients reach the host at unscale_ (Note [Device gradients are
+    read on the host once per round]): before, unscale_ saw none, found no inf, and the step ran on
+    gradients still multiplied by the scale."""
 
     def train(offload: bool) -> tuple[list[float], list[torch.Tensor], dict[str, Any]]:
         dev = make_fake_device()
@@ -146,7 +151,12 @@ def test_grad_scaler_fp16_skips_inf_steps(make_fake_device: Any) -> None:
             place(model, dev)
             if offload:
                 opt: Any = offcore_torch.OffloadOptimizer(
-                    model.parameters(), torch.optim.AdamW, device=dev, master_weights=True, lr=1e-2
+                    model.parameters(),
+                    torch.optim.AdamW,
+                    device=dev,
+                    master_weights=True,
+                    offload_gradients=offload_gradients,
+                    lr=1e-2,
                 )
                 scaler: Any = offcore_torch.OffloadGradScaler(init_scale=2.0**30, growth_interval=2)
             else:
