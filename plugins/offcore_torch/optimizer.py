@@ -433,6 +433,14 @@ def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.T
     return buffer.view.view(dtype).view(shape)
 
 
+_WORKER_THREAD = threading.local()  # marked on the optimizers' worker threads (Note [Streamed parameters ...])
+
+
+def _mark_worker_thread() -> None:
+    """The worker's initializer: a module function, so the executor holds no reference to its optimizer."""
+    _WORKER_THREAD.marked = True
+
+
 def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
     """``step()``'s two optimizer calls (Note [One host step at step()]): the first-needed parameters
     up to 1/_LEAD_FRACTION of the master bytes (none when there is little to step), then the rest."""
@@ -616,7 +624,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._state_bytes = 0
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offcore-optimizer")
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="offcore-optimizer", initializer=_mark_worker_thread
+        )
         # Note [One host step at step()]: "host work, not device memory" on the calling thread (the
         # backend's optional host_work(); where host tensors are host memory anyway, nothing to do)
         self._host_work: Callable[[], contextlib.AbstractContextManager[Any]] = (
@@ -1172,7 +1182,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with self._sched_lock:
             for slot in slots:
                 slot.upload_due = slot.host_param is None
-            self._due = slots
+            # added to those still due (streamed parameters stepped under backward: Note [Streamed parameters
+            # are written by the caller]); _issue_due skips a slot issued meanwhile (upload_due False)
+            self._due = [*self._due, *slots] if self._due else slots
 
     def _issue_due(self, rs: ResidencyScheduler) -> None:
         """Issue every upload ``step()`` left due, in need order, on this thread (Note [Who issues step()'s
@@ -1299,8 +1311,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 rs.started(action.key, event)
             # EVICT: the upload writes the parameter's own storage; nothing to free, the copy stays
 
+    # Note [Streamed parameters are written by the caller]
+    # A parameter that offload_parameters streams (params_on_host=False: this optimizer keeps masters of its
+    # own) has a device storage only while the handle holds it, and touching it outside a module's use makes
+    # the handle bring it in and track it -- state the handle changes from the thread that runs the model.
+    # Host steps under backward (accumulation_steps, last_micro_step) run on the worker: had the worker
+    # issued their uploads, the handle would have been driven from two threads at once (seen: a copy into a
+    # storage the handle had just freed, a prefetch started twice, a use-after-free). So the worker marks
+    # such uploads due (Note [Who issues step()'s uploads]) and the caller's thread issues them, at
+    # step(), zero_grad(), the parameter's next use or synchronize(), as it does for step()'s own.
     def _host_updated(self, rs: ResidencyScheduler, slots: list[_Slot]) -> None:
         """The host steps of ``slots`` finished: the core returns the uploads due now (one offer for all)."""
+        if getattr(_WORKER_THREAD, "marked", False):
+            streamed = [slot for slot in slots if getattr(slot.param, "_offcore_slot", None) is not None]
+            if streamed:
+                self._mark_due(streamed)
+                slots = [slot for slot in slots if getattr(slot.param, "_offcore_slot", None) is None]
         keys = [slot.index for slot in slots if slot.host_param is None]
         if keys:
             with self._sched_lock:

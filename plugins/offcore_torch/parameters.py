@@ -746,6 +746,10 @@ class ParameterOffloadHandle:
     def _poll_stages(self, step: _Step, t: float) -> None:
         """Tell the scheduler which stages landed (each a trigger: its prefetches may start now)."""
         for key, slots in list(step.staging.items()):
+            if step.staging.get(key) is not slots:
+                # an earlier key's actions took this stage meanwhile: a prefetch that found the staging pool
+                # full gave back every stage in flight (_reclaim_host(stages=True)); the scheduler offers it again
+                continue
             if all(s.reading is None or s.reading.query() for s in slots):
                 del step.staging[key]
                 for slot in slots:

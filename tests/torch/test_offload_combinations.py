@@ -4,16 +4,19 @@ The other suites compose two features at a time. Here one draw picks a model (Ti
 optionally with checkpointed blocks; a CNN with in-place ops and views; an MLP), activation offload
 (off, on demand or by deadline, with a minimum size), parameter offload (off or on, with or without a
 device budget), the optimizer (torch's fused AdamW on the device, or OffloadOptimizer with offloaded or
-device gradients, steps at ``step()`` or under backward), micro-steps per step and the link. Three
+device gradients, steps at ``step()`` or under backward), micro-steps per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), and the
+NVMe tier for every kind offloaded. Three
 optimizer steps on the sanitized fake device must give the same losses, parameters and optimizer
-state, bit for bit, as the same training with nothing offloaded and torch's optimizer on the device
-(on the fake device the device optimizer and the host one run the same CPU kernel). The draws are
+state, bit for bit, as the same training with nothing offloaded and the same optimizer: torch's on the
+device, or for OffloadOptimizer the same host optimizer over host copies (fp32 masters for bf16). The draws are
 derandomized, so CI runs the same examples every time; a failure prints the combination.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -25,8 +28,9 @@ import offcore_torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
+from offcore_torch.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
-from optimizer_offload_helpers import assert_same  # noqa: E402
+from optimizer_offload_helpers import HostReference, assert_same  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 from offcore.kinds import Kind, Tier  # noqa: E402
@@ -50,29 +54,46 @@ combinations = st.fixed_dictionaries(
         "optimizer": st.sampled_from(["device", "offload", "offload-device-grads", "offload-under-backward"]),
         "micro_steps": st.integers(1, 2),
         "link": st.sampled_from(["unlimited", "slow"]),
+        "bf16": st.booleans(),
+        "nvme": st.booleans(),
     }
 )
 
 
 def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
     work = WORKLOADS[drawn["model"]]
+    kind = drawn["optimizer"]
+    bf16 = drawn["bf16"]
     device = fake_device(link=drawn["link"] if offload else "unlimited")
+    nvme = offload and drawn["nvme"]
+    directory = tempfile.mkdtemp(prefix="offcore-combinations-") if nvme else None
     try:
         with device:
-            model = device.adopt(work.build(0))
+            if nvme:
+                offcore_torch.nvme_tier(device, directory)
+            tier = {"tier": "nvme"} if nvme else {}
+            model = device.adopt(work.build(0).to(torch.bfloat16 if bf16 else torch.float32))
             handle = None
             if offload and drawn["parameters"] is not None:
-                handle = offload_parameters(model, device, budget="4KiB" if drawn["parameters"] == "tight" else None)
-            kind = drawn["optimizer"] if offload else "device"
-            if kind == "device":
+                budget = "4KiB" if drawn["parameters"] == "tight" else None
+                handle = offload_parameters(model, device, budget=budget, **tier)
+            if kind == "device":  # torch's optimizer on the device parameters, in both runs
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
+            elif not offload:  # the same host optimizer, masters for bf16, nothing offloaded
+                opt = HostReference(
+                    model, torch.optim.AdamW, ADAMW, master_weights=bf16, sum_on_device=kind == "offload-device-grads"
+                )
             else:
                 opt = offcore_torch.OffloadOptimizer(
                     model.parameters(),
                     torch.optim.AdamW,
                     device=device,
+                    master_weights=bf16,
                     offload_gradients=kind != "offload-device-grads",
                     accumulation_steps=drawn["micro_steps"] if kind == "offload-under-backward" else None,
+                    # parameters on NVMe have no host copy to step in place: the optimizer keeps masters of its own
+                    params_on_host=False if handle is not None and nvme else None,
+                    **tier,
                     **ADAMW,
                 )
             losses = []
@@ -80,11 +101,14 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             for step in range(STEPS):
                 for micro in range(drawn["micro_steps"]):
                     index = step * drawn["micro_steps"] + micro
-                    batch = work.make_batch(index, torch.device("cpu"))
+                    batch = tuple(
+                        b.to(torch.bfloat16) if bf16 and b.is_floating_point() else b
+                        for b in work.make_batch(index, torch.device("cpu"))
+                    )
                     torch.manual_seed(index)  # the same dropout masks in both runs
                     region = (
                         offcore_torch.offload_activations(
-                            device, prefetch=drawn["activations"], min_bytes=drawn["min_bytes"]
+                            device, prefetch=drawn["activations"], min_bytes=drawn["min_bytes"], **tier
                         )
                         if offload and drawn["activations"] is not None
                         else contextlib.nullcontext()
@@ -95,23 +119,34 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     losses.append(loss.detach().clone())
                     if entered is not None:
                         moved["activations"] += entered.stats().offloaded_bytes
+                    if isinstance(opt, HostReference):
+                        opt.accumulate(last=micro == drawn["micro_steps"] - 1)
                 opt.step()
                 opt.zero_grad()
-            if kind != "device":
-                opt.synchronize()
-            state = opt.state_dict()["state"]
+            if isinstance(opt, HostReference):
+                state = opt.opt.state_dict()["state"]
+            else:
+                if kind != "device":
+                    opt.synchronize()
+                state = opt.state_dict()
+                state.pop(MASTER_WEIGHTS_KEY, None)
+                state = state["state"]
             params = [p.detach().clone() for p in model.parameters()]
             if handle is not None:
                 moved["parameters"] = handle.stats().h2d_copies
-            if kind != "device":
+            if offload and kind != "device":
                 moved["gradients"] = opt.ledger.bytes(Tier.PINNED, Kind.GRADIENT)
             if handle is not None:
                 handle.remove()
-            if kind != "device":
+            if offload and kind != "device":
                 opt.close()
         return {"losses": losses, "params": params, "state": state, "moved": moved}
     finally:
+        if nvme:
+            offcore_torch.nvme_tier(device, None)  # its I/O threads and files go now, not when the device is collected
         finish_device(device)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 @settings(

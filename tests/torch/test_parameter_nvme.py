@@ -122,3 +122,42 @@ def test_the_devices_tier_is_used_only_when_asked_for_and_bad_tiers_are_refused(
             handle.remove()
     finally:
         offcore_torch.nvme_tier(dev, None)
+
+
+def test_a_stage_taken_by_an_earlier_stages_prefetch_is_skipped(
+    make_fake_device: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stages landed at one poll, and the first one's prefetch found the staging pool full and gave back
+    every stage in flight (``_reclaim_host(stages=True)``): the poll skips the stage it no longer holds
+    (it raised KeyError here, found by tests/torch/test_offload_combinations.py); the scheduler offers it
+    again and training stays bit-identical."""
+    from offcore_torch.parameters import ParameterOffloadHandle
+
+    poll, execute = ParameterOffloadHandle._poll_stages, ParameterOffloadHandle._execute
+    forced: list[int] = []
+    state = {"polling": False}
+
+    def landed_poll(self: Any, step: Any, t: float) -> None:
+        for slots in step.staging.values():  # every stage landed: the poll takes them all in one loop
+            for slot in slots:
+                if slot.reading is not None:
+                    slot.reading.synchronize()
+        state["polling"] = len(step.staging) >= 2
+        try:
+            poll(self, step, t)
+        finally:
+            state["polling"] = False
+
+    def reclaiming_execute(self: Any, step: Any, actions: Any) -> None:
+        if state["polling"] and step.staging:  # the first landed stage's actions take the others
+            forced.append(len(step.staging))
+            state["polling"] = False
+            self._reclaim_host(stages=True)
+        execute(self, step, actions)
+
+    want = _train(make_fake_device())["values"]
+    monkeypatch.setattr(ParameterOffloadHandle, "_poll_stages", landed_poll)
+    monkeypatch.setattr(ParameterOffloadHandle, "_execute", reclaiming_execute)
+    got = _train(make_fake_device(link="slow"), nvme=NvmeSpec(str(tmp_path), budget="64MiB"))
+    assert forced, "no poll found two landed stages: the case was not exercised"
+    assert all(torch.equal(a, b) for a, b in zip(got["values"], want, strict=True))
