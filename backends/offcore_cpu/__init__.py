@@ -24,6 +24,7 @@ __all__ = [
     "FakeDevice",
     "FakeDeviceOutOfMemoryError",
     "StreamWorkError",
+    "FreedStorageError",
     "EventNotReadyError",
     "InjectedFault",
     "GateTimeoutError",
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from offcore_cpu.errors import (
         EventNotReadyError,
         FakeDeviceOutOfMemoryError,
+        FreedStorageError,
         GateTimeoutError,
         InjectedFault,
         SanitizerViolation,

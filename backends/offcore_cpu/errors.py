@@ -32,6 +32,7 @@ from offcore.units import format_bytes
 __all__ = [
     "FakeDeviceOutOfMemoryError",
     "StreamWorkError",
+    "FreedStorageError",
     "EventNotReadyError",
     "InjectedFault",
     "GateTimeoutError",
@@ -68,6 +69,13 @@ class StreamWorkError(OffcoreError, RuntimeError):
     ``Event.synchronize()`` / ``Event.query()`` of events recorded after the failure,
     as an asynchronous CUDA error surfaces at the next synchronisation.
     """
+
+
+class FreedStorageError(OffcoreError, RuntimeError):
+    """A copy reached a buffer whose storage no longer holds the bytes it needs: freed or shrunk
+    (``untyped_storage().resize_(0)``) after the copy was enqueued, before its stream ran it. On a GPU
+    the copy would write into memory given to someone else; the fake device refuses it instead.
+    Keep a copy's buffers alive until its event completed (or record the stream on them)."""
 
 
 class EventNotReadyError(OffcoreError, RuntimeError):

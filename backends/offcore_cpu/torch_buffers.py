@@ -42,6 +42,8 @@ class TorchBuffers:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        _check_live(dst, "destination")
+        _check_live(src, "source")
         if dst.requires_grad or src.requires_grad:
             with torch.no_grad():
                 self._copy(dst, src)
@@ -58,6 +60,8 @@ class TorchBuffers:
             and src.is_contiguous()
             and not (src.is_conj() or src.is_neg())
         ):
+            _check_live(dst, "destination")
+            _check_live(src, "source")
             _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
             return True
         return False
@@ -136,6 +140,31 @@ def _calibrate() -> tuple[int, int]:
 
 
 _SOLE_USES, _SOLE_HOLDERS = _calibrate()
+
+
+def _check_live(tensor: torch.Tensor, side: str) -> None:
+    """Refuse a copy whose buffer's storage no longer holds its bytes (freed or shrunk after the copy was
+    enqueued): a raw memmove there writes into freed memory (the process crashed), ``copy_`` reads a null
+    pointer. Raises :class:`~offcore_cpu.errors.FreedStorageError`; on a stream it surfaces at the next
+    synchronisation (Note [Failures on a worker stream])."""
+    numel = tensor.numel()
+    if not numel:
+        return
+    if tensor.is_contiguous():
+        extent = tensor.storage_offset() + numel
+    else:
+        reach = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        extent = tensor.storage_offset() + 1 + reach
+    need = extent * tensor.element_size()
+    have = tensor.untyped_storage().nbytes()
+    if need > have:
+        from offcore_cpu.errors import FreedStorageError
+
+        raise FreedStorageError(
+            f"the copy's {side} ({tensor.dtype}{tuple(tensor.shape)}) needs {need} bytes of its storage, which "
+            f"holds {have}: it was freed or resized after the copy was enqueued. Keep a copy's buffers alive "
+            "until its event completed"
+        )
 
 
 # Note [Small copies keep the GIL]

@@ -1061,3 +1061,44 @@ def test_back_to_back_inline_copies_share_the_link_in_order(make_device: Any) ->
     first, second = dev.copy_log()
     assert second["start"] >= first["end"]  # one shared link: the second transfer waits for the first
     assert d2h.query() and h2d.query()
+
+
+# ============================================================================ copies into freed storage
+
+
+@pytest.mark.parametrize("numel", [1000, 300_000], ids=["plain-memmove", "copy_"])
+@pytest.mark.parametrize("freed", ["destination", "source"])
+@pytest.mark.parametrize("when", ["before", "queued"])
+def test_a_copy_over_a_freed_storage_is_refused_not_a_crash(
+    tdev: FakeDevice, torch: Any, numel: int, freed: str, when: str
+) -> None:
+    """A buffer freed (its storage resized to 0) before its copy runs: the copy fails with FreedStorageError,
+    surfaced by the copy's event, instead of a memmove into freed memory (the process died with SIGSEGV:
+    found when an optimizer upload raced a parameter handle's free). ``queued``: freed while the copy waits
+    on its stream, as in that race."""
+    from offcore_cpu.errors import FreedStorageError
+
+    with tdev:
+        device_buffer = torch.empty(numel)
+    host = torch.randn(numel)
+    dst, src = (device_buffer, host) if freed == "destination" else (host, device_buffer)
+    victim = dst if freed == "destination" else src
+    stream = tdev.new_stream()
+    if when == "before":
+        victim.untyped_storage().resize_(0)
+        event = tdev.copy_(dst, src, stream=stream)
+    else:
+        with _gate(stream):
+            event = tdev.copy_(dst, src, stream=stream)
+            victim.untyped_storage().resize_(0)
+    with pytest.raises(StreamWorkError) as raised:
+        event.synchronize()
+    assert isinstance(raised.value.__cause__, FreedStorageError), raised.value.__cause__
+    assert f"the copy's {freed}" in str(raised.value) and "freed or resized" in str(raised.value)
+    with pytest.raises(StreamWorkError):
+        stream.synchronize()  # the stream reports it once, then carries on
+    good = torch.randn(numel)
+    with tdev:
+        target = torch.empty(numel)
+    tdev.copy_(target, good, stream=stream).synchronize()
+    assert torch.equal(target, good)
