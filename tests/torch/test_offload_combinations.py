@@ -4,8 +4,9 @@ The other suites compose two features at a time. Here one draw picks a model (Ti
 optionally with checkpointed blocks; a CNN with in-place ops and views; an MLP), activation offload
 (off, on demand or by deadline, with a minimum size), parameter offload (off or on, with or without a
 device budget), the optimizer (torch's fused AdamW on the device, or OffloadOptimizer with offloaded or
-device gradients, steps at ``step()`` or under backward), micro-steps per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), and the
-NVMe tier for every kind offloaded. Three
+device gradients, steps at ``step()`` or under backward), micro-steps per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
+NVMe tier for every kind offloaded, one device budget shared by the kinds, buffers streamed with the
+parameters, gradient clipping, and ``zero_grad(set_to_none=)``. Three
 optimizer steps on the sanitized fake device must give the same losses, parameters and optimizer
 state, bit for bit, as the same training with nothing offloaded and the same optimizer: torch's on the
 device, or for OffloadOptimizer the same host optimizer over host copies (fp32 masters for bf16). The draws are
@@ -56,6 +57,10 @@ combinations = st.fixed_dictionaries(
         "link": st.sampled_from(["unlimited", "slow"]),
         "bf16": st.booleans(),
         "nvme": st.booleans(),
+        "shared_budget": st.sampled_from([None, "24KiB"]),
+        "buffers": st.booleans(),
+        "clip": st.sampled_from([None, 0.05]),
+        "set_to_none": st.booleans(),
     }
 )
 
@@ -71,12 +76,14 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
         with device:
             if nvme:
                 offcore_torch.nvme_tier(device, directory)
+            if offload and drawn["shared_budget"] is not None:
+                offcore_torch.device_budget(device, drawn["shared_budget"])
             tier = {"tier": "nvme"} if nvme else {}
             model = device.adopt(work.build(0).to(torch.bfloat16 if bf16 else torch.float32))
             handle = None
             if offload and drawn["parameters"] is not None:
                 budget = "4KiB" if drawn["parameters"] == "tight" else None
-                handle = offload_parameters(model, device, budget=budget, **tier)
+                handle = offload_parameters(model, device, budget=budget, buffers=drawn["buffers"], **tier)
             if kind == "device":  # torch's optimizer on the device parameters, in both runs
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
             elif not offload:  # the same host optimizer, masters for bf16, nothing offloaded
@@ -96,7 +103,7 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     **tier,
                     **ADAMW,
                 )
-            losses = []
+            losses, norms = [], []
             moved = {"activations": 0, "parameters": 0, "gradients": 0}
             for step in range(STEPS):
                 for micro in range(drawn["micro_steps"]):
@@ -121,8 +128,16 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                         moved["activations"] += entered.stats().offloaded_bytes
                     if isinstance(opt, HostReference):
                         opt.accumulate(last=micro == drawn["micro_steps"] - 1)
+                # clipping needs every gradient before any host step: not with steps under backward
+                if drawn["clip"] is not None and kind != "offload-under-backward":
+                    if isinstance(opt, HostReference):
+                        norms.append(torch.nn.utils.clip_grad_norm_(opt.masters, drawn["clip"]))
+                    elif kind == "device":
+                        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), drawn["clip"]))
+                    else:
+                        norms.append(offcore_torch.clip_grad_norm_(opt, drawn["clip"]))
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=drawn["set_to_none"])
             if isinstance(opt, HostReference):
                 state = opt.opt.state_dict()["state"]
             else:
@@ -140,8 +155,9 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                 handle.remove()
             if offload and kind != "device":
                 opt.close()
-        return {"losses": losses, "params": params, "state": state, "moved": moved}
+        return {"losses": losses, "norms": norms, "params": params, "state": state, "moved": moved}
     finally:
+        offcore_torch.device_budget(device, None)
         if nvme:
             offcore_torch.nvme_tier(device, None)  # its I/O threads and files go now, not when the device is collected
         finish_device(device)
@@ -161,6 +177,7 @@ def test_every_combination_is_bit_identical_to_no_offload(drawn: dict[str, Any])
     want = _train(drawn, offload=False)
     got = _train(drawn, offload=True)
     assert_same(got["losses"], want["losses"], "losses")
+    assert_same(got["norms"], want["norms"], "clip norms")
     assert_same(got["params"], want["params"], "params")
     assert_same(got["state"], want["state"], "optimizer state")
     # what was drawn really moved (a combination that offloads nothing would pass trivially)
