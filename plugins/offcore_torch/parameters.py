@@ -54,6 +54,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from offcore.errors import CapacityExceededError, ConfigurationError, OffcoreError
+from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, OffcoreWarning
 from offcore.kinds import Direction, Kind, Tier
 from offcore.ledger import Ledger
 from offcore.objects import State
@@ -417,6 +418,7 @@ class ParameterOffloadStats:
     persistent_bytes: int = 0
     nvme_bytes: int = 0
     staging_bytes: int = 0
+    copy_failures: int = 0  # host-to-device copies that failed on their stream (copied again: Note [...])
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -471,7 +473,7 @@ class ParameterOffloadHandle:
         self._tasks: set[int] = set()
         self._hooks: list[Any] = []
         self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "stalls", "unplanned", "outside", "evicted", "refused", "steps"), 0
+            ("hits", "stalls", "unplanned", "outside", "evicted", "refused", "steps", "copy_failures"), 0
         )
         self._removed = False
         self._pool: Any = None
@@ -912,24 +914,74 @@ class ParameterOffloadHandle:
             if event is None:
                 continue
             slot.event = None
-            if event.query():
+            try:
+                if event.query():
+                    continue
+            except Exception as exc:  # Note [A parameter copy that failed is copied again]
+                self._copy_again(slot, exc)
                 continue
             if compute is None:
                 compute = self.device.current_stream()
             t0 = time.perf_counter()
-            compute.wait_event(event)
+            try:
+                compute.wait_event(event)
+            except Exception as exc:  # Note [A parameter copy that failed is copied again]
+                self._copy_again(slot, exc)
             self.ledger.record_wait(time.perf_counter() - t0, what=label)
         if self._tier is not None:  # the staging buffers go back once their copies landed
             for slot in slots:
                 if slot.host is not None and slot.resident:
                     self._release_host(slot)
 
+    # Note [A parameter copy that failed is copied again]
+    # A host-to-device copy of a parameter can fail on its stream (the event raises when waited for,
+    # as an asynchronous CUDA error does; the fake device's injected faults do). The host copy is
+    # intact (Note [A failed copy is a completed copy] in runtime.py), so: the stream's sticky error is
+    # cleared (runtime.recover), and where the device copy is needed now (a use waits for it) it is
+    # copied again, once, and waited for; where it is not (a prefetch nobody used, dropped or freed)
+    # nothing is written back -- the device copy never held the data. A second failure raises
+    # CopyFailedError, with the storage freed and not resident, so the next use copies it again. A
+    # write-back (device to host) that fails is copied again the same way from the device copy, which
+    # stays resident if the second one fails too.
+    # Before, the failed event stayed on the slot: every later step re-raised the same error, and
+    # handle.remove() too (the model could not even be taken back).
+    def _copy_failed(self) -> None:
+        self._counters["copy_failures"] += 1
+        self.runtime.recover(self.runtime.h2d_stream)
+
+    def _copy_again(self, slot: _Slot, first: BaseException) -> None:
+        """A use waits for ``slot``'s copy, which failed on its stream: copy it again from the host (once)."""
+        self._copy_failed()
+        warnings.warn(
+            f"offcore: the host-to-device copy of {slot.name} failed on its stream ({first}); copied again from "
+            "its intact host copy (Note [A parameter copy that failed is copied again])",
+            OffcoreWarning,
+            stacklevel=3,
+        )
+        try:
+            if self._tier is not None and slot.host is None:
+                self._host_in([slot])
+            self.device.copy_(slot.alias, slot.host_view, stream=self.runtime.h2d_stream).synchronize()
+        except Exception as again:
+            self.runtime.recover(self.runtime.h2d_stream)
+            self._resize(slot, 0)
+            slot.resident = False
+            raise CopyFailedError(
+                f"offload_parameters: the copy of {slot.name} to the device failed twice ({first}; {again}). Its "
+                "host copy is intact: fix the cause and run the step again (the next use copies it again)"
+            ) from again
+        slot.version = slot.vref._version
+
     def _maybe_free(self, slot: _Slot) -> None:
         if not slot.resident or slot.pins or slot.holds or slot.bwd_tasks or slot.outside or self._removed:
             return
         if slot.event is not None:  # a prefetch nobody used: let it land first
-            slot.event.synchronize()
-            slot.event = None
+            event, slot.event = slot.event, None
+            try:
+                event.synchronize()
+            except Exception:  # Note [A parameter copy that failed is copied again]: nothing to write back
+                self._copy_failed()
+                slot.version = slot.vref._version
         if slot.dirty or slot.vref._version != slot.version:
             self._write_back(slot)
         self._resize(slot, 0)
@@ -944,7 +996,27 @@ class ParameterOffloadHandle:
         rt.d2h_stream.wait_stream(rt.h2d_stream)  # after any upload into it (an optimizer's, too)
         if self._tier is not None and slot.host is None:
             self._acquire_host(slot, reclaim=True)  # overwritten whole by the D2H below
-        dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
+        try:
+            dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
+        except Exception as first:
+            # Note [A parameter copy that failed is copied again], the other way: the device copy is the data
+            # and intact (still resident); copied again, once; a second failure keeps it on the device
+            self._counters["copy_failures"] += 1
+            rt.recover(rt.d2h_stream)
+            warnings.warn(
+                f"offcore: the write-back of {slot.name} to the host failed on its stream ({first}); copied again "
+                "from its intact device copy (Note [A parameter copy that failed is copied again])",
+                OffcoreWarning,
+                stacklevel=3,
+            )
+            try:
+                dev.copy_(slot.host_view, slot.alias, stream=rt.d2h_stream).synchronize()
+            except Exception as again:
+                rt.recover(rt.d2h_stream)
+                raise CopyFailedError(
+                    f"offload_parameters: the write-back of {slot.name} to the host failed twice ({first}; {again}). "
+                    "Its device copy is intact and stays on the device: fix the cause and run the step again"
+                ) from again
         self.ledger.record_copy(Direction.D2H, slot.nbytes)
         if self._tier is not None:  # the disk copy is the data between uses (Note [Parameters on NVMe])
             assert slot.host_view is not None
@@ -1403,8 +1475,11 @@ class ParameterOffloadHandle:
         for slot in self._slots:
             if slot.resident and not (slot.pins or slot.bwd_tasks):
                 if slot.event is not None:
-                    slot.event.synchronize()
-                    slot.event = None
+                    event, slot.event = slot.event, None
+                    try:
+                        event.synchronize()
+                    except Exception:  # Note [A parameter copy that failed is copied again]: dropped anyway
+                        self._copy_failed()
                 self._resize(slot, 0)
                 slot.resident = False
         mode = self._last_mode
@@ -1467,6 +1542,7 @@ class ParameterOffloadHandle:
             persistent_bytes=sum(t.numel() * t.element_size() for t in self._persistent),
             nvme_bytes=nvme,
             staging_bytes=self._pool.reserved_bytes if self._tier is not None and self._pool is not None else 0,
+            copy_failures=self._counters["copy_failures"],
         )
         if reset:
             ledger.reset_step()
