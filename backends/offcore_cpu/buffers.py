@@ -53,6 +53,10 @@ class BufferOps(Protocol):
     def poison(self, buffer: Any) -> None:
         """Overwrite every byte of ``buffer`` with 0xFF (NaN for floating point, -1 for integers)."""
 
+    def live(self, buffer: Any) -> bool:
+        """Whether ``buffer``'s memory still holds all its bytes (a torch storage can be freed or shrunk under
+        its tensors with ``resize_``; writing there would write into freed memory)."""
+
     def alias(self, buffer: Any) -> Any:
         """A new view of exactly ``buffer``'s elements that the fake device holds while a copy uses it.
 
@@ -100,6 +104,9 @@ class NumpyBuffers:
     def copy_plain(self, dst: np.ndarray, src: np.ndarray) -> bool:
         self.copy(dst, src)  # numpy runs no torch operator: nothing to count
         return True
+
+    def live(self, buffer: np.ndarray) -> bool:
+        return True  # an array's memory lives as long as the array
 
     def poison(self, buffer: np.ndarray) -> None:
         if not buffer.size:

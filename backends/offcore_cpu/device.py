@@ -842,7 +842,8 @@ class FakeDevice:
             if started is not None:
                 started()  # the copy's start_event: its stream reached it
             sanitizer.check_freed(flight, "before its stream reached it")
-            ops.poison(flight.dst)  # Note [What the sanitizer poisons, and when], point 1
+            if ops.live(flight.dst):  # not into a storage freed under it (reported by check_freed)
+                ops.poison(flight.dst)  # Note [What the sanitizer poisons, and when], point 1
             if self._gates.any_closed_for(state, flight.direction):  # Note [Gates]
                 self._gates.pass_copy(
                     state, flight.direction, _held(flight.number, flight.stream, flight.direction, flight.nbytes)
@@ -870,11 +871,12 @@ class FakeDevice:
         ops = flight.ops
         self._sanitizer.check_freed(flight, "while the copy was in flight")
         if flight.lost:  # a freed or released source delivers poison; a released destination gets poison
-            ops.poison(flight.dst)
+            if ops.live(flight.dst):
+                ops.poison(flight.dst)
             return
         ops.copy(flight.dst, flight.src)
         self._sanitizer.check_freed(flight, "while its bytes were moving")
-        if "src" in flight.lost:
+        if "src" in flight.lost and ops.live(flight.dst):
             ops.poison(flight.dst)
 
     def copy_log(self) -> list[dict[str, Any]]:

@@ -160,6 +160,18 @@ class Sanitizer:
             if not flight.on_device[side] or side in flight.lost:
                 continue
             alias = flight.src if side == "src" else flight.dst
+            if not flight.ops.live(alias):  # its storage was freed or shrunk under it (resize_): no poison there
+                flight.lost.add(side)
+                what = "source" if side == "src" else "destination"
+                self._report(
+                    "use-after-free",
+                    flight,
+                    side,
+                    f"device {what} of {flight.describe()} had its storage freed or shrunk (resize_) {when}; the "
+                    "copy would have read or written memory given back. Keep the storage until the copy's event "
+                    "has completed.",
+                )
+                continue
             if not flight.ops.sole_owner(alias):
                 continue
             flight.lost.add(side)

@@ -81,6 +81,13 @@ class TorchBuffers:
         dst.copy_(src)
 
     @torch.no_grad()
+    def live(self, buffer: torch.Tensor) -> bool:
+        try:
+            _check_live(buffer, "buffer")
+        except Exception:
+            return False
+        return True
+
     def poison(self, buffer: torch.Tensor) -> None:
         if not buffer.numel():
             return

@@ -710,8 +710,12 @@ class ParameterOffloadHandle:
                 slot.reading.synchronize()
             slot.reading = None
         landing, slot.landing = slot.landing, None
-        if landing is not None and not landing.query():
-            landing.synchronize()
+        if landing is not None:
+            try:
+                if not landing.query():
+                    landing.synchronize()
+            except Exception:  # Note [A failed copy is a completed copy]: it reads the buffer no more
+                self._copy_failed()
         self._pool.release(slot.host)
         self.ledger.remove(Tier.PINNED, Kind.PARAMETER, slot.nbytes)
         slot.host = None
@@ -869,40 +873,55 @@ class ParameterOffloadHandle:
             raise
         h2d = rt.h2d_stream
         h2d.wait_stream(dev.current_stream())
-        event = None
-        many = self._copy_many
-        batch: list[_Slot] = []
-        nbytes = 0
-        for slot in need:
-            nbytes += slot.nbytes
-            timed = rt.sample(Direction.H2D)
-            if many is not None and not timed:
-                batch.append(slot)  # Note [A module's copies are one batch]
-                continue
-            start, issued = rt.begin_timing(dev, h2d, record=False) if timed else (None, 0.0)
-            event = dev.copy_(slot.alias, slot.host_view, stream=h2d, start_event=start)
-            if timed:
-                rt.end_timing(
-                    dev,
-                    h2d,
-                    start,
-                    issued,
-                    nbytes=slot.nbytes,
-                    direction=Direction.H2D,
-                    label="param",
-                    ledger=self.ledger,
-                )
-            slot.event = event
-            slot.landing = event
-            slot.version = slot.vref._version
-        if batch:
-            if len(batch) > 1:
-                batch.sort(key=_slot_bytes)  # the small ones first: they may run at once on an idle stream
-            event = many([(slot.alias, slot.host_view) for slot in batch], stream=h2d)
-            for slot in batch:
+        try:
+            event = None
+            many = self._copy_many
+            batch: list[_Slot] = []
+            nbytes = 0
+            for slot in need:
+                nbytes += slot.nbytes
+                timed = rt.sample(Direction.H2D)
+                if many is not None and not timed:
+                    batch.append(slot)  # Note [A module's copies are one batch]
+                    continue
+                start, issued = rt.begin_timing(dev, h2d, record=False) if timed else (None, 0.0)
+                event = dev.copy_(slot.alias, slot.host_view, stream=h2d, start_event=start)
+                if timed:
+                    rt.end_timing(
+                        dev,
+                        h2d,
+                        start,
+                        issued,
+                        nbytes=slot.nbytes,
+                        direction=Direction.H2D,
+                        label="param",
+                        ledger=self.ledger,
+                    )
                 slot.event = event
                 slot.landing = event
                 slot.version = slot.vref._version
+            if batch:
+                if len(batch) > 1:
+                    batch.sort(key=_slot_bytes)  # the small ones first: they may run at once on an idle stream
+                event = many([(slot.alias, slot.host_view) for slot in batch], stream=h2d)
+                for slot in batch:
+                    slot.event = event
+                    slot.landing = event
+                    slot.version = slot.vref._version
+        except BaseException:
+            # Note [A parameter copy that failed is copied again]: a copy refused at submission leaves the ones
+            # issued before it in flight (a batch's events are not even on their slots yet). Let them land
+            # before anything frees their storages or returns their staging buffers, and leave every storage of
+            # this call not resident: its host copy is intact, the next use copies it again.
+            with contextlib.suppress(Exception):
+                h2d.synchronize()
+            self.runtime.recover(h2d)
+            for slot in need:
+                slot.event = slot.landing = None
+                if slot.resident:
+                    self._resize(slot, 0)
+                    slot.resident = False
+            raise
         self.ledger.record_copy(Direction.H2D, nbytes, copies=len(need))
         return event
 

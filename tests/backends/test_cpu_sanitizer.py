@@ -10,6 +10,7 @@ Numpy tests run without torch (``tox -e core``); torch tests skip without it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -406,3 +407,23 @@ def test_a_busy_program_with_correct_waits_records_nothing(make_device: Any, fam
         np.testing.assert_array_equal(as_numpy(back), expected_pattern(2 * KiB))
         pool.release(staging)
     assert dev.sanitizer_violations() == []
+
+
+@pytest.mark.parametrize("side", ["destination", "source"])
+def test_a_storage_shrunk_under_a_queued_copy_is_a_violation_not_a_crash(make_device: Any, side: str) -> None:
+    """``untyped_storage().resize_(0)`` frees a storage whatever aliases the copy holds: the sanitizer reports
+    it and writes nothing there (it poisoned the freed memory before: the process crashed)."""
+    pytest.importorskip("torch")
+    dev = make_device(sanitize=True, buffers="torch")
+    stream = dev.new_stream()
+    device, host = dev.allocate(4 * KiB, Tier.DEVICE), pattern(dev, 4 * KiB, Tier.PINNED)
+    dst, src = (device, host) if side == "destination" else (host, device)
+    with dev.hold(stream) as hold:  # the stream stops before the copy
+        done = dev.copy_(dst, src, stream=stream)
+        hold.wait_held(1)
+        device.untyped_storage().resize_(0)
+    with contextlib.suppress(Exception):  # the copy itself may fail too (FreedStorageError): what matters is below
+        done.synchronize()
+    violations = dev.sanitizer_violations(clear=True)
+    assert any(v["kind"] == "use-after-free" and v["side"] == side for v in violations), violations
+    assert any("freed or shrunk (resize_)" in v["message"] for v in violations), violations

@@ -26,10 +26,10 @@ WORK = mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=16)
 STEPS = 3
 
 
-def _train(dev: Any, *, offload: bool, fault: tuple[int, str] | None = None) -> dict[str, Any]:
+def _train(dev: Any, *, offload: bool, fault: tuple[int, str] | None = None, nvme: str | None = None) -> dict[str, Any]:
     with dev:
         model = dev.adopt(WORK.build(0))
-        handle = offload_parameters(model, dev) if offload else None
+        handle = offload_parameters(model, dev, **({"nvme": nvme} if nvme else {})) if offload else None
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if fault is not None:
             dev.inject_copy_fault(fault[0], mode=fault[1])
@@ -63,10 +63,16 @@ def _train(dev: Any, *, offload: bool, fault: tuple[int, str] | None = None) -> 
 @pytest.mark.filterwarnings("ignore:offcore. the .* failed on its stream")
 @pytest.mark.parametrize("nth", [1, 3, 7, 14, 24])
 @pytest.mark.parametrize("mode", ["stream", "submit"])
-def test_a_failed_parameter_copy_is_recovered_bit_identically(make_fake_device: Any, nth: int, mode: str) -> None:
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_failed_parameter_copy_is_recovered_bit_identically(
+    make_fake_device: Any, tmp_path: Any, nth: int, mode: str, tier: str
+) -> None:
+    """With ``tier``="nvme" a module's copies go as one batch: a copy refused in the middle of it left the ones
+    before it in flight while their storages were freed and staging buffers returned (the sanitizer saw it;
+    found by tests/torch/test_fault_combinations.py)."""
     want = _train(make_fake_device(), offload=False)
     dev = make_fake_device(link="slow")
-    got = _train(dev, offload=True, fault=(nth, mode))
+    got = _train(dev, offload=True, fault=(nth, mode), nvme=str(tmp_path) if tier == "nvme" else None)
     assert not dev.copy_fault_armed, "the fault never fired: the case was not exercised"
     assert all(torch.equal(a, b) for a, b in zip(got["losses"], want["losses"], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"], strict=True))
