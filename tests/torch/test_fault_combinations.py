@@ -155,6 +155,8 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
             shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.filterwarnings("ignore::offcore.errors.OffcoreWarning")  # each recovered failure says so: expected here
+@pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
 @settings(
     max_examples=60,
     deadline=None,
