@@ -601,8 +601,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._due: list[_Slot] = []
         # Note [Host gradients are cleared by opt.zero_grad()]: a step ran since the last zero_grad()
         self._stepped_since_zero_grad = False
-        # offload_gradients=False: the device gradients this round already copied to the host (by id and
-        # version at the copy), or None (Note [Device gradients are read on the host once per round])
+        # offload_gradients=False: the device gradients this round already copied to the host (a weak
+        # reference to each, and its version at the copy), or None (Note [Device gradients are read on the
+        # host once per round]); _taken_stepped: that round's step() ran
         self._taken: dict[int, tuple[weakref.ref[torch.Tensor], int] | None] | None = None
         self._taken_stepped = False
         self._warned_kept_gradients = False

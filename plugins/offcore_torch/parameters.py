@@ -395,7 +395,8 @@ class ParameterOffloadStats:
     demand), ``unplanned`` (uses the plan did not predict), ``outside_fetches`` (uses outside
     a module call), ``evicted``; ``exposed_wait_s`` and ``waits`` (seconds the compute stream
     waited, per module); ``persistent_bytes`` (parameters below ``persist_below``, kept on the
-    device, Note [Small parameters stay on the device]).
+    device, Note [Small parameters stay on the device]); ``copy_failures`` (copies that failed on their
+    stream and were made again or dropped, Note [A parameter copy that failed is copied again]).
     """
 
     host_bytes: dict[str, int]
@@ -418,7 +419,7 @@ class ParameterOffloadStats:
     persistent_bytes: int = 0
     nvme_bytes: int = 0
     staging_bytes: int = 0
-    copy_failures: int = 0  # host-to-device copies that failed on their stream (copied again: Note [...])
+    copy_failures: int = 0
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:

@@ -61,7 +61,7 @@ def _train(dev: Any, *, offload: bool, fault: tuple[int, str] | None = None, nvm
 
 
 @pytest.mark.filterwarnings("ignore:offcore. the .* failed on its stream")
-@pytest.mark.parametrize("nth", [1, 3, 7, 14, 24])
+@pytest.mark.parametrize("nth", [1, 3, 7, 12, 18])  # a run makes 28-42 copies, with the timing
 @pytest.mark.parametrize("mode", ["stream", "submit"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_a_failed_parameter_copy_is_recovered_bit_identically(
