@@ -28,8 +28,9 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 
 import offcore_torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
 from offload_helpers import pool_used_bytes  # noqa: E402
@@ -157,13 +158,7 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
 
 @pytest.mark.filterwarnings("ignore::offcore.errors.OffcoreWarning")  # each recovered failure says so: expected here
 @pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
+@derandomized(max_examples=60)
 @given(drawn=faults)
 def test_a_failed_copy_anywhere_gives_a_clear_error_and_leaks_nothing(drawn: dict[str, Any]) -> None:
     error, before, after = _run(drawn)

@@ -26,8 +26,9 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 
 import offcore_torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
@@ -165,13 +166,7 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
+@derandomized(max_examples=60)
 @given(drawn=combinations)
 def test_every_combination_is_bit_identical_to_no_offload(drawn: dict[str, Any]) -> None:
     want = _train(drawn, offload=False)

@@ -23,8 +23,9 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 
 import offcore_torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_draws import derandomized  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 N = 6  # every intermediate is N x N
@@ -154,13 +155,7 @@ def _bits(t: Any) -> Any:
     return t.contiguous().view(torch.uint8)
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
+@derandomized(max_examples=200)
 @given(drawn=programs)
 def test_random_graphs_give_bit_identical_gradients_or_the_same_error(drawn: dict[str, Any]) -> None:
     want = _run(drawn, offload=False)

@@ -25,8 +25,9 @@ import pytest
 torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import OPTIMIZERS, assert_equivalent, run  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
@@ -75,13 +76,7 @@ def _run(drawn: dict[str, Any], *, offload: bool) -> Any:
         finish_device(device)
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
+@derandomized(max_examples=100)
 @given(drawn=options)
 def test_every_combination_matches_the_host_reference(drawn: dict[str, Any]) -> None:
     if drawn["overlap"] and not drawn["offload_gradients"]:
