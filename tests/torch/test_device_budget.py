@@ -37,7 +37,11 @@ def _train(dev: Any, *, budget: Any = None, offload: bool = True, prefetch: str 
             torch.manual_seed(0)
             model = _model()
             handle = offload_parameters(model, dev, prefetch=prefetch) if offload else None
-            opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
+            # One gradient's D2H at a time (a cap below one gradient): the gradients held on the device are then
+            # the same in every run, whatever the machine's load (see _check_within_budget).
+            opt = offcore_torch.OffloadOptimizer(
+                model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2, max_inflight_gradients=1
+            )
             losses, peaks = [], []
             for step in range(4):
                 dev.reset_peak_memory_stats()
@@ -55,11 +59,18 @@ def _train(dev: Any, *, budget: Any = None, offload: bool = True, prefetch: str 
                 peaks.append(dev.memory_stats().peak_allocated_bytes)
             opt.synchronize()  # the keep-all reference's last upload has landed
             largest = handle.largest_module_bytes if handle is not None else 0
+            largest_gradient = max(p.numel() * p.element_size() for p in model.parameters())
             if handle is not None:
                 handle.remove()
             params = [p.detach().clone() for p in model.parameters()]
             opt.close()
-        return {"values": losses + params, "peak": max(peaks[1:]), "largest": largest, "shared": shared}
+        return {
+            "values": losses + params,
+            "peak": max(peaks[1:]),
+            "largest": largest,
+            "largest_gradient": largest_gradient,
+            "shared": shared,
+        }
     finally:
         offcore_torch.device_budget(dev, None)
 
@@ -73,17 +84,23 @@ def _check_within_budget(got: dict[str, Any], floor: dict[str, Any], budget: int
     assert stats.used_bytes == 0  # every reservation given back
     # Note [One device budget across kinds]: the measured peak is at most the peak without any copy
     # ahead of use (the on-demand run), plus the budget (copies ahead of use, across kinds), plus the
-    # slack: copies evicted for another owner's request and not freed yet. A parameter copy evicted for an
-    # activation prefetch is freed inside the eviction (Note [A parameter copy evicted for another owner
-    # is freed at once] in parameters.py); before that it waited for the next module call while several
-    # activation prefetches evicted more of them and allocated their own -- the overshoot of 1-34 KiB
-    # seen about 1 run in 4 (measured: the overshooting runs had parameter victims of 50-67 KiB per
-    # request, several requests between two module calls). What remains is an activation copy evicted
-    # for a parameter's request, freed at the region's next trigger: less than one module's parameters
-    # plus one saved tensor, which the largest module's bytes cover (the saved tensors here are 32 KiB,
-    # the largest module 65 KiB; 34 runs after the fix: on-demand peak + 28-132 KiB, the bound + 161 KiB).
-    bound = floor["peak"] + budget + got["largest"]
-    assert got["peak"] <= bound, f"measured device peak {got['peak']} > {bound} (on-demand peak + budget + one module)"
+    # slack: copies evicted for another owner's request and not freed yet, and gradients held for their D2H.
+    # - A parameter copy evicted for an activation prefetch is freed inside the eviction (Note [A parameter
+    #   copy evicted for another owner is freed at once] in parameters.py). What remains is an activation
+    #   copy evicted for a parameter's request, freed at the region's next trigger: less than one module's
+    #   parameters plus one saved tensor, which the largest module's bytes cover (the saved tensors here are
+    #   32 KiB, the largest module 65 KiB).
+    # - Gradients are outside the budget (Note [In-flight gradients are capped] in optimizer.py): how many are
+    #   held depends on how far the D2H lags backward, so on the machine's load. With the default cap
+    #   (64 MiB: all of them here) the on-demand peak itself ranged over 531-762 KB in 12 runs under load, and a
+    #   CI run went 31 KiB over the bound without any budget overshoot. _train lets one gradient's D2H run at
+    #   a time; either run's peak may fall with or without it: one largest gradient.
+    # Measured with it (3 busy processes on 2 cores, 30 runs): on-demand peak 528.7-530.7 KB, the budgeted
+    # run's peak 1.3-68.6 KB over it, the bound 230.4 KB over it.
+    bound = floor["peak"] + budget + got["largest"] + got["largest_gradient"]
+    assert got["peak"] <= bound, (
+        f"measured device peak {got['peak']} > {bound} (on-demand peak + budget + one module + one gradient)"
+    )
 
 
 def test_one_budget_bit_identical_and_peak_within_budget(make_fake_device: Any) -> None:
@@ -100,8 +117,8 @@ def test_the_budget_checks_fail_when_the_budget_is_ignored(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The checks above are not vacuous: with every request admitted and nothing evicted (the budget
-    ignored), they fail -- always on the reservations; the measured peak then went over the bound in most
-    runs (peaks of 0.69-1.39 MB against a bound of about 0.70 MB), so it is not what this asserts."""
+    ignored), they fail -- always on the reservations; the measured peak then went over the bound in half
+    the runs (peaks of 0.66-0.99 MB against a bound of about 0.76 MB, 8 runs), so it is not what this asserts."""
     floor = _train(make_fake_device(link="slow"), prefetch="on_demand")
     budget = 96 * 1024
 
