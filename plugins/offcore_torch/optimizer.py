@@ -27,7 +27,10 @@ next forward waiting per parameter on its own event.
 # its N-th gradient of the round; or a backward inside ``opt.last_micro_step()``), as soon
 # as that gradient landed, on the worker, while backward goes on. A gradient arriving for a
 # parameter whose step already ran in this round is refused (it would be silently dropped
-# from the update, the DeepSpeed accumulation bug), naming the fix.
+# from the update, the DeepSpeed accumulation bug), naming the fix. ``zero_grad()`` drops the
+# gradients the round counted so far, so it restarts the count of a parameter not stepped yet: a
+# micro-step abandoned midway and retried after ``zero_grad()`` would otherwise step over fewer
+# micro-steps than N (tests/torch/test_abandoned_step_combinations.py).
 #
 # Note [Host work runs on one worker thread]
 # Every read or write of host masters, host gradients and the host optimizer's state runs
@@ -465,7 +468,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     - ``offload_gradients`` (True): each gradient leaves the device as soon as backward made it;
       False keeps gradients on the device until ``step()``.
     - ``accumulation_steps`` (None): with N, a parameter's host step runs as soon as its N-th
-      gradient since the last ``step()`` landed, under backward (Note [Host step rounds]);
+      gradient since the last ``step()`` or ``zero_grad()`` landed, under backward (Note [Host step rounds]);
       None steps at ``step()`` (any number of micro-steps). ``opt.last_micro_step()`` declares
       one backward the last instead.
     - ``trace``: an :class:`offcore.trace.TraceRecorder` that gets the host work (track
@@ -1924,6 +1927,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.master.grad = None
             elif slot.accumulated:
                 slot.grad.zero_()
+            if not slot.stepped:
+                # the gradients counted so far are gone: accumulation_steps counts again from here, or the next
+                # backward would step over fewer micro-steps than declared (a step abandoned midway, then retried)
+                slot.arrivals = 0
 
     # -- worker -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:

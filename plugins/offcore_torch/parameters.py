@@ -1270,6 +1270,8 @@ class ParameterOffloadHandle:
         in_backward = _graph_task_id() >= 0
         frame: tuple[_Unit | None, list[_Slot], bool] = (unit, [], in_backward)
         if not self._frames and not in_backward:
+            if self._tasks:
+                self._forget_failed_backwards()
             self._frames.append(frame)
             if self._foreign_step:
                 self._release_outside()
@@ -1340,6 +1342,24 @@ class ParameterOffloadHandle:
         if slot.index in self._early and not self._frames and len(self._tasks) <= 1 and not self._host_optimizers:
             return  # needed first by the next forward: kept for the next round (Note [The next step starts early])
         self._maybe_free(slot)
+
+    # Note [A backward that raised leaves its task behind]
+    # A parameter used by a backward is kept on the device until that backward's end (``bwd_tasks``, the
+    # graph task's ``queue_callback``). A backward that raised never runs its callbacks: its task stayed in
+    # ``_tasks`` and on its slots for good. Those copies were then never freed (device memory held until
+    # ``remove()``), the step-end work of Note [The next step starts early] never ran again, and
+    # ``host_updated`` skipped them -- so after an OffloadOptimizer step the next forward read the copy
+    # fetched before the step: silently stale parameters (a tied embedding, used first and last, showed it;
+    # tests/torch/test_abandoned_step_combinations.py). The handle is driven from one thread and a backward
+    # runs to its end before the thread that called it goes on, so a task still recorded when that thread
+    # is outside any backward and any module call (a top-level forward begins, ``host_updated``,
+    # ``release``) belongs to a backward that raised: it is ended there, as if it had returned.
+    def _forget_failed_backwards(self) -> None:
+        """End the backward tasks that raised (Note [A backward that raised leaves its task behind])."""
+        if self._frames or _graph_task_id() >= 0 or threading.current_thread() is not self._thread:
+            return
+        for task in list(self._tasks):
+            self._backward_done(task)
 
     def _backward_done(self, task: int) -> None:
         self._tasks.discard(task)
@@ -1447,6 +1467,8 @@ class ParameterOffloadHandle:
         exception, or to read device memory between steps). Called automatically after ``optimizer.step()``."""
         if self._frames:
             return
+        if self._tasks:
+            self._forget_failed_backwards()
         self._end_step()
         self._release_outside()
         for slot in self._slots:
@@ -1491,7 +1513,7 @@ class ParameterOffloadHandle:
             slot.outside = False
             slot.dirty = False
             slot.version = slot.vref._version
-        self.release()
+        self.release()  # ends a backward that raised too (Note [A backward that raised leaves its task behind])
         for slot in self._slots:
             if slot.resident and not (slot.pins or slot.bwd_tasks):
                 if slot.event is not None:

@@ -154,3 +154,37 @@ def test_steps_under_backward_need_offloaded_gradients(make_fake_device: Any) ->
                 pass
         finally:
             opt.close()
+
+
+def test_zero_grad_restarts_the_count_of_accumulation_steps(make_fake_device: Any) -> None:
+    """accumulation_steps=3 (Note [Host step rounds]): a micro-step abandoned after the first one, then
+    zero_grad() and the round retried from the start. The count restarts with the gradients: the host step
+    runs over the three retried micro-steps, as SGD over their sum; before, the retry's second micro-step was
+    counted third, stepped over two micro-steps, and the third was refused."""
+    import offcore_torch
+
+    dev = make_fake_device()
+    model = MLP.build(0)
+    with dev:
+        dev.adopt(model)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.SGD, device=dev, lr=0.1, accumulation_steps=3
+        )
+        try:
+            MLP.loss(model, MLP.make_batch(100, torch.device("cpu"))).backward()  # the round that is given up
+            opt.zero_grad()
+            before = [opt.master(p).clone() for p in model.parameters()]
+            summed: list[torch.Tensor] = []
+            for micro in range(3):
+                with dev.host_work():
+                    reference = MLP.build(0)
+                    reference.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+                    MLP.loss(reference, MLP.make_batch(micro, torch.device("cpu"))).backward()
+                    grads = [p.grad.clone() for p in reference.parameters()]
+                    summed = grads if not summed else [s + g for s, g in zip(summed, grads, strict=True)]
+                MLP.loss(model, MLP.make_batch(micro, torch.device("cpu"))).backward()
+            opt.step()
+            for b, p, g in zip(before, model.parameters(), summed, strict=True):
+                assert torch.equal(opt.master(p), b.add(g, alpha=-0.1))  # SGD's own arithmetic
+        finally:
+            opt.close()

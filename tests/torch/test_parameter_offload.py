@@ -363,6 +363,53 @@ def test_no_leak_after_an_exception_mid_forward(make_fake_device: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_no_leak_after_an_exception_mid_backward(make_fake_device: Any) -> None:
+    """Note [A backward that raised leaves its task behind]: the copies a backward that raised had fetched
+    were kept for its end, which never came -- device memory held until remove()."""
+
+    class BadBatch(Exception):
+        pass
+
+    def raise_in_backward(grad: torch.Tensor) -> None:
+        raise BadBatch("a bad batch")
+
+    def raise_from_here(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(raise_in_backward)
+
+    def steps(dev: Any, offload: bool, fail: bool) -> list[torch.Tensor]:
+        with dev:
+            model = _gpt(dropout=0.0)()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            handle = offload_parameters(model, dev) if offload else None
+            out = []
+            for step in range(3):
+                if fail and step == 1:
+                    assert handle is not None
+                    middle = model.blocks[0].register_forward_hook(raise_from_here)
+                    with pytest.raises(BadBatch):
+                        _gpt_loss(model, 1000).backward()  # the head's and the tied embedding's copies fetched
+                    middle.remove()
+                    opt.zero_grad()
+                    gc.collect()
+                loss = _gpt_loss(model, step)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.detach().clone())
+                if fail and step == 1:
+                    assert handle is not None
+                    handle.release()
+                    assert handle.stats().device_bytes == 0  # was the tied embedding's copy, kept for good
+            if handle is not None:
+                handle.remove()
+            out += [p.detach().clone() for p in model.parameters()]
+            return out
+
+    want = steps(make_fake_device(), False, False)
+    got = steps(make_fake_device(link="slow"), True, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_remove_restores_everything_bit_identically(make_fake_device: Any) -> None:
     dev = make_fake_device(link="slow")
     with dev:

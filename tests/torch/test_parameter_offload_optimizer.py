@@ -62,6 +62,7 @@ def _train(
     steps: int = 4,
     accumulation_steps: int | None = None,
     offload_kwargs: dict[str, Any] | None = None,
+    backward_raises_at: int | None = None,
 ) -> list[torch.Tensor]:
     cls, kwargs = OPTIMIZERS[optimizer]
     with dev:
@@ -81,6 +82,9 @@ def _train(
         )
         out = []
         for step in range(steps):
+            if step == backward_raises_at:
+                _backward_that_raises(model, step)
+                opt.zero_grad()  # the loop drops the bad batch and goes on
             if activations:
                 with offcore_torch.offload_activations(dev, min_bytes="1KiB"):
                     loss = _loss(model, step)
@@ -109,10 +113,43 @@ def _train(
         return out + [p.detach().clone() for p in model.parameters()] + masters + states
 
 
+class _BadBatch(Exception):
+    pass
+
+
+def _backward_that_raises(model: torch.nn.Module, step: int) -> None:
+    """A bad batch whose backward raises halfway: after the head's gradients (the tied embedding's copy was
+    fetched for them), before the first block's."""
+
+    def raise_in_backward(grad: torch.Tensor) -> None:
+        raise _BadBatch("a bad batch")
+
+    def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(raise_in_backward)
+
+    blocks = [m for m in model.modules() if type(m).__name__ == "GPTBlock"]
+    removable = blocks[len(blocks) // 2].register_forward_hook(hook)
+    try:
+        _loss(model, 1000 + step).backward()
+    except _BadBatch:
+        pass
+    finally:
+        removable.remove()
+
+
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("params_on_host", [None, False], ids=["host-copies", "own-masters"])
+def test_a_backward_that_raised_leaves_no_stale_parameter(make_fake_device: Any, params_on_host: Any) -> None:
+    """Note [A backward that raised leaves its task behind]: the copies the failed backward fetched were kept
+    for its end, which never came, and the step after it read the tied embedding's pre-step copy."""
+    want = _train(make_fake_device(), _tiny_gpt, offload=True, params_on_host=params_on_host)
+    got = _train(make_fake_device(), _tiny_gpt, offload=True, params_on_host=params_on_host, backward_raises_at=1)
+    _same(got, want)
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
