@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -661,19 +661,20 @@ class ParameterOffloadHandle:
             slot.resident = False
         self.ledger.reset_step()
 
-    def _acquire_host(self, slot: _Slot, *, reclaim: bool) -> bool:
-        """A staging buffer for ``slot``; with ``reclaim``, buffers no use needs now are given back first
-        when the pool is full (False: no room)."""
+    def _acquire_host(self, slot: _Slot, *, reclaim: bool, keep: Collection[_Slot] = ()) -> bool:
+        """A staging buffer for ``slot``; with ``reclaim``, buffers no use needs now (none of ``keep``) are
+        given back first when the pool is full (False: no room)."""
         try:
             buffer = self._pool.acquire(slot.nbytes)
         except CapacityExceededError:
             if not reclaim:
                 return False
-            self._reclaim_host(keep=slot)
+            kept = (slot, *keep)
+            self._reclaim_host(keep=kept)
             try:
                 buffer = self._pool.acquire(slot.nbytes)
             except CapacityExceededError:
-                self._reclaim_host(keep=slot, stages=True)  # the stages in flight go too (read again later)
+                self._reclaim_host(keep=kept, stages=True)  # the stages in flight go too (read again later)
                 buffer = self._pool.acquire(slot.nbytes)  # only the storages in use hold buffers now
         slot.host = buffer
         slot.host_view = buffer.view
@@ -697,7 +698,9 @@ class ParameterOffloadHandle:
         """The host copies of ``slots`` in host memory (read from NVMe on demand, or the stage awaited)."""
         for slot in slots:
             if slot.host is None:
-                self._acquire_host(slot, reclaim=True)
+                # the others of the list are not pinned yet (a module's pre-hook pins after its copies): a
+                # full pool must not give back the buffers this call just filled or awaits
+                self._acquire_host(slot, reclaim=True, keep=slots)
                 self._start_read(slot)
         for slot in slots:
             self._finish_read(slot)
@@ -722,17 +725,18 @@ class ParameterOffloadHandle:
         slot.host = None
         slot.host_view = None
 
-    def _reclaim_host(self, keep: _Slot | None = None, *, stages: bool = False) -> None:
-        """Give back every staging buffer no use holds now (their data stays on NVMe); ``stages``: those of
-        the stages in flight too (the scheduler offers them again)."""
+    def _reclaim_host(self, keep: Collection[_Slot] = (), *, stages: bool = False) -> None:
+        """Give back every staging buffer no use holds now and not of ``keep`` (their data stays on NVMe);
+        ``stages``: those of the stages in flight too (the scheduler offers them again)."""
         step = self._step
         if stages and step is not None:
             for key in list(step.staging):
                 del step.staging[key]
                 step.rs.stage_failed(key)
         staged = {id(s) for slots in step.staging.values() for s in slots} if step is not None else set()
+        staged.update(id(s) for s in keep)  # and those the caller is filling
         for slot in self._slots:
-            if slot.host is not None and slot is not keep and not slot.pins and id(slot) not in staged:
+            if slot.host is not None and not slot.pins and id(slot) not in staged:
                 self._release_host(slot)
 
     def _stage(self, step: _Step, key: int) -> bool:

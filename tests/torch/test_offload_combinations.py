@@ -6,7 +6,8 @@ optionally with checkpointed blocks; a CNN with in-place ops and views; an MLP),
 device budget), the optimizer (torch's fused AdamW on the device, or OffloadOptimizer with offloaded or
 device gradients, steps at ``step()`` or under backward), micro-steps per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
 NVMe tier for every kind offloaded, one device budget shared by the kinds, buffers streamed with the
-parameters, gradient clipping, and ``zero_grad(set_to_none=)``. Three
+parameters, gradient clipping, ``zero_grad(set_to_none=)``, the forward under ``torch.autocast``
+(bf16), a validation forward between steps (``eval()``, ``no_grad``), and a smaller last batch. Three
 optimizer steps on the sanitized fake device must give the same losses, parameters and optimizer
 state, bit for bit, as the same training with nothing offloaded and the same optimizer: torch's on the
 device, or for OffloadOptimizer the same host optimizer over host copies (fp32 masters for bf16). The draws are
@@ -62,6 +63,9 @@ combinations = st.fixed_dictionaries(
         "buffers": st.booleans(),
         "clip": st.sampled_from([None, 0.05]),
         "set_to_none": st.booleans(),
+        "autocast": st.booleans(),
+        "evaluate": st.booleans(),
+        "smaller_last_batch": st.booleans(),
     }
 )
 
@@ -109,10 +113,8 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             for step in range(STEPS):
                 for micro in range(drawn["micro_steps"]):
                     index = step * drawn["micro_steps"] + micro
-                    batch = tuple(
-                        b.to(torch.bfloat16) if bf16 and b.is_floating_point() else b
-                        for b in work.make_batch(index, torch.device("cpu"))
-                    )
+                    smaller = drawn["smaller_last_batch"] and step == STEPS - 1  # an epoch's last batch
+                    batch = _batch(work, index, bf16=bf16, smaller=smaller)
                     torch.manual_seed(index)  # the same dropout masks in both runs
                     region = (
                         offcore_torch.offload_activations(
@@ -121,7 +123,10 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                         if offload and drawn["activations"] is not None
                         else contextlib.nullcontext()
                     )
-                    with region as entered:
+                    autocast = (
+                        torch.autocast("cpu", dtype=torch.bfloat16) if drawn["autocast"] else contextlib.nullcontext()
+                    )
+                    with region as entered, autocast:
                         loss = work.loss(model, batch)
                     loss.backward()
                     losses.append(loss.detach().clone())
@@ -139,6 +144,11 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                         norms.append(offcore_torch.clip_grad_norm_(opt, drawn["clip"]))
                 opt.step()
                 opt.zero_grad(set_to_none=drawn["set_to_none"])
+                if drawn["evaluate"]:  # a validation batch between steps: eval mode, no gradients
+                    model.eval()
+                    with torch.no_grad():
+                        losses.append(work.loss(model, _batch(work, 100 + step, bf16=bf16, smaller=False)))
+                    model.train()
             if isinstance(opt, HostReference):
                 state = opt.opt.state_dict()["state"]
             else:
@@ -164,6 +174,13 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
         finish_device(device)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _batch(work: Workload, index: int, *, bf16: bool, smaller: bool) -> tuple[torch.Tensor, ...]:
+    batch = work.make_batch(index, torch.device("cpu"))
+    if smaller:
+        batch = tuple(b[: max(1, len(b) // 2)].clone() for b in batch)
+    return tuple(b.to(torch.bfloat16) if bf16 and b.is_floating_point() else b for b in batch)
 
 
 @derandomized(max_examples=60)
