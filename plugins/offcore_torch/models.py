@@ -34,6 +34,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -211,11 +212,16 @@ class TinyGPT(nn.Module):
         torch.Size([2, 8, 32])
     """
 
-    def __init__(self, cfg: GPTConfig | None = None, *, seed: int = 0, checkpoint_blocks: bool = False) -> None:
+    def __init__(
+        self, cfg: GPTConfig | None = None, *, seed: int = 0, checkpoint_blocks: bool | Literal["reentrant"] = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg = cfg or GPTConfig()
+        if checkpoint_blocks not in (False, True, "reentrant"):
+            raise ValueError(f'checkpoint_blocks must be False, True or "reentrant", got {checkpoint_blocks!r}')
         self.checkpoint_blocks = checkpoint_blocks
-        """Recompute each block in backward (``torch.utils.checkpoint``, non-reentrant)."""
+        """Recompute each block in backward (``torch.utils.checkpoint``: non-reentrant for True, the
+        reentrant implementation for ``"reentrant"``)."""
         with seeded(seed):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -247,7 +253,7 @@ class TinyGPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant")
             else:
                 x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -371,11 +377,16 @@ def mlp_workload(
 
 
 def gpt_workload(
-    cfg: GPTConfig | None = None, *, batch_size: int = 4, data_seed: int = 0, checkpoint_blocks: bool = False
+    cfg: GPTConfig | None = None,
+    *,
+    batch_size: int = 4,
+    data_seed: int = 0,
+    checkpoint_blocks: bool | Literal["reentrant"] = False,
 ) -> Workload:
     """:class:`TinyGPT` predicting the next token of random token sequences.
 
-    ``checkpoint_blocks=True`` recomputes every block in backward (activation checkpointing).
+    ``checkpoint_blocks=True`` recomputes every block in backward (activation checkpointing;
+    ``"reentrant"``: torch's reentrant implementation).
     """
     config = cfg or GPTConfig()
 

@@ -43,6 +43,7 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
 _GPT = GPTConfig(vocab_size=48, d_model=32, n_heads=2, n_layers=2, seq_len=12, dropout=0.1)
 WORKLOADS: dict[str, Workload] = {
     "gpt": gpt_workload(_GPT, batch_size=2),
+    "gpt-reentrant": gpt_workload(_GPT, batch_size=2, checkpoint_blocks="reentrant"),
     "cnn": cnn_workload(width=8, image_size=8, batch_size=4),
     "mlp": mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=16),
 }

@@ -1,10 +1,11 @@
 """Every kind offloaded at once, in combinations hypothesis draws: bit-identical to training without offload.
 
 The other suites compose two features at a time. Here one draw picks a model (TinyGPT with dropout,
-optionally with checkpointed blocks; a CNN with in-place ops and views; an MLP), activation offload
-(off, on demand or by deadline, with a minimum size), parameter offload (off or on, with or without a
-device budget), the optimizer (torch's fused AdamW on the device, or OffloadOptimizer with offloaded or
-device gradients, steps at ``step()`` or under backward), micro-steps per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
+optionally with checkpointed blocks, non-reentrant or reentrant; a CNN with in-place ops and views; an
+MLP), activation offload (off, on demand or by deadline, with a minimum size), parameter offload (off or
+on, with or without a device budget), the optimizer (torch's fused AdamW on the device, or
+OffloadOptimizer with offloaded or device gradients, steps at ``step()`` or under backward), micro-steps
+per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
 NVMe tier for every kind offloaded, one device budget shared by the kinds, buffers streamed with the
 parameters, gradient clipping, ``zero_grad(set_to_none=)``, the forward under ``torch.autocast``
 (bf16), a validation forward between steps (``eval()``, ``no_grad``), and a smaller last batch. Three
@@ -44,6 +45,7 @@ _GPT = GPTConfig(vocab_size=48, d_model=32, n_heads=2, n_layers=2, seq_len=12, d
 WORKLOADS: dict[str, Workload] = {
     "gpt": gpt_workload(_GPT, batch_size=2),
     "gpt-checkpointed": gpt_workload(_GPT, batch_size=2, checkpoint_blocks=True),
+    "gpt-reentrant": gpt_workload(_GPT, batch_size=2, checkpoint_blocks="reentrant"),
     "cnn": cnn_workload(width=8, image_size=8, batch_size=4),
     "mlp": mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=16),  # saves 2 KiB tensors
 }
