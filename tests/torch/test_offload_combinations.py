@@ -8,7 +8,8 @@ OffloadOptimizer with offloaded or device gradients, steps at ``step()`` or unde
 per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
 NVMe tier for every kind offloaded, one device budget shared by the kinds, buffers streamed with the
 parameters, gradient clipping, ``zero_grad(set_to_none=)``, the forward under ``torch.autocast``
-(bf16), a validation forward between steps (``eval()``, ``no_grad``), and a smaller last batch. Three
+(bf16), a validation forward between steps (``eval()``, ``no_grad``), a smaller last batch, and a frozen
+teacher (distillation: a second model, offloaded too, under ``no_grad`` in every micro-step). Three
 optimizer steps on the sanitized fake device must give the same losses, parameters and optimizer
 state, bit for bit, as the same training with nothing offloaded and the same optimizer: torch's on the
 device, or for OffloadOptimizer the same host optimizer over host copies (fp32 masters for bf16). The draws are
@@ -68,6 +69,7 @@ combinations = st.fixed_dictionaries(
         "autocast": st.booleans(),
         "evaluate": st.booleans(),
         "smaller_last_batch": st.booleans(),
+        "frozen_teacher": st.booleans(),
     }
 )
 
@@ -91,6 +93,12 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             if offload and drawn["parameters"] is not None:
                 budget = "4KiB" if drawn["parameters"] == "tight" else None
                 handle = offload_parameters(model, device, budget=budget, buffers=drawn["buffers"], **tier)
+            teacher, teacher_handle = None, None
+            if drawn["frozen_teacher"]:  # distillation: a second, frozen model run under no_grad each micro-step
+                teacher = device.adopt(work.build(1).to(torch.bfloat16 if bf16 else torch.float32)).eval()
+                teacher.requires_grad_(False)
+                if offload and drawn["parameters"] is not None:
+                    teacher_handle = offload_parameters(teacher, device, **tier)
             if kind == "device":  # torch's optimizer on the device parameters, in both runs
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
             elif not offload:  # the same host optimizer, masters for bf16, nothing offloaded
@@ -130,6 +138,10 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     )
                     with region as entered, autocast:
                         loss = work.loss(model, batch)
+                        if teacher is not None:
+                            with torch.no_grad():
+                                teacher_loss = work.loss(teacher, batch)
+                            loss = loss + 0.5 * teacher_loss
                     loss.backward()
                     losses.append(loss.detach().clone())
                     if entered is not None:
@@ -166,6 +178,9 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                 moved["gradients"] = opt.ledger.bytes(Tier.PINNED, Kind.GRADIENT)
             if handle is not None:
                 handle.remove()
+            if teacher_handle is not None:
+                moved["parameters"] = min(moved["parameters"], teacher_handle.stats().h2d_copies)
+                teacher_handle.remove()
             if offload and kind != "device":
                 opt.close()
         return {"losses": losses, "norms": norms, "params": params, "state": state, "moved": moved}
