@@ -72,8 +72,12 @@ class HostReference:
                 m.grad.add_(p.grad)
             p.grad = None
 
-    def step(self) -> None:
-        self.opt.step()
+    def step(self, *, scaler: Any = None) -> None:
+        """One step over the masters (through ``scaler.step`` when given: fp16 loss scaling), copied back."""
+        if scaler is not None:
+            scaler.step(self.opt)
+        else:
+            self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)

@@ -5,7 +5,8 @@ optionally with checkpointed blocks, non-reentrant or reentrant; a CNN with in-p
 MLP), activation offload (off, on demand or by deadline, with a minimum size), parameter offload (off or
 on, with or without a device budget), the optimizer (torch's fused AdamW on the device, or
 OffloadOptimizer with offloaded or device gradients, steps at ``step()`` or under backward), micro-steps
-per step, the link, bf16 parameters (fp32 masters on the host for OffloadOptimizer), the
+per step, the link, the precision (bf16 parameters with fp32 masters on the host for OffloadOptimizer, or
+fp16 with loss scaling: OffloadGradScaler, torch's GradScaler for the reference), the
 NVMe tier for every kind offloaded, one device budget shared by the kinds, buffers streamed with the
 parameters, gradient clipping, ``zero_grad(set_to_none=)``, the forward under ``torch.autocast``
 (bf16), a validation forward between steps (``eval()``, ``no_grad``), a smaller last batch, and a frozen
@@ -29,7 +30,7 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 
 import offcore_torch  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import assume, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
@@ -60,7 +61,7 @@ combinations = st.fixed_dictionaries(
         "optimizer": st.sampled_from(["device", "offload", "offload-device-grads", "offload-under-backward"]),
         "micro_steps": st.integers(1, 2),
         "link": st.sampled_from(["unlimited", "slow"]),
-        "bf16": st.booleans(),
+        "precision": st.sampled_from(["fp32", "bf16", "fp16-scaler"]),
         "nvme": st.booleans(),
         "shared_budget": st.sampled_from([None, "24KiB"]),
         "buffers": st.booleans(),
@@ -77,7 +78,9 @@ combinations = st.fixed_dictionaries(
 def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
     work = WORKLOADS[drawn["model"]]
     kind = drawn["optimizer"]
-    bf16 = drawn["bf16"]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16-scaler": torch.float16}[drawn["precision"]]
+    masters = dtype is not torch.float32
+    scaling = drawn["precision"] == "fp16-scaler"
     device = fake_device(link=drawn["link"] if offload else "unlimited")
     nvme = offload and drawn["nvme"]
     directory = tempfile.mkdtemp(prefix="offcore-combinations-") if nvme else None
@@ -88,14 +91,14 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             if offload and drawn["shared_budget"] is not None:
                 offcore_torch.device_budget(device, drawn["shared_budget"])
             tier = {"tier": "nvme"} if nvme else {}
-            model = device.adopt(work.build(0).to(torch.bfloat16 if bf16 else torch.float32))
+            model = device.adopt(work.build(0).to(dtype))
             handle = None
             if offload and drawn["parameters"] is not None:
                 budget = "4KiB" if drawn["parameters"] == "tight" else None
                 handle = offload_parameters(model, device, budget=budget, buffers=drawn["buffers"], **tier)
             teacher, teacher_handle = None, None
             if drawn["frozen_teacher"]:  # distillation: a second, frozen model run under no_grad each micro-step
-                teacher = device.adopt(work.build(1).to(torch.bfloat16 if bf16 else torch.float32)).eval()
+                teacher = device.adopt(work.build(1).to(dtype)).eval()
                 teacher.requires_grad_(False)
                 if offload and drawn["parameters"] is not None:
                     teacher_handle = offload_parameters(teacher, device, **tier)
@@ -103,14 +106,18 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
             elif not offload:  # the same host optimizer, masters for bf16, nothing offloaded
                 opt = HostReference(
-                    model, torch.optim.AdamW, ADAMW, master_weights=bf16, sum_on_device=kind == "offload-device-grads"
+                    model,
+                    torch.optim.AdamW,
+                    ADAMW,
+                    master_weights=masters,
+                    sum_on_device=kind == "offload-device-grads",
                 )
             else:
                 opt = offcore_torch.OffloadOptimizer(
                     model.parameters(),
                     torch.optim.AdamW,
                     device=device,
-                    master_weights=bf16,
+                    master_weights=masters,
                     offload_gradients=kind != "offload-device-grads",
                     accumulation_steps=drawn["micro_steps"] if kind == "offload-under-backward" else None,
                     # parameters on NVMe have no host copy to step in place: the optimizer keeps masters of its own
@@ -118,13 +125,21 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     **tier,
                     **ADAMW,
                 )
-            losses, norms = [], []
+            scaler: Any = None  # fp16: loss scaling, steps with an inf/NaN gradient skipped
+            if scaling:
+                # the first step overflows (every loss here * 2^20 > fp16's 65504) and is skipped, the scale
+                # drops to 2^10, the next ones step and the scale grows again after two
+                options = {"init_scale": 2.0**20, "backoff_factor": 2.0**-10, "growth_interval": 2}
+                scaler = (
+                    offcore_torch.OffloadGradScaler(**options) if offload else torch.amp.GradScaler("cpu", **options)
+                )
+            losses, norms, scales = [], [], []
             moved = {"activations": 0, "parameters": 0, "gradients": 0}
             for step in range(STEPS):
                 for micro in range(drawn["micro_steps"]):
                     index = step * drawn["micro_steps"] + micro
                     smaller = drawn["smaller_last_batch"] and step == STEPS - 1  # an epoch's last batch
-                    batch = _batch(work, index, bf16=bf16, smaller=smaller)
+                    batch = _batch(work, index, dtype=dtype, smaller=smaller)
                     torch.manual_seed(index)  # the same dropout masks in both runs
                     region = (
                         offcore_torch.offload_activations(
@@ -142,13 +157,15 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                             with torch.no_grad():
                                 teacher_loss = work.loss(teacher, batch)
                             loss = loss + 0.5 * teacher_loss
-                    loss.backward()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
                     losses.append(loss.detach().clone())
                     if entered is not None:
                         moved["activations"] += entered.stats().offloaded_bytes
                     if isinstance(opt, HostReference):
                         opt.accumulate(last=micro == drawn["micro_steps"] - 1)
                 # clipping needs every gradient before any host step: not with steps under backward
+                if scaler is not None and drawn["clip"] is not None:  # clipping reads unscaled gradients
+                    scaler.unscale_(opt.opt if isinstance(opt, HostReference) else opt)
                 if drawn["clip"] is not None and kind != "offload-under-backward":
                     if isinstance(opt, HostReference):
                         norms.append(torch.nn.utils.clip_grad_norm_(opt.masters, drawn["clip"]))
@@ -156,12 +173,20 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), drawn["clip"]))
                     else:
                         norms.append(offcore_torch.clip_grad_norm_(opt, drawn["clip"]))
-                opt.step()
+                if scaler is None:
+                    opt.step()
+                elif isinstance(opt, HostReference):
+                    opt.step(scaler=scaler)
+                else:
+                    scaler.step(opt)
+                if scaler is not None:
+                    scaler.update()
+                    scales.append(scaler.get_scale())
                 opt.zero_grad(set_to_none=drawn["set_to_none"])
                 if drawn["evaluate"]:  # a validation batch between steps: eval mode, no gradients
                     model.eval()
                     with torch.no_grad():
-                        losses.append(work.loss(model, _batch(work, 100 + step, bf16=bf16, smaller=False)))
+                        losses.append(work.loss(model, _batch(work, 100 + step, dtype=dtype, smaller=False)))
                     model.train()
             if isinstance(opt, HostReference):
                 state = opt.opt.state_dict()["state"]
@@ -183,7 +208,7 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                 teacher_handle.remove()
             if offload and kind != "device":
                 opt.close()
-        return {"losses": losses, "norms": norms, "params": params, "state": state, "moved": moved}
+        return {"losses": losses, "norms": norms, "scales": scales, "params": params, "state": state, "moved": moved}
     finally:
         offcore_torch.device_budget(device, None)
         if nvme:
@@ -193,20 +218,25 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _batch(work: Workload, index: int, *, bf16: bool, smaller: bool) -> tuple[torch.Tensor, ...]:
+def _batch(work: Workload, index: int, *, dtype: torch.dtype, smaller: bool) -> tuple[torch.Tensor, ...]:
     batch = work.make_batch(index, torch.device("cpu"))
     if smaller:
         batch = tuple(b[: max(1, len(b) // 2)].clone() for b in batch)
-    return tuple(b.to(torch.bfloat16) if bf16 and b.is_floating_point() else b for b in batch)
+    return tuple(b.to(dtype) if b.is_floating_point() else b for b in batch)
 
 
 @derandomized(max_examples=60)
 @given(drawn=combinations)
 def test_every_combination_is_bit_identical_to_no_offload(drawn: dict[str, Any]) -> None:
+    # loss scaling needs every gradient before any step (docs/optimizer-offload.md): not with steps under backward;
+    # torch's GradScaler refuses fp16 gradients of an optimizer on fp16 parameters (no masters): not on the device
+    assume(not (drawn["precision"] == "fp16-scaler" and drawn["optimizer"] in ("offload-under-backward", "device")))
+    assume(not (drawn["precision"] == "fp16-scaler" and drawn["autocast"]))  # bf16 autocast over fp16: torch refuses
     want = _train(drawn, offload=False)
     got = _train(drawn, offload=True)
     assert_same(got["losses"], want["losses"], "losses")
     assert_same(got["norms"], want["norms"], "clip norms")
+    assert_same(got["scales"], want["scales"], "loss scales")
     assert_same(got["params"], want["params"], "params")
     assert_same(got["state"], want["state"], "optimizer state")
     # what was drawn really moved (a combination that offloads nothing would pass trivially)
