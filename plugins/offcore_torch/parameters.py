@@ -733,10 +733,10 @@ class ParameterOffloadHandle:
             for key in list(step.staging):
                 del step.staging[key]
                 step.rs.stage_failed(key)
-        staged = {id(s) for slots in step.staging.values() for s in slots} if step is not None else set()
-        staged.update(id(s) for s in keep)  # and those the caller is filling
+        spared = {id(s) for slots in step.staging.values() for s in slots} if step is not None else set()
+        spared.update(id(s) for s in keep)  # and those the caller is filling
         for slot in self._slots:
-            if slot.host is not None and not slot.pins and id(slot) not in staged:
+            if slot.host is not None and not slot.pins and id(slot) not in spared:
                 self._release_host(slot)
 
     def _stage(self, step: _Step, key: int) -> bool:

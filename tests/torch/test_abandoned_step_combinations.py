@@ -207,7 +207,7 @@ def _micro_step(
 
 
 @pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
-@derandomized(max_examples=50)
+@derandomized(max_examples=30)
 @given(drawn=abandoned)
 def test_an_abandoned_step_changes_nothing_and_leaks_nothing(drawn: dict[str, Any]) -> None:
     assume(drawn["micro_step"] < drawn["micro_steps"])
