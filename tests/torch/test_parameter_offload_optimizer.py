@@ -277,3 +277,51 @@ def test_params_on_host_misuse(make_fake_device: Any) -> None:
             )
         handle2.remove()
         handle.remove()
+
+
+@pytest.mark.parametrize("handle", [False, True], ids=["params-on-device", "offload_parameters"])
+@pytest.mark.parametrize("under_backward", [False, True], ids=["steps-at-step", "steps-under-backward"])
+def test_two_offload_optimizers_over_one_model(make_fake_device: Any, handle: bool, under_backward: bool) -> None:
+    """Two OffloadOptimizers on one device (the blocks with AdamW, the rest with SGD and momentum, as a user
+    gives modules their own optimizer), with activation offload and a slow link: bit-identical to the same two
+    torch optimizers without offload. They share the device's streams and pools and, with a handle, both step
+    its host copies."""
+
+    def train(dev: Any, offload: bool) -> list[torch.Tensor]:
+        with dev:
+            model = _tiny_gpt()
+            params_handle = offload_parameters(model, dev) if offload and handle else None
+            blocks = [p for n, p in model.named_parameters() if n.startswith("blocks")]
+            rest = [p for n, p in model.named_parameters() if not n.startswith("blocks")]
+            if offload:
+                first: Any = offcore_torch.OffloadOptimizer(
+                    blocks, torch.optim.AdamW, device=dev, lr=1e-2, accumulation_steps=1 if under_backward else None
+                )
+                second: Any = offcore_torch.OffloadOptimizer(rest, torch.optim.SGD, device=dev, lr=1e-1, momentum=0.9)
+            else:
+                first, second = torch.optim.AdamW(blocks, lr=1e-2), torch.optim.SGD(rest, lr=1e-1, momentum=0.9)
+            out = []
+            for step in range(3):
+                if offload:
+                    with offcore_torch.offload_activations(dev, min_bytes="1KiB"):
+                        loss = _loss(model, step)
+                else:
+                    loss = _loss(model, step)
+                loss.backward()
+                first.step()
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+                out.append(loss.detach().clone())
+            if offload:
+                first.synchronize()
+                second.synchronize()
+            out += [p.detach().clone() for p in model.parameters()]
+            if params_handle is not None:
+                params_handle.remove()
+            if offload:
+                first.close()
+                second.close()
+            return out
+
+    _same(train(make_fake_device(link="slow"), True), train(make_fake_device(), False))
