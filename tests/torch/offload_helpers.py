@@ -63,6 +63,38 @@ def pool_used_bytes(device: Any) -> int:
     return sum(pool.used_bytes for pool in runtime_for(device).pools)
 
 
+def memory_levels(device: Any) -> dict[str, int]:
+    """Device bytes and pageable bytes by the device's accounting, and the bytes offcore's pinned pools have
+    handed out (a pool keeps its reservation for the next step, as a caching allocator does:
+    tests/torch/test_offload_leaks.py measures the same)."""
+    stats = device.memory_stats()
+    levels = {key: int(stats.get(key, 0)) for key in ("allocated_bytes", "pageable_bytes")}
+    levels["pinned pool in use"] = pool_used_bytes(device)
+    return levels
+
+
+class BadBatch(Exception):
+    """What a test's bad batch raises: the user's error, never offcore's."""
+
+
+@contextlib.contextmanager
+def backward_raises_after(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, a backward raises :class:`BadBatch` once it reaches ``module``'s output: it fails halfway, after
+    the gradients of what the forward ran later. (A tensor hook: not for outputs that ops modify in place.)"""
+
+    def raise_in_backward(grad: torch.Tensor) -> None:
+        raise BadBatch("a bad batch: the backward raises")
+
+    def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(raise_in_backward)
+
+    removable = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        removable.remove()
+
+
 def same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from offcore_torch.models import GPTConfig, SmallCNN, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.parameters import OffloadedParameter, offload_parameters  # noqa: E402
+from offload_helpers import BadBatch, backward_raises_after  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
@@ -367,15 +368,6 @@ def test_no_leak_after_an_exception_mid_backward(make_fake_device: Any) -> None:
     """Note [A backward that raised leaves its task behind]: the copies a backward that raised had fetched
     were kept for its end, which never came -- device memory held until remove()."""
 
-    class BadBatch(Exception):
-        pass
-
-    def raise_in_backward(grad: torch.Tensor) -> None:
-        raise BadBatch("a bad batch")
-
-    def raise_from_here(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        output.register_hook(raise_in_backward)
-
     def steps(dev: Any, offload: bool, fail: bool) -> list[torch.Tensor]:
         with dev:
             model = _gpt(dropout=0.0)()
@@ -385,10 +377,8 @@ def test_no_leak_after_an_exception_mid_backward(make_fake_device: Any) -> None:
             for step in range(3):
                 if fail and step == 1:
                     assert handle is not None
-                    middle = model.blocks[0].register_forward_hook(raise_from_here)
-                    with pytest.raises(BadBatch):
+                    with backward_raises_after(model.blocks[0]), pytest.raises(BadBatch):
                         _gpt_loss(model, 1000).backward()  # the head's and the tied embedding's copies fetched
-                    middle.remove()
                     opt.zero_grad()
                     gc.collect()
                 loss = _gpt_loss(model, step)

@@ -9,6 +9,7 @@ public-API composition (one upload and one write-back per parameter per step), s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import offcore_torch  # noqa: E402
 from hf_models import small_causal_lm, transformers  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offload_helpers import BadBatch, backward_raises_after  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
 
@@ -113,28 +115,11 @@ def _train(
         return out + [p.detach().clone() for p in model.parameters()] + masters + states
 
 
-class _BadBatch(Exception):
-    pass
-
-
 def _backward_that_raises(model: torch.nn.Module, step: int) -> None:
     """A bad batch whose backward raises halfway: after the head's gradients (the tied embedding's copy was
     fetched for them), before the first block's."""
-
-    def raise_in_backward(grad: torch.Tensor) -> None:
-        raise _BadBatch("a bad batch")
-
-    def hook(module: Any, args: Any, output: torch.Tensor) -> None:
-        output.register_hook(raise_in_backward)
-
-    blocks = [m for m in model.modules() if type(m).__name__ == "GPTBlock"]
-    removable = blocks[len(blocks) // 2].register_forward_hook(hook)
-    try:
+    with backward_raises_after(model.blocks[len(model.blocks) // 2]), contextlib.suppress(BadBatch):
         _loss(model, 1000 + step).backward()
-    except _BadBatch:
-        pass
-    finally:
-        removable.remove()
 
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
