@@ -86,6 +86,24 @@ class HostReference:
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
+def offload_optimizer_of_kind(
+    kind: str, model: torch.nn.Module, device: Any, *, micro_steps: int, streamed_from_nvme: bool, **options: Any
+) -> offcore_torch.OffloadOptimizer:
+    """The combination suites' OffloadOptimizer (AdamW) of one drawn kind: ``"offload"`` (gradients offloaded,
+    steps at ``step()``), ``"offload-device-grads"`` (``offload_gradients=False``) or ``"offload-under-backward"``
+    (``accumulation_steps=micro_steps``). ``streamed_from_nvme``: offload_parameters streams the parameters from
+    NVMe, so there is no host copy to step in place and the optimizer keeps masters of its own."""
+    return offcore_torch.OffloadOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        device=device,
+        offload_gradients=kind != "offload-device-grads",
+        accumulation_steps=micro_steps if kind == "offload-under-backward" else None,
+        params_on_host=False if streamed_from_nvme else None,
+        **options,
+    )
+
+
 def place(model: torch.nn.Module, device: Any) -> torch.nn.Module:
     """The model on ``device``: adopted by the fake device (counted as its memory), moved elsewhere."""
     if getattr(device, "name", None) == "cpu":

@@ -34,8 +34,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
-from offload_helpers import pool_used_bytes  # noqa: E402
-from optimizer_offload_helpers import assert_same  # noqa: E402
+from offload_helpers import BadBatch, memory_levels  # noqa: E402
+from optimizer_offload_helpers import assert_same, offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 STEPS = 3
@@ -66,10 +66,6 @@ abandoned = st.fixed_dictionaries(
 )
 
 
-class _BadBatch(Exception):
-    """What the drawn module raises: the user's bad batch, never offcore's."""
-
-
 class _RaiseInBackward(torch.autograd.Function):
     """The identity whose backward raises: a backward that fails halfway (after the later modules' gradients)."""
 
@@ -79,14 +75,7 @@ class _RaiseInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise _BadBatch("a bad batch: the backward raises")
-
-
-def _levels(device: Any) -> dict[str, int]:
-    stats = device.memory_stats()
-    levels = {key: int(stats.get(key, 0)) for key in ("allocated_bytes", "pageable_bytes")}
-    levels["pinned pool in use"] = pool_used_bytes(device)
-    return levels
+        raise BadBatch("a bad batch: the backward raises")
 
 
 def _bad_attempt(drawn: dict[str, Any], work: Workload, model: torch.nn.Module, device: Any) -> None:
@@ -96,7 +85,7 @@ def _bad_attempt(drawn: dict[str, Any], work: Workload, model: torch.nn.Module, 
 
     def hook(module: Any, args: Any, output: Any) -> Any:
         if drawn["how"] == "forward-raises":
-            raise _BadBatch("a bad batch: the forward raises")
+            raise BadBatch("a bad batch: the forward raises")
         if drawn["how"] == "backward-raises" and isinstance(output, torch.Tensor) and output.requires_grad:
             return _RaiseInBackward.apply(output)
         return output
@@ -114,7 +103,7 @@ def _bad_attempt(drawn: dict[str, Any], work: Workload, model: torch.nn.Module, 
         if drawn["how"] == "backward-raises":
             loss.backward()
         del loss  # "no-backward": dropped; the others do not get here
-    except _BadBatch:
+    except BadBatch:
         pass
     finally:
         removable.remove()
@@ -134,7 +123,7 @@ def _train(drawn: dict[str, Any], *, bad: bool) -> dict[str, Any]:
             # one plain forward and backward first: what the model caches on its first call is not a leak
             work.loss(model, work.make_batch(0, torch.device("cpu"))).backward()
             model.zero_grad(set_to_none=True)
-            before = _levels(device)
+            before = memory_levels(device)
             handle = None
             if drawn["parameters"] is not None:
                 budget = "4KiB" if drawn["parameters"] == "tight" else None
@@ -142,13 +131,12 @@ def _train(drawn: dict[str, Any], *, bad: bool) -> dict[str, Any]:
             if kind == "device":
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
             else:
-                opt = offcore_torch.OffloadOptimizer(
-                    model.parameters(),
-                    torch.optim.AdamW,
-                    device=device,
-                    offload_gradients=kind != "offload-device-grads",
-                    accumulation_steps=drawn["micro_steps"] if kind == "offload-under-backward" else None,
-                    params_on_host=False if handle is not None and directory is not None else None,
+                opt = offload_optimizer_of_kind(
+                    kind,
+                    model,
+                    device,
+                    micro_steps=drawn["micro_steps"],
+                    streamed_from_nvme=handle is not None and directory is not None,
                     **tier,
                     **ADAMW,
                 )
@@ -179,7 +167,7 @@ def _train(drawn: dict[str, Any], *, bad: bool) -> dict[str, Any]:
             torch.autograd.backward(torch.zeros((), requires_grad=True))  # drops a failed backward's nodes
             gc.collect()
             offcore_torch.synchronize(device)
-            after = _levels(device)
+            after = memory_levels(device)
         return {"losses": losses, "params": params, "state": state, "before": before, "after": after}
     finally:
         finish_device(device)

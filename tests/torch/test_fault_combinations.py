@@ -33,7 +33,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
-from offload_helpers import pool_used_bytes  # noqa: E402
+from offload_helpers import memory_levels  # noqa: E402
+from optimizer_offload_helpers import offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 from offcore.errors import OffcoreError  # noqa: E402
@@ -60,16 +61,6 @@ faults = st.fixed_dictionaries(
 )
 
 
-def _levels(device: Any) -> dict[str, int]:
-    """Device bytes and pageable bytes by the device's accounting, and the bytes offcore's pinned pools have
-    handed out (a pool keeps its reservation for the next step, as a caching allocator does:
-    tests/torch/test_offload_leaks.py measures the same)."""
-    stats = device.memory_stats()
-    levels = {key: int(stats.get(key, 0)) for key in ("allocated_bytes", "pageable_bytes")}
-    levels["pinned pool in use"] = pool_used_bytes(device)
-    return levels
-
-
 def _offcore_caused(error: BaseException) -> bool:
     seen: BaseException | None = error
     while seen is not None:
@@ -93,17 +84,17 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
             # one plain forward and backward first: what the model caches on its first call is not a leak
             work.loss(model, work.make_batch(0, torch.device("cpu"))).backward()
             model.zero_grad(set_to_none=True)
-            before = _levels(device)
+            before = memory_levels(device)
             handle = offload_parameters(model, device, **tier) if drawn["parameters"] else None
             if kind == "device":
                 opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
             else:
-                opt = offcore_torch.OffloadOptimizer(
-                    model.parameters(),
-                    torch.optim.AdamW,
-                    device=device,
-                    accumulation_steps=1 if kind == "offload-under-backward" else None,
-                    params_on_host=False if handle is not None and directory is not None else None,
+                opt = offload_optimizer_of_kind(
+                    kind,
+                    model,
+                    device,
+                    micro_steps=1,
+                    streamed_from_nvme=handle is not None and directory is not None,
                     **tier,
                     **ADAMW,
                 )
@@ -148,7 +139,7 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
                 offcore_torch.nvme_tier(device, None)
             gc.collect()
             offcore_torch.synchronize(device)  # the copies offcore started land, what they held goes
-            after = _levels(device)
+            after = memory_levels(device)
         return error, before, after
     finally:
         finish_device(device)

@@ -36,7 +36,7 @@ from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
-from optimizer_offload_helpers import HostReference, assert_same  # noqa: E402
+from optimizer_offload_helpers import HostReference, assert_same, offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 from offcore.kinds import Kind, Tier  # noqa: E402
@@ -113,15 +113,13 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     sum_on_device=kind == "offload-device-grads",
                 )
             else:
-                opt = offcore_torch.OffloadOptimizer(
-                    model.parameters(),
-                    torch.optim.AdamW,
-                    device=device,
+                opt = offload_optimizer_of_kind(
+                    kind,
+                    model,
+                    device,
+                    micro_steps=drawn["micro_steps"],
+                    streamed_from_nvme=handle is not None and nvme,
                     master_weights=masters,
-                    offload_gradients=kind != "offload-device-grads",
-                    accumulation_steps=drawn["micro_steps"] if kind == "offload-under-backward" else None,
-                    # parameters on NVMe have no host copy to step in place: the optimizer keeps masters of its own
-                    params_on_host=False if handle is not None and nvme else None,
                     **tier,
                     **ADAMW,
                 )

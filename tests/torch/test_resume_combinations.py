@@ -33,7 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
 from offcore_torch.parameters import offload_parameters  # noqa: E402
-from optimizer_offload_helpers import assert_same  # noqa: E402
+from optimizer_offload_helpers import assert_same, offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 
 STEPS = 4
@@ -109,14 +109,13 @@ class _Run:
         if kind == "device":
             self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
             return
-        self.opt = offcore_torch.OffloadOptimizer(
-            self.model.parameters(),
-            torch.optim.AdamW,
-            device=self.device,
+        self.opt = offload_optimizer_of_kind(
+            kind,
+            self.model,
+            self.device,
+            micro_steps=drawn["micro_steps"],
+            streamed_from_nvme=self.handle is not None and drawn["nvme"],
             master_weights=drawn["precision"] != "fp32",
-            offload_gradients=kind != "offload-device-grads",
-            accumulation_steps=drawn["micro_steps"] if kind == "offload-under-backward" else None,
-            params_on_host=False if self.handle is not None and drawn["nvme"] else None,
             **tier,
             **ADAMW,
         )
