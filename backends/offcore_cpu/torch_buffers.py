@@ -80,13 +80,9 @@ class TorchBuffers:
         dst, src = match_layout(dst, src, TORCH)
         dst.copy_(src)
 
-    @torch.no_grad()
     def live(self, buffer: torch.Tensor) -> bool:
-        try:
-            _check_live(buffer, "buffer")
-        except Exception:
-            return False
-        return True
+        need, have = _bytes_needed_and_held(buffer)
+        return need <= have
 
     def poison(self, buffer: torch.Tensor) -> None:
         if not buffer.numel():
@@ -149,21 +145,25 @@ def _calibrate() -> tuple[int, int]:
 _SOLE_USES, _SOLE_HOLDERS = _calibrate()
 
 
-def _check_live(tensor: torch.Tensor, side: str) -> None:
-    """Refuse a copy whose buffer's storage no longer holds its bytes (freed or shrunk after the copy was
-    enqueued): a raw memmove there writes into freed memory (the process crashed), ``copy_`` reads a null
-    pointer. Raises :class:`~offcore_cpu.errors.FreedStorageError`; on a stream it surfaces at the next
-    synchronisation (Note [Failures on a worker stream])."""
+def _bytes_needed_and_held(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``tensor`` reaches, and the bytes the storage holds now."""
     numel = tensor.numel()
     if not numel:
-        return
+        return 0, 0
     if tensor.is_contiguous():
         extent = tensor.storage_offset() + numel
     else:
         reach = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
         extent = tensor.storage_offset() + 1 + reach
-    need = extent * tensor.element_size()
-    have = tensor.untyped_storage().nbytes()
+    return extent * tensor.element_size(), tensor.untyped_storage().nbytes()
+
+
+def _check_live(tensor: torch.Tensor, side: str) -> None:
+    """Refuse a copy whose buffer's storage no longer holds its bytes (freed or shrunk after the copy was
+    enqueued): a raw memmove there writes into freed memory (the process crashed), ``copy_`` reads a null
+    pointer. Raises :class:`~offcore_cpu.errors.FreedStorageError`; on a stream it surfaces at the next
+    synchronisation (Note [Failures on a worker stream])."""
+    need, have = _bytes_needed_and_held(tensor)
     if need > have:
         from offcore_cpu.errors import FreedStorageError
 
