@@ -254,6 +254,25 @@ class _AllocatedBytes:
         self.added = 0
 
 
+# Note [Activation copies in flight are capped]
+# A saved storage's device memory is held by offcore from its device-to-host copy's start until
+# the copy landed (Note [When may a device copy be freed?] in offcore.objects); then the region
+# drops it. When forward makes saved bytes faster than the link moves them, held storages pile up,
+# and the device peak would depend on the link's speed and the machine's load instead of being a
+# bound the user can plan for. ``max_inflight`` (policy; default 256 MiB, None: no cap) caps the
+# bytes of the device's activation copies in flight (``DeviceRuntime.d2h_bytes_in_flight``, all
+# regions of the device together): before starting a storage's copy, while those bytes plus the
+# storage's would exceed the cap, forward waits on the OLDEST copy's event (the D2H stream is in
+# order, so it lands first), and poll() hands the landed copies to their regions, which free them;
+# never a sleep. A storage is always let through when nothing is in flight, so a cap below one
+# storage (0 included) is "one copy at a time". The wait is exposed wait (stats: inflight_waits,
+# inflight_wait_s, and the waits entry _INFLIGHT_WAIT). The same rule caps gradients (Note
+# [In-flight gradients are capped] in optimizer.py). Offcore's bound, then: the bytes it holds for
+# copies in flight are at most max(cap, largest saved storage); whatever else holds a storage (the
+# graph's next op, the caller) holds it with or without offload.
+_INFLIGHT_WAIT = "device-to-host copies in flight (max_inflight)"
+
+
 # ------------------------------------------------------------------------ landings
 def poll(runtime: DeviceRuntime) -> None:
     """Poll ``runtime`` and hand each device-to-host copy that landed to the region that started it.
@@ -343,6 +362,7 @@ class OffloadHandle:
         self._sanitize = Capability.SANITIZER in capabilities
         self._host_pool: Any = None  # the runtime's pool for this policy, looked up once
         self._host_tier = Tier.PINNED if policy.pinned else Tier.PAGEABLE
+        self._max_inflight = policy.max_inflight
         self._tracing = policy.trace
         self._record_schedule = policy.record
         # the events ordering each copy after the compute stream, recorded again for every copy
@@ -511,6 +531,9 @@ class OffloadHandle:
         reason = rules.for_new_storage(nbytes, marked)
         if reason is not None:
             return self._keep(tensor, key, reason)
+        cap = self._max_inflight
+        if cap is not None and runtime._d2h_bytes + nbytes > cap and runtime._d2h_in_flight:
+            self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
         meta = TensorMeta.of(tensor)
         try:
             entry = self._offload(storage, nbytes, skey, tensor, key, meta)
@@ -524,6 +547,24 @@ class OffloadHandle:
         self._stats.offloaded_tensors += 1
         entry.live = 1
         return item
+
+    def _wait_inflight(self, nbytes: int, cap: int) -> None:
+        """Wait, oldest first, for device-to-host copies in flight until ``nbytes`` more fit ``cap``
+        (Note [Activation copies in flight are capped]); the landed copies' device references go."""
+        runtime = self.runtime
+        began = time.perf_counter()
+        while runtime._d2h_bytes + nbytes > cap:
+            with runtime.lock:
+                if not runtime._d2h_in_flight:
+                    break  # nothing in flight: a storage is always let through
+                oldest = runtime._d2h_in_flight[0][0]
+            with contextlib.suppress(Exception):  # a failed copy completes its event: poll hands its failure on
+                oldest.synchronize()
+            poll(runtime)
+        waited = time.perf_counter() - began
+        self._ledger.record_wait(waited, what=_INFLIGHT_WAIT)
+        self._stats.inflight_waits += 1
+        self._stats.inflight_wait_s += waited
 
     def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
         item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
@@ -709,7 +750,7 @@ class OffloadHandle:
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
-        self.runtime._d2h_in_flight.append((done, entry))  # runtime.track_d2h, inlined (deque.append is atomic)
+        self.runtime.track_d2h(done, entry, nbytes)
         self._ledger.add(tier, Kind.ACTIVATION, nbytes)
         stats = self._stats
         stats.offloaded_bytes += nbytes
@@ -1396,6 +1437,9 @@ def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
     - ``prefetch``: ``"deadline"`` (start each reload by its predicted need time, learnt
       across steps) or ``"on_demand"`` (reload when backward asks: every reload stalls).
     - ``prefetch_budget`` (``"256MiB"``): device bytes of reloads allowed ahead of use.
+    - ``max_inflight`` (``"256MiB"``; None: no cap): device bytes held by device-to-host copies
+      in flight (the device's regions together); a save that would exceed it first waits for
+      the oldest copies to land, so the device peak does not grow when the link lags forward.
     - ``margin`` (``"0.5ms"``): slack before each predicted need.
     - ``host_budget`` (``"4GiB"``), ``pinned`` (True): the host pool; ``fallback``
       (``"pageable"`` or ``"keep"``) when it is exhausted.

@@ -112,6 +112,7 @@ class OffloadPolicy:
     min_bytes: int = 64 * 1024
     prefetch: str = "deadline"
     prefetch_budget: int = 256 * 1024**2
+    max_inflight: int | None = 256 * 1024**2
     margin: float = 0.0005
     host_budget: int = 4 * 1024**3
     pinned: bool = True
@@ -134,6 +135,7 @@ class OffloadPolicy:
         min_bytes: int | str = "64KiB",
         prefetch: str = "deadline",
         prefetch_budget: int | str = "256MiB",
+        max_inflight: int | str | None = "256MiB",
         margin: float | str = "0.5ms",
         host_budget: int | str = "4GiB",
         pinned: bool = True,
@@ -198,6 +200,7 @@ class OffloadPolicy:
             min_bytes=parse_size(min_bytes, what="min_bytes", allow_zero=True),
             prefetch=prefetch,
             prefetch_budget=parse_size(prefetch_budget, what="prefetch_budget", allow_zero=True),
+            max_inflight=None if max_inflight is None else parse_size(max_inflight, what="max_inflight", allow_zero=True),
             margin=parse_duration(margin, what="prefetch margin"),  # texts: Note [Texts are read once] (units.py)
             host_budget=parse_size(host_budget, what="host_budget"),
             pinned=pinned,

@@ -139,6 +139,7 @@ class DeviceRuntime:
         self._timed_pending = 0  # brackets in ``_timed`` (Note [Timings are read in batches])
         self._track_end: dict[str, float] = collections.defaultdict(float)
         self._d2h_in_flight: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, token)
+        self._d2h_bytes = 0  # the bytes of the copies in _d2h_in_flight (Note [Activation copies in flight are capped])
         # (token, failure) of the D2H copies that landed, until the binding takes them
         self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()
         self._sampled_d2h = self._sampled_h2d = 0  # copies asked about per direction (sample)
@@ -236,9 +237,12 @@ class DeviceRuntime:
             self._poll_d2h()
 
     # -- device-to-host copies in flight (Note [Landings are returned, not called back]) --
-    def track_d2h(self, event: Any, token: Any) -> None:
-        """Watch the device-to-host copy that completes with ``event``; ``token`` comes back when it landed."""
-        self._d2h_in_flight.append((event, token))  # deque.append is atomic: no lock (pollers pop under it)
+    def track_d2h(self, event: Any, token: Any, nbytes: int = 0) -> None:
+        """Watch the device-to-host copy of ``nbytes`` that completes with ``event``; ``token`` comes back
+        when it landed (its ``nbytes`` attribute, if any, is what leaves :attr:`d2h_bytes_in_flight` then)."""
+        with self.lock:
+            self._d2h_in_flight.append((event, token))
+            self._d2h_bytes += nbytes
 
     def _poll_d2h(self) -> None:
         with self.lock:
@@ -254,6 +258,7 @@ class DeviceRuntime:
                     # would form a cycle holding the caller's tensors until a collection
                     failure = exc.with_traceback(None)
                 queue.popleft()
+                self._d2h_bytes -= getattr(token, "nbytes", 0)
                 self._landed.append((token, failure))
 
     def take_landed(self) -> list[tuple[Any, Exception | None]]:
@@ -270,6 +275,11 @@ class DeviceRuntime:
     def d2h_in_flight(self) -> int:
         """Device-to-host copies started and not seen landing yet."""
         return len(self._d2h_in_flight)
+
+    @property
+    def d2h_bytes_in_flight(self) -> int:
+        """The bytes of those copies (the device memory their sources hold for offcore)."""
+        return self._d2h_bytes
 
     def recover(self, stream: Any = None) -> None:
         """Clear a copy stream's sticky failure (both copy streams by default), so later copies on it run.

@@ -33,6 +33,9 @@ class OffloadStats:
     - ``exposed_wait_s``: compute time lost waiting for reloads; ``waits`` the same
       per object (name → seconds); ``stalls``: reloads that were not prefetched and ran
       synchronously (misses); ``stalled_objects``: their names.
+    - ``inflight_waits`` / ``inflight_wait_s``: saves that first waited for earlier
+      device-to-host copies to land (``max_inflight``), and the seconds they waited (part of
+      ``exposed_wait_s``, charged in ``waits`` to "device-to-host copies in flight (max_inflight)").
     - ``d2h_bandwidth`` / ``h2d_bandwidth``: achieved bytes/s of this region's copies
       (0 when none was timed).
     - ``fallbacks``: storages that did not fit the pinned host budget (kept on the
@@ -67,6 +70,8 @@ class OffloadStats:
     peak_pinned_bytes: int = 0
     peak_pageable_bytes: int = 0
     exposed_wait_s: float = 0.0
+    inflight_waits: int = 0
+    inflight_wait_s: float = 0.0
     waits: dict[str, float] = field(default_factory=dict)
     stalls: int = 0
     stalled_objects: list[str] = field(default_factory=list)
