@@ -200,7 +200,9 @@ class OffloadPolicy:
             min_bytes=parse_size(min_bytes, what="min_bytes", allow_zero=True),
             prefetch=prefetch,
             prefetch_budget=parse_size(prefetch_budget, what="prefetch_budget", allow_zero=True),
-            max_inflight=None if max_inflight is None else parse_size(max_inflight, what="max_inflight", allow_zero=True),
+            max_inflight=None
+            if max_inflight is None
+            else parse_size(max_inflight, what="max_inflight", allow_zero=True),
             margin=parse_duration(margin, what="prefetch margin"),  # texts: Note [Texts are read once] (units.py)
             host_budget=parse_size(host_budget, what="host_budget"),
             pinned=pinned,
