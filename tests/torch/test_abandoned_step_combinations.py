@@ -53,6 +53,7 @@ abandoned = st.fixed_dictionaries(
     {
         "model": st.sampled_from(sorted(WORKLOADS)),
         "activations": st.sampled_from([None, "on_demand", "deadline"]),
+        "max_inflight": st.sampled_from(["256MiB", 0]),  # the default cap, or one D2H copy at a time
         "parameters": st.sampled_from([None, "unbounded", "tight"]),
         "optimizer": st.sampled_from(["device", "offload", "offload-device-grads", "offload-under-backward"]),
         "micro_steps": st.integers(1, 2),
@@ -93,7 +94,9 @@ def _bad_attempt(drawn: dict[str, Any], work: Workload, model: torch.nn.Module, 
     removable = target.register_forward_hook(hook)
     torch.manual_seed(BAD_BATCH)
     region = (
-        offcore_torch.offload_activations(device, prefetch=drawn["activations"], min_bytes="0")
+        offcore_torch.offload_activations(
+            device, prefetch=drawn["activations"], min_bytes="0", max_inflight=drawn["max_inflight"]
+        )
         if drawn["activations"] is not None
         else contextlib.nullcontext()
     )
@@ -182,7 +185,9 @@ def _micro_step(
     batch = work.make_batch(index, torch.device("cpu"))
     torch.manual_seed(index)  # the same dropout masks in both runs
     region = (
-        offcore_torch.offload_activations(device, prefetch=drawn["activations"], min_bytes="0")
+        offcore_torch.offload_activations(
+            device, prefetch=drawn["activations"], min_bytes="0", max_inflight=drawn["max_inflight"]
+        )
         if drawn["activations"] is not None
         else contextlib.nullcontext()
     )

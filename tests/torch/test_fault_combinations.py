@@ -52,6 +52,7 @@ faults = st.fixed_dictionaries(
     {
         "model": st.sampled_from(sorted(WORKLOADS)),
         "activations": st.sampled_from([None, "on_demand", "deadline"]),
+        "max_inflight": st.sampled_from(["256MiB", 0]),  # the default cap, or one D2H copy at a time
         "parameters": st.booleans(),
         "optimizer": st.sampled_from(["device", "offload", "offload-under-backward"]),
         "nvme": st.booleans(),
@@ -104,7 +105,9 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
                 for step in range(STEPS):
                     batch = work.make_batch(step, torch.device("cpu"))
                     region = (
-                        offcore_torch.offload_activations(device, prefetch=drawn["activations"], min_bytes="0")
+                        offcore_torch.offload_activations(
+                            device, prefetch=drawn["activations"], min_bytes="0", max_inflight=drawn["max_inflight"]
+                        )
                         if drawn["activations"] is not None
                         else contextlib.nullcontext()
                     )

@@ -56,6 +56,7 @@ combinations = st.fixed_dictionaries(
     {
         "model": st.sampled_from(sorted(WORKLOADS)),
         "activations": st.sampled_from([None, "on_demand", "deadline"]),
+        "max_inflight": st.sampled_from(["256MiB", 0]),  # the default cap, or one D2H copy at a time
         "min_bytes": st.sampled_from(["0", "1KiB"]),
         "parameters": st.sampled_from([None, "unbounded", "tight"]),
         "optimizer": st.sampled_from(["device", "offload", "offload-device-grads", "offload-under-backward"]),
@@ -141,7 +142,11 @@ def _train(drawn: dict[str, Any], *, offload: bool) -> dict[str, Any]:
                     torch.manual_seed(index)  # the same dropout masks in both runs
                     region = (
                         offcore_torch.offload_activations(
-                            device, prefetch=drawn["activations"], min_bytes=drawn["min_bytes"], **tier
+                            device,
+                            prefetch=drawn["activations"],
+                            min_bytes=drawn["min_bytes"],
+                            max_inflight=drawn["max_inflight"],
+                            **tier,
                         )
                         if offload and drawn["activations"] is not None
                         else contextlib.nullcontext()

@@ -1,0 +1,130 @@
+"""Activation copies in flight, capped or not, on a link that lags forward (fake device).
+
+``offload_activations(max_inflight=...)`` (Note [Activation copies in flight are capped]): when
+forward saves faster than the device-to-host link moves the bytes, the storages whose copies have
+not landed stay on the device. This benchmark runs the same MLP forward + backward with every saved
+storage offloaded over a slow link, once per cap, interleaved, and prints side by side the measured
+device peak of the forward (the fake device's own accounting, over the weights), the step time
+(medians), and how often and how long forward waited for copies in flight. Baselines: keep-all (no
+offload) and the same forward under ``no_grad`` (nothing saved: the floor any offload can reach).
+
+Run::
+
+    .venv/bin/python benchmarks/inflight_cap.py
+    .venv/bin/python benchmarks/inflight_cap.py --d2h-bandwidth 1GiB/s --steps 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import offcore_torch
+import torch
+from torch import nn
+
+import offcore
+
+
+def build(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=1024, help="batch rows (a saved tensor is rows x width fp32)")
+    parser.add_argument("--d2h-bandwidth", default="256MiB/s", help="the emulated device-to-host link")
+    parser.add_argument("--caps", nargs="+", default=["none", "256MiB", "16MiB", "4MiB", "0"])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per variant (median)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or min(args.width, args.depth, args.rows) < 1:
+        parser.error("--steps, --width, --depth and --rows must be positive")
+    caps: list[Any] = [
+        None if c == "none" else offcore.parse_size(c, what="--caps", allow_zero=True) for c in args.caps
+    ]
+    torch.set_num_threads(1)
+    dev = offcore.device("cpu", d2h_bandwidth=args.d2h_bandwidth, h2d_bandwidth="inf", latency=0)
+    storage = args.rows * args.width * 4
+    print("# Activation copies in flight on a lagging link (fake device)\n")
+    print(f"Command: {' '.join([sys.executable, *sys.argv])}")
+    print(
+        f"MLP {args.depth} x (Linear {args.width} + GELU), {args.rows} rows: {2 * args.depth} saved storages of "
+        f"{storage / 2**20:.2f} MiB; D2H link {args.d2h_bandwidth}, H2D unlimited; torch {torch.__version__}, "
+        "1 intra-op thread. Baselines: keep-all, and the forward under no_grad (the floor).\n"
+    )
+    names = ["no_grad forward (floor)", "keep-all", *[f"max_inflight={c}" for c in args.caps]]
+    results: dict[str, dict[str, list[float]]] = {n: {"peak": [], "step": [], "waits": [], "wait_s": []} for n in names}
+    with dev:
+        model = build(args.width, args.depth).to(dev.torch_device)
+        x = torch.randn(args.rows, args.width, device=dev.torch_device)
+        base = dev.memory_stats().allocated_bytes
+
+        def run(name: str, cap: Any) -> None:
+            dev.synchronize()
+            dev.reset_peak_memory_stats()
+            began = time.perf_counter()
+            waits = wait_s = 0.0
+            if name.startswith("no_grad"):
+                with torch.no_grad():
+                    model(x).square().mean()
+                peak = dev.memory_stats().peak_allocated_bytes
+            elif name == "keep-all":
+                loss = model(x).square().mean()
+                peak = dev.memory_stats().peak_allocated_bytes
+                loss.backward()
+            else:
+                with offcore_torch.offload_activations(dev, min_bytes=1, max_inflight=cap) as handle:
+                    loss = model(x).square().mean()
+                peak = dev.memory_stats().peak_allocated_bytes
+                loss.backward()
+                offcore_torch.synchronize(dev)
+                stats = handle.stats()
+                waits, wait_s = stats.inflight_waits, stats.inflight_wait_s
+            elapsed = time.perf_counter() - began
+            model.zero_grad(set_to_none=True)
+            row = results[name]
+            row["peak"].append(peak - base)
+            row["step"].append(elapsed)
+            row["waits"].append(waits)
+            row["wait_s"].append(wait_s)
+
+        variants = [(names[0], None), (names[1], None), *zip(names[2:], caps, strict=True)]
+        for _ in range(2):  # warm-up
+            for name, cap in variants:
+                run(name, cap)
+        for result in results.values():
+            for values in result.values():
+                values.clear()
+        for _ in range(args.steps):
+            for name, cap in variants:
+                run(name, cap)
+    keep = statistics.median(results["keep-all"]["step"])
+    floor = statistics.median(results[names[0]]["peak"])
+    print(
+        "| variant | forward peak over the weights (MiB) | over the floor (MiB) | step median (ms) | x keep-all | saves that waited | waited (ms) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        r = results[name]
+        peak = statistics.median(r["peak"])
+        step = statistics.median(r["step"])
+        print(
+            f"| {name} | {peak / 2**20:.2f} | {(peak - floor) / 2**20:.2f} | {step * 1e3:.1f} | {step / keep:.3f} | "
+            f"{statistics.median(r['waits']):.0f} | {statistics.median(r['wait_s']) * 1e3:.1f} |"
+        )
+    print(
+        "\nThe bound (Note [Activation copies in flight are capped]): what offcore holds for copies in flight is at "
+        f"most max(cap, one storage = {storage / 2**20:.2f} MiB); the forward peak, the floor's plus that plus the "
+        "storage being saved."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
