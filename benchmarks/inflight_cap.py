@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024, help="batch rows (a saved tensor is rows x width fp32)")
     parser.add_argument("--d2h-bandwidth", default="256MiB/s", help="the emulated device-to-host link")
     parser.add_argument("--caps", nargs="+", default=["none", "256MiB", "16MiB", "4MiB", "0"])
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per variant (median)")
+    parser.add_argument("--steps", type=int, default=7, help="measured steps per variant (median)")
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.width, args.depth, args.rows) < 1:
         parser.error("--steps, --width, --depth and --rows must be positive")
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         for result in results.values():
             for values in result.values():
                 values.clear()
-        for _ in range(args.steps):
-            for name, cap in variants:
+        for step in range(args.steps):  # interleaved, each round in a rotated order (no variant always first)
+            for name, cap in variants[step % len(variants) :] + variants[: step % len(variants)]:
                 run(name, cap)
     keep = statistics.median(results["keep-all"]["step"])
     floor = statistics.median(results[names[0]]["peak"])
