@@ -121,9 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nThe bound (Note [Activation copies in flight are capped]): what offcore holds for copies in flight is at "
         f"most max(cap, one storage = {storage / 2**20:.2f} MiB); the forward peak, the floor's plus that plus the "
-        "storage being saved."
+        "storage being saved:\n"
     )
-    return 0
+    failed = False
+    for text, cap in zip(args.caps, caps, strict=True):
+        if cap is None:
+            continue
+        peak = max(results[f"max_inflight={text}"]["peak"])  # every step, not the median
+        bound = floor + max(cap, storage) + storage
+        held = peak <= bound
+        failed |= not held
+        print(
+            f"- {'held' if held else 'EXCEEDED'}: max_inflight={text}: highest forward peak {peak / 2**20:.2f} MiB "
+            f"<= {bound / 2**20:.2f} MiB"
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
