@@ -306,10 +306,12 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # reloaded) − outstanding, over saves not consumed yet whose device copy is gone. Every timing
 # the runtime can reach peaks at or below it; with no budget (``None``: the capacity, in
 # PlanExecutor) it is every remaining reload at once, i.e. as high as keeping them. Forward's
-# side — device copies waiting for their D2H to land — has no budget in the runtime and is not
-# bounded here, except in a plan that drains its offloads (Note [Drained offloads bound the
-# forward's copies in flight]): there the bound also holds, at the end of each offloaded layer's
-# forward, every save of that layer on the device (none landed yet). Before the backward's
+# side — device copies waiting for their D2H to land — is capped in the runtime by
+# ``max_inflight`` (default 256 MiB, Note [Activation copies in flight are capped] in
+# plugins/offcore_torch/offload.py), a cap this simulator does not model: it is not bounded here
+# (beyond what its own timing holds), except in a plan that drains its offloads (Note [Drained
+# offloads bound the forward's copies in flight]): there the bound also holds, at the end of each
+# offloaded layer's forward, every save of that layer on the device (none landed yet). Before the backward's
 # model freed saves as they are used (Note [An offloaded layer's saves go as backward uses
 # them]) its over-prediction covered a forward slowed by its copies; the measured param-stream
 # peak of benchmarks/sim_vs_measured.py came to 1.001 x this bound without the forward's term.
@@ -318,8 +320,9 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 #
 # Note [Drained offloads bound the forward's copies in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A device copy of a saved tensor is freed when its D2H landed, and forward has no budget for
-# copies in flight: where the link runs slower than the profile's (the fake device's sanitizer
+# A device copy of a saved tensor is freed when its D2H landed, and forward's copies in flight are
+# capped only by ``max_inflight`` (256 MiB by default, far above these workloads' layers): where the
+# link runs slower than the profile's (the fake device's sanitizer
 # checks every copy on its copy thread; a loaded host starves that thread) forward's device
 # copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
 # 3.5 MiB run to run in tests/torch/test_sim_memory.py's offload plan, against 1.6 unsanitized).
