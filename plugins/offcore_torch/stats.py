@@ -30,7 +30,8 @@ class OffloadStats:
       input batch, a tensor the caller kept) — copied, but nothing was freed.
     - ``peak_device_bytes``: device peak during the region's forward and backward;
       ``peak_pinned_bytes`` / ``peak_pageable_bytes``: host bytes this region held.
-    - ``exposed_wait_s``: compute time lost waiting for reloads; ``waits`` the same
+    - ``exposed_wait_s``: compute time lost waiting for copies (reloads, and saves held back by
+      ``max_inflight``); ``waits`` the same
       per object (name → seconds); ``stalls``: reloads that were not prefetched and ran
       synchronously (misses); ``stalled_objects``: their names.
     - ``inflight_waits`` / ``inflight_wait_s``: saves that first waited for earlier
