@@ -201,8 +201,9 @@ def measure(variants: list[Variant], *, rounds: int, block: int, warmup: int) ->
         v.finish()
         v.times.clear()
         v.backward.clear()
-    for _ in range(rounds):
-        for v in variants:  # interleaved: each round runs a block of steps of every variant
+    for r in range(rounds):
+        # interleaved: each round runs a block of steps of every variant, in a rotated order (none always first)
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
             began, cpu = time.perf_counter(), time.process_time()
             for _ in range(block):
                 v.step(step)

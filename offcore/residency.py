@@ -63,6 +63,20 @@ and the device's room are judged on what really happened.
 # (``device_in_use`` reads the backend's own accounting), and after one allocator refusal
 # the round starts no more prefetches (Note [No speculative allocation after a refusal]).
 
+# Note [A copy still landing keeps its place in the budget]
+# When the link lags, an object forward saved last (backward's first need) may still be
+# OFFLOADING when the offer runs: its device copy exists and, due now, it is held when its
+# D2H lands (landed) -- if the budget has room then. An offer that skipped it and gave the
+# budget to later-needed reloads left it none: it was freed on landing and its use reloaded
+# it synchronously (a stall) next to those reloads -- the bytes of one object above the
+# peak of the run without offload, measured in examples/numpy_mlp.py on a loaded host. So
+# an offer counts each due object still landing as reserved, in need order, and offers a
+# later-needed reload only while the outstanding bytes, the reserved ones and its own fit the
+# budget (otherwise it comes back at a later trigger, once the landing was held or freed).
+# Reserved bytes are not outstanding: only a held copy enters the count (Note [Budget
+# semantics]), and the first copy is still always allowed while nothing is outstanding or
+# reserved.
+
 # Note [Objects produced on the host]
 # An optimizer's host step produces a parameter's new value on the host; the device copy
 # is stale until it is uploaded, and it is needed on the device at its next use (the
@@ -707,12 +721,15 @@ class ResidencyScheduler:
             return  # Note [No speculative allocation after a refusal]
         objects = self.objects
         awaiting, alive, released = self._awaiting_host, self._alive_elsewhere, self._released
+        reserved = 0  # due objects still landing, held when they land (Note [A copy still landing keeps ...])
         for key in due:
             obj = objects.get(key)
             state = None if obj is None else obj.state
             if state is State.OFFLOADING or state is State.PREFETCHING:
                 # a copy in flight: its D2H (the device copy is still there, see landed), or an
                 # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
+                if state is State.OFFLOADING and key not in alive and key not in released:
+                    reserved += obj.nbytes  # type: ignore[union-attr]
                 continue
             if key in awaiting:
                 continue  # its host copy is not the data yet (Note [Objects produced on the host])
@@ -723,6 +740,9 @@ class ResidencyScheduler:
                 continue
             nbytes = obj.nbytes  # type: ignore[union-attr]
             outstanding, budget = self.outstanding, self.budget
+            if reserved and outstanding + reserved + nbytes > budget:
+                self.counters["prefetch_behind_landing"] += 1
+                return  # Note [A copy still landing keeps its place in the budget]
             if not (outstanding + nbytes <= budget or (outstanding == 0 and budget > 0)):  # within_budget
                 victims = self._evict_for(plan, key, nbytes)
                 if not victims:

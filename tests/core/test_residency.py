@@ -96,6 +96,26 @@ def test_a_just_landed_copy_that_is_due_is_held_instead_of_freed() -> None:
     assert held == []
 
 
+def test_a_copy_still_landing_keeps_its_place_in_the_budget() -> None:
+    """Note [A copy still landing keeps its place in the budget]: the object backward needs first is still
+    landing at the end of forward; the offer leaves it its share of the budget, so it is held when it lands
+    instead of freed and reloaded synchronously beside later-needed reloads (examples/numpy_mlp.py on a
+    loaded host: one object above the peak of the run without offload)."""
+    rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)  # slow: all due
+    forward(rs, [MiB] * 3, land=False)
+    for key in (0, 1):  # the earlier saves landed; the last one (needed first) is still in flight
+        assert rs.landed(key).kind is ActionKind.FREE
+    assert kinds(run(rs.forward_ended(0.003), rs)) == [("prefetch", 1)]  # not 0 as well: 2 keeps its place
+    assert rs.counters["prefetch_behind_landing"] == 1
+    assert rs.landed(2).kind is ActionKind.HOLD  # within the budget: no synchronous reload at its use
+    assert rs.outstanding == 2 * MiB
+    rs.backward_began(1.0)
+    rs.reused(2)
+    rs.consumed(2)
+    assert kinds(run(rs.used(2, 1.0, managed_key=2), rs)) == [("prefetch", 0)]  # the rest, as room comes
+    assert rs.peak_outstanding == 2 * MiB
+
+
 def test_held_copies_are_freed_when_backward_ends() -> None:
     rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 0.0005, budget=8 * MiB)
     forward(rs, [MiB] * 2, land=False)
@@ -209,13 +229,17 @@ def test_a_replay_decides_again_rather_than_copying_the_recorded_actions() -> No
 
 
 def test_an_evicted_prefetch_in_flight_is_offered_again_once_it_landed() -> None:
-    # 1 and 0 are prefetched while 2's D2H copy is still in flight; when 2 lands there is no
-    # budget, so the next trigger evicts 0 (needed furthest away) for it. 0's copy is still in
-    # flight: it is not offered again until the binding reports it landed, and then it is.
+    # 1 and 0 are prefetched while 2's D2H copy is still in flight: 2's storage lives on elsewhere (the
+    # binding said so), so it keeps no place in the budget (Note [A copy still landing keeps its place in
+    # the budget]). Its storage dies and it lands with no budget left: freed; the next trigger evicts 0
+    # (needed furthest away) for it. 0's copy is still in flight: it is not offered again until the
+    # binding reports it landed, and then it is.
     rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)
     forward(rs, [MiB] * 3, land=False)
     assert rs.landed(0).kind is ActionKind.FREE and rs.landed(1).kind is ActionKind.FREE  # no plan yet
+    rs.device_copy_alive(2)
     assert kinds(run(rs.forward_ended(0.003), rs)) == [("prefetch", 1), ("prefetch", 0)]
+    rs.device_copy_died(2)
     assert rs.landed(2).kind is ActionKind.FREE  # the budget is full
     rs.backward_began(1.0)
     assert kinds(run(rs.used(9, 1.0), rs)) == [("evict", 0), ("prefetch", 2)]
