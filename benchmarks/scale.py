@@ -289,8 +289,11 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             step(n)
             n += 1
-    for _ in range(args.rounds):
-        for name, (step, _, _) in variants.items():
+    names = list(variants)
+    for r in range(args.rounds):
+        turn = r % len(names)  # a rotated order each round: no variant always first or after another
+        for name in names[turn:] + names[:turn]:
+            step = variants[name][0]
             began, began_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.block):
                 step(n)
