@@ -35,6 +35,14 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)])
 
 
+def _grads(loss: Any, model: nn.Module) -> tuple[Any, ...]:
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+def _assert_exact(got: Any, want: Any) -> None:
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "a number changed under offload"
+
+
 def _watch(model: nn.Module, dev: Any) -> tuple[list[int], list[Any]]:
     """The bytes offcore holds for device-to-host copies in flight, read after every layer's forward."""
     runtime = runtime_for(dev)
@@ -67,7 +75,7 @@ def test_the_cap_bounds_what_offcore_holds_and_the_measured_peak(make_fake_devic
     with dev:
         model = _mlp().to(dev.torch_device)
         x = torch.randn(ROWS, WIDTH, device=dev.torch_device)
-        want = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+        want = _grads(model(x).square().mean(), model)
         before = memory_levels(dev)
         base = dev.memory_stats().allocated_bytes
         dev.reset_peak_memory_stats()
@@ -81,7 +89,7 @@ def test_the_cap_bounds_what_offcore_holds_and_the_measured_peak(make_fake_devic
             with offcore_torch.offload_activations(dev, min_bytes=1, max_inflight=cap, prefetch="on_demand") as handle:
                 loss = model(x).square().mean()
             peak = dev.memory_stats().peak_allocated_bytes - base
-            got = torch.autograd.grad(loss, list(model.parameters()))
+            got = _grads(loss, model)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -93,7 +101,7 @@ def test_the_cap_bounds_what_offcore_holds_and_the_measured_peak(make_fake_devic
         assert stats.exposed_wait_s >= stats.inflight_wait_s
         assert stats.offloaded_bytes >= 2 * DEPTH * STORAGE  # everything went through the capped link
         assert peak <= floor + limit + STORAGE, (peak, floor, limit)  # + the storage being saved
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        _assert_exact(got, want)
         assert runtime_for(dev).d2h_bytes_in_flight == 0
         del got  # want was there before
         assert memory_levels(dev) == before
@@ -105,8 +113,8 @@ def test_regions_of_one_device_share_the_cap(make_fake_device: Any) -> None:
     cap = 4 * STORAGE
     with dev:
         model = _mlp().to(dev.torch_device)
-        xs = [torch.randn(ROWS, WIDTH, device=dev.torch_device, generator=None) for _ in range(2)]
-        want = [torch.autograd.grad(model(x).square().mean(), list(model.parameters())) for x in xs]
+        xs = [torch.randn(ROWS, WIDTH, device=dev.torch_device) for _ in range(2)]
+        want = [_grads(model(x).square().mean(), model) for x in xs]
         held, hooks = _watch(model, dev)
         losses, handles = [], []
         try:
@@ -119,9 +127,9 @@ def test_regions_of_one_device_share_the_cap(make_fake_device: Any) -> None:
                 hook.remove()
         assert max(held) <= cap, held
         assert handles[1].stats().inflight_waits > 0
-        got = [torch.autograd.grad(loss, list(model.parameters())) for loss in losses]
+        got = [_grads(loss, model) for loss in losses]
         for g, w in zip(got, want, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+            _assert_exact(g, w)
         del losses
         settle(dev)
         assert runtime_for(dev).d2h_bytes_in_flight == 0
@@ -158,7 +166,7 @@ def test_one_copy_at_a_time_trains_bit_identically(make_fake_device: Any) -> Non
     want_losses, want_params = train(make_fake_device(), offload=False)
     got_losses, got_params = train(make_fake_device(link="slow"), offload=True)
     assert got_losses == want_losses
-    assert all(torch.equal(g, w) for g, w in zip(got_params, want_params, strict=True))
+    _assert_exact(got_params, want_params)
 
 
 def test_a_failed_copy_waited_for_keeps_its_tensor(make_fake_device: Any) -> None:
@@ -168,15 +176,15 @@ def test_a_failed_copy_waited_for_keeps_its_tensor(make_fake_device: Any) -> Non
     with dev:
         model = _mlp().to(dev.torch_device)
         x = torch.randn(ROWS, WIDTH, device=dev.torch_device)
-        want = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+        want = _grads(model(x).square().mean(), model)
         dev.inject_copy_fault(1, mode="stream")
         with pytest.warns(offcore.OffcoreWarning, match="device-to-host copy failed"):
             with offcore_torch.offload_activations(dev, min_bytes=1, max_inflight=0) as handle:
                 loss = model(x).square().mean()
         stats = handle.stats()
         assert stats.copy_failures == 1 and stats.inflight_waits > 0
-        got = torch.autograd.grad(loss, list(model.parameters()))
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        got = _grads(loss, model)
+        _assert_exact(got, want)
         del loss
         settle(dev)
         assert runtime_for(dev).d2h_bytes_in_flight == 0
