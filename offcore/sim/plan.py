@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from offcore.errors import ConfigurationError
+from offcore.inflight import DEFAULT_MAX_INFLIGHT
 from offcore.jsonable import loads
 from offcore.units import _show, parse_duration, parse_size
 
@@ -174,6 +175,11 @@ class Plan:
             holds more than one layer's copies in flight, however slowly the link runs (Note
             [Drained offloads bound the forward's copies in flight] in simulator.py). It costs
             each offloaded layer the tail of its copies; ``offcore compare`` sets it.
+        max_inflight: the most bytes of saved tensors' device-to-host copies in flight at once
+            (``offload_activations(max_inflight=)``, whose default it shares: 256 MiB; ``None``: no
+            cap; ``0``: one copy at a time; a size text such as ``"64MiB"`` is read too). A save
+            that would exceed it waits for the oldest copy to land (Note [The simulator caps
+            forward's copies in flight] in simulator.py); PlanExecutor passes it to the runtime.
 
     >>> Plan.uniform(4, "recompute", checkpoint_interval=2).segments()
     [(0, 1), (2, 3)]
@@ -189,10 +195,20 @@ class Plan:
     optimizer_tier: OptimizerTier = "host"
     activation_tier: OptimizerTier = "host"
     drain_offloads: bool = False
+    max_inflight: int | None = DEFAULT_MAX_INFLIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.drain_offloads, bool):
             raise ConfigurationError(f"drain_offloads must be True or False, got {_brief(self.drain_offloads)}")
+        if self.max_inflight is not None:
+            if isinstance(self.max_inflight, (bool, float)):  # parse_size would read 1.5 as 1 byte, True as 1
+                raise ConfigurationError(
+                    f"max_inflight must be a byte count (an int or a size such as '64MiB') or None, "
+                    f"got {_brief(self.max_inflight)}"
+                )
+            object.__setattr__(
+                self, "max_inflight", parse_size(self.max_inflight, what="max_inflight", allow_zero=True)
+            )
         if self.optimizer not in ("device", "offload"):
             raise ConfigurationError(f"optimizer must be 'device' or 'offload', got {_brief(self.optimizer)}")
         if self.parameters not in ("resident", "stream"):
@@ -329,6 +345,11 @@ class Plan:
             + (" activations=nvme" if self.activation_tier == "nvme" else "")
             + (" parameters=stream" if self.parameters == "stream" else "")
             + (" drained" if self.drain_offloads else "")
+            + (
+                ""
+                if self.max_inflight == DEFAULT_MAX_INFLIGHT
+                else f" max_inflight={'∞' if self.max_inflight is None else self.max_inflight}"
+            )
         )
         return f"{letters} K={self.checkpoint_interval} m={self.microbatches} prefetch={prefetch.mode}/{budget}{kinds}"
 
@@ -354,6 +375,8 @@ class Plan:
             data["activation_tier"] = self.activation_tier
         if self.drain_offloads:
             data["drain_offloads"] = True
+        if self.max_inflight != DEFAULT_MAX_INFLIGHT:  # older plans ran with the default
+            data["max_inflight"] = self.max_inflight
         return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -380,6 +403,7 @@ class Plan:
             "optimizer_tier",
             "activation_tier",
             "drain_offloads",
+            "max_inflight",
         }
         unknown = set(data) - known
         if unknown:
@@ -405,6 +429,7 @@ class Plan:
             optimizer_tier=data.get("optimizer_tier", "host"),
             activation_tier=data.get("activation_tier", "host"),
             drain_offloads=data.get("drain_offloads", False),
+            max_inflight=data.get("max_inflight", DEFAULT_MAX_INFLIGHT),
         )
         if profile is not None:
             plan.check(profile)

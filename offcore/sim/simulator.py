@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import ConfigurationError
+from offcore.inflight import copies_to_land
 from offcore.kinds import Kind
 from offcore.objects import State
 from offcore.residency import Action as ScheduleAction
@@ -306,12 +307,12 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # reloaded) − outstanding, over saves not consumed yet whose device copy is gone. Every timing
 # the runtime can reach peaks at or below it; with no budget (``None``: the capacity, in
 # PlanExecutor) it is every remaining reload at once, i.e. as high as keeping them. Forward's
-# side — device copies waiting for their D2H to land — is capped in the runtime by
-# ``max_inflight`` (default 256 MiB, Note [Activation copies in flight are capped] in
-# plugins/offcore_torch/offload.py), a cap this simulator does not model: it is not bounded here
-# (beyond what its own timing holds), except in a plan that drains its offloads (Note [Drained
-# offloads bound the forward's copies in flight]): there the bound also holds, at the end of each
-# offloaded layer's forward, every save of that layer on the device (none landed yet). Before the backward's
+# side — device copies waiting for their D2H to land — is capped by ``Plan.max_inflight`` (default
+# 256 MiB, as the runtime's; Note [The simulator caps forward's copies in flight]), which this
+# bound does not add beyond what the simulated timing holds, except in a plan that drains its
+# offloads (Note [Drained offloads bound the forward's copies in flight]): there the bound also
+# holds, at the end of each offloaded layer's forward, every save of that layer on the device (none
+# landed yet). Before the backward's
 # model freed saves as they are used (Note [An offloaded layer's saves go as backward uses
 # them]) its over-prediction covered a forward slowed by its copies; the measured param-stream
 # peak of benchmarks/sim_vs_measured.py came to 1.001 x this bound without the forward's term.
@@ -321,7 +322,8 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [Drained offloads bound the forward's copies in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A device copy of a saved tensor is freed when its D2H landed, and forward's copies in flight are
-# capped only by ``max_inflight`` (256 MiB by default, far above these workloads' layers): where the
+# capped only by ``max_inflight`` (256 MiB by default, far above these workloads' layers; Note [The
+# simulator caps forward's copies in flight]): where the
 # link runs slower than the profile's (the fake device's sanitizer
 # checks every copy on its copy thread; a loaded host starves that thread) forward's device
 # copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
@@ -333,6 +335,23 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # turn starts with every copy landed, and backward's level is set by the prefetch budget alone
 # (Note [A finite prefetch budget makes the peak hold] in planner.py). The cost is each layer's
 # copy tail (zero when copies keep up with compute).
+#
+# Note [The simulator caps forward's copies in flight]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The runtime caps the bytes of saved tensors' D2H copies in flight (``offload_activations(
+# max_inflight=)``, 256 MiB by default; the rule: Note [Copies in flight are capped] in
+# offcore/inflight.py): a save that would exceed the cap waits, in forward, for the oldest copies
+# to land, and their device copies are freed before it starts its own. ``Plan.max_inflight`` (the
+# same default; PlanExecutor passes it to the runtime) makes the simulator do the same: at a managed
+# save, ``copies_to_land`` over the saves in flight (``d2h_in_flight``, in link order) says how many
+# must land first; the forward then waits until the last of them lands (an exposed wait of that
+# layer), and the rest of that forward -- its later saves and its end -- runs that much later. A
+# save at the forward's very end (the layer's output) that must wait delays the end too. The wait
+# splits the layer's forward span in two on the compute stream (as a reload splits a backward):
+# the forward's end, where a plan turns, is the end of its last piece. Without
+# the cap a forward that makes saves faster than the link moves them held them all (the peak of
+# keeping them, at a slow enough link) where the runtime holds at most max(cap, one save) of them
+# and runs slower by the waits: the simulated step was short and its peak high by the same amount.
 #
 # Note [Parameters outside the layers are streamed too]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -803,6 +822,7 @@ class _Step:
             self.d2h_link = self.h2d_link = _Link()
         self.h2d_bytes = 0
         self.last_copy_end = 0.0
+        self.d2h_in_flight: list[_Object] = []  # saves whose D2H has not landed, oldest first (Plan.max_inflight)
         # the step's saves, numbered in save order as the runtime numbers them: every layer's saved
         # tensors are keys (each use in backward is a trigger); only offloaded layers' are managed
         self.keys_of: list[list[int]] = []
@@ -1045,6 +1065,13 @@ class _Step:
         name = self.names[obj.layer]
         return name if len(self.keys_of[obj.layer]) == 1 else f"{name}[{self.keys_of[obj.layer].index(obj.key)}]"
 
+    def d2h_room_at(self, nbytes: int) -> float:
+        """When a save of ``nbytes`` may start its D2H under ``Plan.max_inflight`` (Note [The simulator
+        caps forward's copies in flight]): now, or when the copies that must land first have landed."""
+        flying = self.d2h_in_flight
+        wait_for = copies_to_land(self.plan.max_inflight, nbytes, (obj.nbytes for obj in flying))
+        return max(self.now, flying[wait_for - 1].d2h_end) if wait_for else self.now
+
     def pack(self, obj: _Object) -> None:
         """Forward saved ``obj``: its D2H is enqueued now (Note [Simulated lifetimes])."""
         sched = self.sched
@@ -1052,6 +1079,7 @@ class _Step:
         sched.register(obj.key, Kind.ACTIVATION, obj.nbytes)
         start, end = self.d2h_link.run(self.now, self.copy_s(obj.nbytes, "d2h"))
         obj.d2h_end = end
+        self.d2h_in_flight.append(obj)  # in link order: they land in this order
         self.last_copy_end = max(self.last_copy_end, end)
         sched.offload_started(obj.key, _SimEvent(self, end))
         self.event("d2h", f"d2h:{self._label(obj)}", start, end, "d2h", obj.layer)
@@ -1059,6 +1087,7 @@ class _Step:
 
     def landed(self, obj: _Object) -> None:
         """The D2H of ``obj`` landed: the scheduler frees or holds its device copy."""
+        self.d2h_in_flight.remove(obj)
         needed = self.profile.reuse_in_flight and not obj.in_place and not obj.backward_done
         action = self.sched.landed(obj.key, needed=needed)
         if obj.in_place:  # backward read this device copy: it goes when both its D2H and its backward are done
@@ -1533,10 +1562,33 @@ class _Step:
             self.change(self.inputs[i] if self.segment_of[i][0] == i else 0)
         else:
             self.allocate(saves[0])
+        # Note [The simulator caps forward's copies in flight]: the waits of this forward so far (what is
+        # left of it runs that much later), its saves not made yet, in order, and where its current
+        # piece of compute began (a wait splits it: one compute stream, in order)
+        stalled = [0.0]
+        pending = list(saves)
+        piece = [start]
+
+        def stall(obj: _Object) -> float:
+            """When ``obj``'s D2H may start (now, or later: this forward waits until then)."""
+            room = self.d2h_room_at(obj.nbytes) if obj.managed else self.now
+            if room > self.now:
+                if self.now > piece[0]:
+                    self.event("compute", f"forward:{self.names[i]}", piece[0], self.now, "forward", i)
+                self.wait(i, self.now, room)
+                stalled[0] += room - self.now
+                piece[0] = room
+            return room
+
         for j, obj in enumerate(saves):
             after = saves[j + 1] if j + 1 < len(saves) and action is not Action.RECOMPUTE else None
+            nominal = start + obj.fraction * self.fwd[i]
 
-            def saved(obj: _Object = obj, after: _Object | None = after) -> None:
+            def saved(obj: _Object = obj, after: _Object | None = after, nominal: float = nominal) -> None:
+                if self.now < nominal + stalled[0] or stall(obj) > self.now:  # this forward waited, or waits now
+                    self.at(nominal + stalled[0], _START, lambda: saved(obj, after, nominal))
+                    return
+                pending.remove(obj)
                 if obj.managed:
                     self.pack(obj)
                 else:
@@ -1544,10 +1596,14 @@ class _Step:
                 if after is not None:  # the next saved tensor is computed from here on
                     self.allocate(after)
 
-            self.at(start + obj.fraction * self.fwd[i], _START, saved)
-        self.event("compute", f"forward:{self.names[i]}", start, end, "forward", i)
+            self.at(nominal, _START, saved)
 
         def finish() -> None:
+            # a save at this very instant (the layer's output, after the frees) that must wait delays the end too
+            if self.now < end + stalled[0] or (pending and stall(pending[0]) > self.now):
+                self.at(end + stalled[0], _END, finish)
+                return
+            self.event("compute", f"forward:{self.names[i]}", piece[0], self.now, "forward", i)
             if self.plan.drain_offloads and action is Action.OFFLOAD:
                 # Note [The worst peak within the prefetch budget]: drained, the forward holds at most this
                 # layer's saves, whenever their copies land

@@ -517,7 +517,19 @@ def predicted_step_series(
     last = result.plan.layer_names[-1] if result.plan.layer_names else None
     forwards = [e for e in result.events if e.kind == "forward"]
     last_layer = last if last is not None else (forwards[-1].layer if forwards else "")
-    turns = sorted({e.end for e in forwards if e.layer == last_layer})
+    # the turns: where the last layer's forward ends. A wait for copies in flight splits a forward in
+    # pieces (Note [The simulator caps forward's copies in flight]): a piece followed, past its waits,
+    # by another forward piece of the same layer is not an end
+    computed = sorted((e for e in result.events if e.stream == "compute" and e.kind != "wait"), key=lambda e: e.start)
+    turns = sorted(
+        {
+            e.end
+            for e, after in zip(computed, [*computed[1:], None], strict=True)
+            if e.kind == "forward"
+            and e.layer == last_layer
+            and not (after is not None and after.kind == "forward" and after.layer == last_layer)
+        }
+    )
     head_forward = measurement.other_forward_s / max(1, len(turns))
     head = head_forward + measurement.other_backward_s / max(1, len(turns))
 

@@ -253,6 +253,7 @@ class PlanExecutor:
             "min_bytes": 0,
             "prefetch": "on_demand" if prefetch.mode == "on_demand" else "deadline",
             "margin": prefetch.margin_s,
+            "max_inflight": plan.max_inflight,  # Note [The simulator caps forward's copies in flight]
         }
         if prefetch.budget_bytes is not None:
             options["prefetch_budget"] = prefetch.budget_bytes

@@ -95,6 +95,7 @@ from offcore.errors import (
     OffcoreWarning,
     SavedTensorModifiedError,
 )
+from offcore.inflight import must_wait
 from offcore.kinds import Direction, Kind, Tier
 from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
@@ -266,8 +267,9 @@ class _AllocatedBytes:
 # order, so it lands first), and poll() hands the landed copies to their regions, which free them;
 # never a sleep. A storage is always let through when nothing is in flight, so a cap below one
 # storage (0 included) is "one copy at a time". The wait is exposed wait (stats: inflight_waits,
-# inflight_wait_s, and the waits entry _INFLIGHT_WAIT). The same rule caps gradients (Note
-# [In-flight gradients are capped] in optimizer.py). Offcore's bound, then: the bytes it holds for
+# inflight_wait_s, and the waits entry _INFLIGHT_WAIT). The rule is the core's (Note [Copies in
+# flight are capped] in offcore/inflight.py, ``must_wait``): the same caps gradients (Note
+# [In-flight gradients are capped] in optimizer.py), and the simulator applies it (Plan.max_inflight). Offcore's bound, then: the bytes it holds for
 # copies in flight are at most max(cap, largest saved storage); whatever else holds a storage (the
 # graph's next op, the caller) holds it with or without offload.
 _INFLIGHT_WAIT = "device-to-host copies in flight (max_inflight)"
@@ -532,7 +534,7 @@ class OffloadHandle:
         if reason is not None:
             return self._keep(tensor, key, reason)
         cap = self._max_inflight
-        if cap is not None and runtime._d2h_bytes + nbytes > cap and runtime._d2h_in_flight:
+        if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
         meta = TensorMeta.of(tensor)
         try:
@@ -553,7 +555,7 @@ class OffloadHandle:
         (Note [Activation copies in flight are capped]); the landed copies' device references go."""
         runtime = self.runtime
         began = time.perf_counter()
-        while runtime._d2h_bytes + nbytes > cap:
+        while must_wait(runtime._d2h_bytes, nbytes, cap):  # Note [Copies in flight are capped] (offcore/inflight.py)
             with runtime.lock:
                 if not runtime._d2h_in_flight:
                     break  # nothing in flight: a storage is always let through

@@ -80,7 +80,8 @@ next forward waiting per parameter on its own event.
 # held, so a cap below one gradient is "one at a time". A copy that failed completes its event
 # too: it is left to the worker's retry (Note [Failed copies in the optimizer]) and no longer
 # waited for here. The bound: held <= max(cap, largest gradient), device peak <= the peak without
-# optimizer gradients + that (tests/torch/test_optimizer_inflight.py).
+# optimizer gradients + that (tests/torch/test_optimizer_inflight.py). The rule is the core's, shared
+# with saved activations (Note [Copies in flight are capped] in offcore/inflight.py).
 #
 # Note [Masters are refreshed when the device parameter changed]
 # The host master is the truth the optimizer updates. If the device parameter was written
@@ -254,6 +255,7 @@ from offcore.errors import (
     OffcoreWarning,
     StorageError,
 )
+from offcore.inflight import must_wait
 from offcore.kinds import Kind, Tier
 from offcore.ledger import Ledger
 from offcore.nvme import NvmeSpec, NvmeTier, pipelined
@@ -1017,7 +1019,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         D2H copies while the held gradients and these would exceed the cap (main thread)."""
         cap = self._max_inflight
         assert cap is not None
-        while self.ledger.bytes(Tier.DEVICE, Kind.GRADIENT) + nbytes > cap:
+        while must_wait(self.ledger.bytes(Tier.DEVICE, Kind.GRADIENT), nbytes, cap):  # offcore/inflight.py
             with self._lock:
                 if not self._in_flight:
                     return  # nothing held (one gradient is always let through), or failed copies the worker retries

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from offcore.errors import ConfigurationError
+from offcore.inflight import DEFAULT_MAX_INFLIGHT
 from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
@@ -112,7 +113,7 @@ class OffloadPolicy:
     min_bytes: int = 64 * 1024
     prefetch: str = "deadline"
     prefetch_budget: int = 256 * 1024**2
-    max_inflight: int | None = 256 * 1024**2
+    max_inflight: int | None = DEFAULT_MAX_INFLIGHT  # Note [Copies in flight are capped] (offcore/inflight.py)
     margin: float = 0.0005
     host_budget: int = 4 * 1024**3
     pinned: bool = True
@@ -135,7 +136,7 @@ class OffloadPolicy:
         min_bytes: int | str = "64KiB",
         prefetch: str = "deadline",
         prefetch_budget: int | str = "256MiB",
-        max_inflight: int | str | None = "256MiB",
+        max_inflight: int | str | None = DEFAULT_MAX_INFLIGHT,
         margin: float | str = "0.5ms",
         host_budget: int | str = "4GiB",
         pinned: bool = True,

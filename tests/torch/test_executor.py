@@ -101,6 +101,18 @@ def test_plan_is_bit_identical_to_the_baseline(name: str, baseline: RunRecord, m
     assert (moved["d2h"] > 0) == bool(offloads)
 
 
+def test_the_plans_cap_on_copies_in_flight_reaches_the_runtime(baseline: RunRecord, make_fake_device: Any) -> None:
+    """Note [The simulator caps forward's copies in flight]: PlanExecutor passes ``Plan.max_inflight``
+    to offload_activations, so the runtime waits where the simulator does; gradients are unchanged."""
+    capped = train(slow_device(make_fake_device), Plan.uniform(4, "offload", max_inflight=0))
+    uncapped = train(slow_device(make_fake_device), Plan.uniform(4, "offload", max_inflight=None))
+    assert_bit_identical(baseline, capped, labels=("keep-all baseline", "max_inflight=0"))
+    assert_bit_identical(baseline, uncapped, labels=("keep-all baseline", "max_inflight=None"))
+    # cap 0: every save after the first of a region waits for the copy before it (one at a time)
+    assert all(s.inflight_waits > 0 for step in capped.stats for s in step)
+    assert all(s.inflight_waits == 0 for step in uncapped.stats for s in step)
+
+
 def test_offloaded_bytes_are_the_profiled_saved_bytes(make_fake_device: Any) -> None:
     """The executor offloads exactly what the profiler attributed to the offloaded layers (same storage rule)."""
     device = make_fake_device()

@@ -12,6 +12,7 @@ budget makes irrelevant to the peak). Step times are not compared here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -76,9 +77,25 @@ def test_the_predicted_timeline_holds_every_term_of_the_predicted_step(make_fake
     device = make_fake_device(capacity="1GiB", h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s")
     work = build_workload(SETTINGS)
     measurement = WorkloadProfiler(device, work, SETTINGS).measure(calibrate=False)
-    for plan in (Plan(["offload", "keep", "recompute", "keep"]), Plan.keep_all(4, microbatches=2)):
+    plans = (
+        Plan(["offload", "keep", "recompute", "keep"]),
+        Plan.keep_all(4, microbatches=2),
+        # one copy at a time: forwards wait for their copies, and a wait splits a forward's span (Note
+        # [The simulator caps forward's copies in flight]); the head still runs once per micro-batch
+        Plan.uniform(4, "offload", microbatches=2, max_inflight=0),
+    )
+    # a link far slower than forward makes saves, whatever the measured times (1 MiB/s)
+    slow_link = replace(measurement.profile, d2h_bandwidth=2**20, h2d_bandwidth=2**20)
+    for plan in plans:
+        if plan.max_inflight == 0:
+            measurement = replace(measurement, profile=slow_link)
         result, predicted_s = measurement.predict(plan)
+        if plan.max_inflight == 0:
+            assert result.exposed_wait_s > 0
+            assert len([e for e in result.events if e.kind == "forward"]) > 4 * plan.microbatches  # split by waits
         timeline, memory = predicted_step_series(result, measurement)
+        heads = [name for _, name, _, _ in timeline if name.startswith("forward:head+loss")]
+        assert len(heads) == plan.microbatches
         assert max(end for _, _, _, end in timeline) == pytest.approx(predicted_s)
         names = {name.split("#")[0] for _, name, _, _ in timeline}
         assert {"forward:head+loss", "backward:head+loss", "optimizer"} <= names
