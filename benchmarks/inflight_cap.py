@@ -8,6 +8,11 @@ device peak of the forward (the fake device's own accounting, over the weights),
 (medians), and how often and how long forward waited for copies in flight. Baselines: keep-all (no
 offload) and the same forward under ``no_grad`` (nothing saved: the floor any offload can reach).
 
+The simulator applies the same cap (``Plan.max_inflight``; Note [The simulator caps forward's
+copies in flight]): the run also profiles the model once (``measure_step``, the emulated link given
+as it is) and prints, per cap, the simulated forward's peak over the weights and its exposed wait
+beside the measured ones (``--no-simulate`` skips it).
+
 Run::
 
     .venv/bin/python benchmarks/inflight_cap.py
@@ -24,9 +29,12 @@ from typing import Any
 
 import offcore_torch
 import torch
+from offcore_torch.profiler import measure_step
 from torch import nn
 
 import offcore
+from offcore.bandwidth import LinkMeasurement
+from offcore.sim import Plan, simulate
 
 
 def build(width: int, depth: int) -> nn.Module:
@@ -42,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d2h-bandwidth", default="256MiB/s", help="the emulated device-to-host link")
     parser.add_argument("--caps", nargs="+", default=["none", "256MiB", "16MiB", "4MiB", "0"])
     parser.add_argument("--steps", type=int, default=7, help="measured steps per variant (median)")
+    parser.add_argument("--no-simulate", action="store_true", help="skip the simulator's prediction per cap")
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.width, args.depth, args.rows) < 1:
         parser.error("--steps, --width, --depth and --rows must be positive")
@@ -95,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             row["wait_s"].append(wait_s)
 
         variants = [(names[0], None), (names[1], None), *zip(names[2:], caps, strict=True)]
+        measurement = None
+        if not args.no_simulate:  # before the rounds, so the profile's own copies are not in them
+            link = LinkMeasurement(offcore.parse_bandwidth(args.d2h_bandwidth), float("inf"), 0.0, True)
+            measurement = measure_step(
+                model, lambda: model(x).square().mean(), dev, layers=list(model), link=link, calibrate=True
+            )
+            model.zero_grad(set_to_none=True)
         for _ in range(2):  # warm-up
             for name, cap in variants:
                 run(name, cap)
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {peak / 2**20:.2f} | {(peak - floor) / 2**20:.2f} | {step * 1e3:.1f} | {step / keep:.3f} | "
             f"{statistics.median(r['waits']):.0f} | {statistics.median(r['wait_s']) * 1e3:.1f} |"
         )
+    if measurement is not None:
+        simulated(measurement, args, caps, results, floor)
     print(
         "\nThe bound (Note [Activation copies in flight are capped]): what offcore holds for copies in flight is at "
         f"most max(cap, one storage = {storage / 2**20:.2f} MiB); the forward peak, the floor's plus that plus the "
@@ -136,6 +154,33 @@ def main(argv: list[str] | None = None) -> int:
             f"<= {bound / 2**20:.2f} MiB"
         )
     return 1 if failed else 0
+
+
+def simulated(
+    measurement: Any, args: argparse.Namespace, caps: list[Any], results: dict[str, Any], floor: float
+) -> None:
+    """Per cap, the simulator's forward (Plan.max_inflight) beside the measured one."""
+    profile = measurement.profile
+    print(
+        "\nThe simulator, same caps (Plan.max_inflight; every layer offloaded; the profile of one calibrated step, "
+        f"D2H {args.d2h_bandwidth} as emulated). Forward peak over the weights = the highest level before the "
+        "last forward ends, less the profile's resident bytes:\n"
+    )
+    print(
+        "| max_inflight | simulated forward peak (MiB) | measured (MiB) | simulated exposed wait (ms) | measured (ms) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for text, cap in zip(args.caps, caps, strict=True):
+        result = simulate(profile, Plan(["offload"] * len(profile.layers), max_inflight=cap), record_events=True)
+        end = max(e.end for e in result.events if e.kind == "forward")
+        level = max(b for t, b in zip(result.memory_times, result.memory_bytes, strict=True) if t < end)
+        peak = level - profile.resident_bytes
+        measured = results[f"max_inflight={text}"]
+        print(
+            f"| {text} | {peak / 2**20:.2f} | {statistics.median(measured['peak']) / 2**20:.2f} | "
+            f"{result.exposed_wait_s * 1e3:.1f} | {statistics.median(measured['wait_s']) * 1e3:.1f} |"
+        )
+    print(f"\n(the no_grad floor measured: {floor / 2**20:.2f} MiB)")
 
 
 if __name__ == "__main__":
