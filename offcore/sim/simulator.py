@@ -352,6 +352,10 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # the cap a forward that makes saves faster than the link moves them held them all (the peak of
 # keeping them, at a slow enough link) where the runtime holds at most max(cap, one save) of them
 # and runs slower by the waits: the simulated step was short and its peak high by the same amount.
+# Not modelled: OffloadOptimizer's cap on gradients in flight (``max_inflight_gradients``, at least
+# 64 MiB and twice the largest gradient, applied per parameter where the simulator knows a layer's
+# gradients as one copy): a backward that makes gradients faster than the link moves them is
+# simulated without its waits.
 #
 # Note [Parameters outside the layers are streamed too]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
