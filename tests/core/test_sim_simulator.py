@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from offcore import ConfigurationError  # noqa: E402
+from offcore.inflight import DEFAULT_MAX_INFLIGHT
 from offcore.sim import (  # noqa: E402
     LayerProfile,
     Plan,
@@ -341,6 +342,8 @@ def plans(draw, n, actions=("keep", "offload", "recompute")):
         draw(st.lists(st.sampled_from(actions), min_size=n, max_size=n)),
         checkpoint_interval=draw(st.integers(1, 3)),
         prefetch=policy,
+        # Note [The simulator caps forward's copies in flight]: the default, none, one at a time, or any cap
+        max_inflight=draw(st.one_of(st.just(DEFAULT_MAX_INFLIGHT), st.none(), st.just(0), st.integers(1, 4 * 10**9))),
     )
 
 
