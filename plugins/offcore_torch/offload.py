@@ -269,9 +269,10 @@ class _AllocatedBytes:
 # storage (0 included) is "one copy at a time". The wait is exposed wait (stats: inflight_waits,
 # inflight_wait_s, and the waits entry _INFLIGHT_WAIT). The rule is the core's (Note [Copies in
 # flight are capped] in offcore/inflight.py, ``must_wait``): the same caps gradients (Note
-# [In-flight gradients are capped] in optimizer.py), and the simulator applies it (Plan.max_inflight). Offcore's bound, then: the bytes it holds for
-# copies in flight are at most max(cap, largest saved storage); whatever else holds a storage (the
-# graph's next op, the caller) holds it with or without offload.
+# [In-flight gradients are capped] in optimizer.py), and the simulator applies it
+# (Plan.max_inflight). Offcore's bound, then: the bytes it holds for copies in flight are at most
+# max(cap, largest saved storage); whatever else holds a storage (the graph's next op, the
+# caller) holds it with or without offload.
 _INFLIGHT_WAIT = "device-to-host copies in flight (max_inflight)"
 
 
