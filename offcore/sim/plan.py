@@ -200,12 +200,7 @@ class Plan:
     def __post_init__(self) -> None:
         if not isinstance(self.drain_offloads, bool):
             raise ConfigurationError(f"drain_offloads must be True or False, got {_brief(self.drain_offloads)}")
-        if self.max_inflight is not None:
-            if isinstance(self.max_inflight, (bool, float)):  # parse_size would read 1.5 as 1 byte, True as 1
-                raise ConfigurationError(
-                    f"max_inflight must be a byte count (an int or a size such as '64MiB') or None, "
-                    f"got {_brief(self.max_inflight)}"
-                )
+        if self.max_inflight is not None:  # read as offload_activations reads it (parse_size refuses 1.5, True)
             object.__setattr__(
                 self, "max_inflight", parse_size(self.max_inflight, what="max_inflight", allow_zero=True)
             )
