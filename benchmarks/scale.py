@@ -210,7 +210,8 @@ def largest(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 def scale_table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
     """The scale rows (variant, width, parameters, ratio, peak) as fixed-width text or a Markdown table."""
     if markdown:
-        lines = ["| variant | width | parameters | x keep-all | device peak |", "|---|---:|---:|---:|---:|"]
+        # a blank line first: a Markdown table does not interrupt the caption line printed before it
+        lines = ["", "| variant | width | parameters | x keep-all | device peak |", "|---|---:|---:|---:|---:|"]
         lines += [
             f"| {r['variant']} | {r['width']} | {r['parameters']:,d} | {r['ratio']:.1f} | {format_bytes(r['peak_bytes'])} |"
             for r in rows
@@ -229,6 +230,7 @@ def time_table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
     lines = []
     if markdown:
         lines += [
+            "",
             "| variant | step (ms) | x keep-all | paired x | CPU (ms) | prefetch hits | stalls | unplanned | wait (ms) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]

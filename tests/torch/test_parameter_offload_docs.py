@@ -70,8 +70,8 @@ def test_scale_tables_print_as_markdown(monkeypatch: pytest.MonkeyPatch) -> None
         },
     ]
     table = scale.scale_table(rows, markdown=True).splitlines()
-    assert table[0].startswith("| variant | width |") and table[1].startswith("|---|")
-    assert table[3] == "| all kinds (OffloadOptimizer) | 320 | 11,900 | 11.9 | 3.00 MiB |"
+    assert table[0] == "" and table[1].startswith("| variant | width |") and table[2].startswith("|---|")
+    assert table[4] == "| all kinds (OffloadOptimizer) | 320 | 11,900 | 11.9 | 3.00 MiB |"
     assert "|" not in scale.scale_table(rows)  # the default stays fixed-width text
     timed = [
         {"variant": "keep-all", "median_s": 0.01, "ratio": 1.0, "paired_ratio": 1.0, "cpu_s": 0.012},
@@ -88,6 +88,7 @@ def test_scale_tables_print_as_markdown(monkeypatch: pytest.MonkeyPatch) -> None
         },
     ]
     lines = scale.time_table(timed, markdown=True).splitlines()
-    assert lines[2] == "| keep-all | 10.00 | 1.000 | 1.000 | 12.0 | - | - | - | - |"
-    assert lines[3] == "| params | 11.20 | 1.120 | 1.115 | 13.0 | 40 | 0 | 1 | 0.4 |"
+    assert lines[0] == "" and lines[1].startswith("| variant | step (ms) |")
+    assert lines[3] == "| keep-all | 10.00 | 1.000 | 1.000 | 12.0 | - | - | - | - |"
+    assert lines[4] == "| params | 11.20 | 1.120 | 1.115 | 13.0 | 40 | 0 | 1 | 0.4 |"
     assert "hits 40 stalls 0 unplanned 1 wait 0.4 ms" in scale.time_table(timed)
