@@ -95,7 +95,7 @@ class LayerProfile:
             save is the latest of the layer's saves backward has used, with the layer's saves
             autograd released by then added back: what the backward needs beyond the saves
             still alive, from that use to the next (Note [Gross working bytes of a backward]
-            in offcore_torch/profiler.py). An offloaded layer's backward holds, from each use,
+            in offcore_torch/compare/profiler.py). An offloaded layer's backward holds, from each use,
             its saves reloaded and not yet used plus these bytes; each save goes at the next
             use (Note [An offloaded layer's saves go as backward uses them] in simulator.py).
             Empty (the default): unknown; an offloaded layer's saves then stay to the end of
@@ -291,7 +291,7 @@ class StepProfile:
             0 by default (everything in ``other_bytes`` is resident all step).
         head_forward_bytes: the part of ``head_bytes`` already allocated when forward ends
             (what the head and the loss saved): the runtime plans its first reloads there
-            (Note [Prefetch from the end of forward] in offcore_torch/offload.py), seeing these
+            (Note [Prefetch from the end of forward] in offcore_torch/activations/offload.py), seeing these
             bytes but not the head's backward transients that follow. ``None`` (the default):
             all of ``head_bytes`` (Note [The turn sees the head's saved bytes] in simulator.py).
         d2h_bandwidth, h2d_bandwidth: bytes per second per direction (numbers or strings

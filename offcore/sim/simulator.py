@@ -114,7 +114,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # device, where the runtime held at most its 1 MiB budget of them). With
 # ``LayerProfile.gross_working_bytes`` measured (per save: the transient bytes beyond the saves
 # still alive, from its use to the next; Note [Gross working bytes of a backward] in
-# offcore_torch/profiler.py), an offloaded layer's backward instead:
+# offcore_torch/compare/profiler.py), an offloaded layer's backward instead:
 #   - at each group's use frees the saves of the group used before it (autograd is done with them;
 #     a copy used in place still waits for its D2H, Note [Reuse of device copies still in flight]);
 #   - holds, from each group's use to the next, the largest gross working set of that group's saves
@@ -132,7 +132,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [The turn sees the head's saved bytes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # offcore_torch plans the first reloads when the offload region exits, after the loss was computed
-# (PlanExecutor; Note [Prefetch from the end of forward] in offcore_torch/offload.py): the device
+# (PlanExecutor; Note [Prefetch from the end of forward] in offcore_torch/activations/offload.py): the device
 # then holds what the head and the loss saved, not yet their backward's transients, and the
 # scheduler's room (capacity minus bytes in use) is read there. The simulator's turn allocates
 # ``StepProfile.head_forward_bytes`` first, runs forward_ended, then allocates the rest of
@@ -205,7 +205,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 
 # Note [Parameter streaming drives a ResidencyScheduler]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# One policy for streamed parameters, the runtime's (plugins/offcore_torch/parameters.py): a
+# One policy for streamed parameters, the runtime's (plugins/offcore_torch/parameters/parameters.py): a
 # simulated step runs one round of its own ResidencyScheduler (Kind.PARAMETER objects) beside the
 # activations' one, fed the events offload_parameters feeds its round and executing its actions
 # as it does:
@@ -244,7 +244,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [Backward's first parameters stay after forward in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The runtime keeps the storages backward uses first (up to its budget) on the device after their
-# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters.py):
+# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters/parameters.py):
 # the plan's prefetch for their backward use finds them there and no copy is made at the turn. The
 # simulator does the same per layer: backward's first layers whose parameters add up to at most the
 # round's budget are not freed after their forward (``p_turn``), and their first use in backward
@@ -259,7 +259,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [The optimizer's NVMe tier in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``Plan.optimizer_tier == "nvme"`` models OffloadOptimizer(tier="nvme") (Note [Optimizer states on
-# NVMe] in plugins/offcore_torch/optimizer.py): gradients go D2H under backward as with the host tier,
+# NVMe] in plugins/offcore_torch/optimizer/optimizer.py): gradients go D2H under backward as with the host tier,
 # but nothing steps before ``step()`` (Note [One host step at step()] there); once compute ended and
 # every gradient landed, the host worker runs offcore.nvme.pipelined over groups — one layer, or
 # consecutive ones up to _NVME_GROUP_BYTES of parameters (the optimizer's own grouping, per
@@ -329,7 +329,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
 # 3.5 MiB run to run in tests/torch/test_sim_memory.py's offload plan, against 1.6 unsanitized).
 # ``Plan.drain_offloads``: PlanExecutor ends each offloaded layer's forward by waiting on the D2H
-# stream and handing the landings to the regions (offcore_torch.offload.poll), so their device
+# stream and handing the landings to the regions (offcore_torch.activations.offload.poll), so their device
 # copies are freed before the next layer runs; the simulator's compute stream waits for the
 # layer's last D2H the same way. Forward then holds at most the running layer's copies, the
 # turn starts with every copy landed, and backward's level is set by the prefetch budget alone
@@ -377,7 +377,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # ``param_copies × latency_s + param_bytes / h2d_bandwidth`` (a TinyGPT block: 12 tensors per
 # use, about 100 copies per step with the embedding, the head and the backward refetch). The
 # latency is the profiler's, measured with small copies queued together (Note [The latency is
-# measured with small copies] in offcore_torch/profiler.py), not the intercept of a fit through
+# measured with small copies] in offcore_torch/compare/profiler.py), not the intercept of a fit through
 # two large copies, whose noise (0 to 1.3 ms per copy on a loaded host) this term multiplied.
 # The scheduler's own copy durations stay one latency per object, as the runtime's estimator has them.
 
@@ -725,7 +725,7 @@ _PARAMETER_MARGIN_S = 0.5e-3
 _PARAMETER_BUDGET_MODULES = 2
 _PARAMETER_UNIT_S = 1e-3
 
-# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer.py):
+# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer/optimizer.py):
 # a group is one parameter or consecutive small ones up to this many master bytes
 _NVME_GROUP_BYTES = 4 * 1024**2
 _NVME_LOOKAHEAD = 2  # OffloadOptimizer's pipelined(lookahead=): groups read ahead of the one stepped

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from offcore_torch.compare import (  # noqa: E402
+from offcore_torch.compare.compare import (  # noqa: E402
     CompareSettings,
     _optimizer_for,
     _scaled,
@@ -25,7 +25,7 @@ from offcore_torch.compare import (  # noqa: E402
     pcie_like_bandwidths,
     profile_workload,
 )
-from offcore_torch.executor import PlanExecutor  # noqa: E402
+from offcore_torch.compare.executor import PlanExecutor  # noqa: E402
 
 import offcore  # noqa: E402
 from offcore.sim import Action, Plan, PrefetchPolicy, simulate  # noqa: E402

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offcore.objects import ManagedObject
-from offcore_torch.storage import TensorMeta, dispatch_modes, internal_ops, is_offloadable_kind
+from offcore_torch.activations.storage import TensorMeta, dispatch_modes, internal_ops, is_offloadable_kind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offcore_torch.offload import OffloadHandle
+    from offcore_torch.activations.offload import OffloadHandle
 
 __all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry"]
 
@@ -166,7 +166,7 @@ class Entry:
         self.keepers_pointed = False
         # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
         self.alive_elsewhere = False
-        # where its host copy is on the NVMe tier (offcore_torch.activation_nvme): None (never spilled), or
+        # where its host copy is on the NVMe tier (offcore_torch.activations.nvme): None (never spilled), or
         # "writing", "disk", "both", "reading"
         self.nvme: str | None = None
 

@@ -2,14 +2,14 @@
 
 The workflow (seed 004): fix the workload (model, dtype, batch, sequence length,
 warm-up, iterations, seed); run a keep-all *reference* on an unlimited-capacity device
-of the same backend and profile one warmed-up step (:mod:`offcore_torch.profiler`);
+of the same backend and profile one warmed-up step (:mod:`offcore_torch.compare.profiler`);
 choose the compared device (by default the CPU fake device with 70 % of the measured
 keep-all peak, so the baseline runs out of memory, and a PCIe-like link scaled to this
 machine's compute speed); then run every strategy through the
-:class:`~offcore_torch.executor.PlanExecutor` on that device and record its figures
+:class:`~offcore_torch.compare.executor.PlanExecutor` on that device and record its figures
 next to the simulator's prediction. :mod:`offcore.comparison` decides and reports.
 
-    >>> from offcore_torch.compare import CompareSettings, run_compare          # doctest: +SKIP
+    >>> from offcore_torch.compare.compare import CompareSettings, run_compare          # doctest: +SKIP
     >>> comparison = run_compare(CompareSettings(iters=2, strategies=("baseline", "checkpoint")))  # doctest: +SKIP
     >>> print(comparison.text())                                                 # doctest: +SKIP
 """
@@ -34,12 +34,12 @@ from offcore.errors import CapacityExceededError, ConfigurationError
 from offcore.sim import Action, Plan, StepProfile, plan, simulate, steady_prefetch, transformer_layer_profile
 from offcore.sim.planner import STEADY_MARGIN_S
 from offcore.units import format_bandwidth, format_bytes
-from offcore_torch.executor import PlanExecutor
+from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.profiler import StepMeasurement, measure_link, measure_step
 from offcore_torch.layers import find_layers
 from offcore_torch.models import GPTConfig, Workload, gpt_workload
-from offcore_torch.optimizer import OffloadOptimizer
-from offcore_torch.parameters import offload_parameters
-from offcore_torch.profiler import StepMeasurement, measure_link, measure_step
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
+from offcore_torch.parameters.parameters import offload_parameters
 from offcore_torch.testing import bit_identical
 
 __all__ = [
@@ -1320,7 +1320,7 @@ class WorkloadProfiler:
             self.batch = work.make_batch(0, self.torch_device)
 
     def measure(self, **options: Any) -> StepMeasurement:
-        """One profiled step (:func:`offcore_torch.profiler.measure_step`; ``options`` pass through; default no link, calibrated)."""
+        """One profiled step (:func:`offcore_torch.compare.profiler.measure_step`; ``options`` pass through; default no link, calibrated)."""
         options.setdefault("link", False)
         options.setdefault("calibrate", True)  # Note [Profiler calibration]
         torch.manual_seed(self.settings.seed)

@@ -22,7 +22,7 @@ offcore backend:
   from ``memory_stats()["capacity_bytes"]``.
 
     >>> import offcore, torch
-    >>> from offcore_torch.profiler import profile_step
+    >>> from offcore_torch.compare.profiler import profile_step
     >>> dev = offcore.device("cpu", capacity="1GiB", h2d_bandwidth="8GiB/s", d2h_bandwidth="8GiB/s")
     >>> with dev:
     ...     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)])
@@ -66,8 +66,8 @@ from offcore.errors import ConfigurationError
 from offcore.kinds import Tier
 from offcore.sim import Plan, StepProfile, simulate
 from offcore.sim.profile import LayerProfile
+from offcore_torch.activations.storage import is_offloadable_kind, is_parameter_like, storage_key
 from offcore_torch.layers import resolve_layers
-from offcore_torch.storage import is_offloadable_kind, is_parameter_like, storage_key
 
 __all__ = [
     "LinkMeasurement",
@@ -943,7 +943,7 @@ def _calibrate(
 ) -> tuple[float, float, float]:
     """Note [Profiler calibration]: (scale of instrumented times, offload overhead per storage, checkpointed − plain)."""
     from offcore.scheduler import Scheduler
-    from offcore_torch.offload import offload_activations
+    from offcore_torch.activations.offload import offload_activations
 
     params = list(model.parameters())
     stashed = [p.grad for p in params]
