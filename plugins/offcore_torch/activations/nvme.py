@@ -62,8 +62,7 @@ from offcore.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from offcore.nvme.tier import IOHandle, NvmeTier
-    from offcore_torch.activations.offload import OffloadHandle
-    from offcore_torch.activations.records import Entry
+    from offcore_torch.activations.records import Entry, Region
 
 __all__ = ["ActivationSpill", "WRITING", "DISK", "BOTH", "READING"]
 
@@ -94,7 +93,7 @@ _REGIONS = itertools.count()
 class ActivationSpill:
     """The NVMe hop of one activation-offload region (see the module docstring)."""
 
-    def __init__(self, region: OffloadHandle, tier: NvmeTier, *, owned: bool, read_ahead: int) -> None:
+    def __init__(self, region: Region, tier: NvmeTier, *, owned: bool, read_ahead: int) -> None:
         self.tier = tier
         self.owned = owned
         self.read_ahead_bytes = read_ahead
