@@ -100,7 +100,7 @@ FILL = 0.7
 # step that computes for well under a millisecond per saved tensor.
 DEFAULT_WORKLOAD = {"batch": 4, "seq_len": 256, "d_model": 512, "layers": 4, "heads": 8, "vocab": 512}
 SMALL = {"seq_len": 64, "d_model": 128, "heads": 4}
-# --compare: offcore compare's default workload (offcore_torch.compare.compare.CompareSettings), without dropout
+# --compare: offcore compare's default workload (offcore_torch.compare.settings.CompareSettings), without dropout
 COMPARE = {"batch": 8, "seq_len": 64, "d_model": 64, "layers": 4, "heads": 4, "vocab": 256}
 
 

@@ -15,7 +15,7 @@ Per layer, in forward order:
 ``plan.optimizer`` and ``plan.parameters`` (optimizer offload, parameter streaming) are not
 the executor's: they decide how the model's optimizer and parameters are set up before it
 runs (``offcore compare`` builds them with ``OffloadOptimizer`` / ``offload_parameters``,
-``offcore_torch.compare.compare._optimizer_for``); the executor applies the per-layer actions.
+``offcore_torch.compare.runs._optimizer_for``); the executor applies the per-layer actions.
 
 With ``plan.microbatches = m > 1`` the batch is split along its first dimension into
 ``m`` micro-batches; each runs forward and backward (its loss weighted by its share of
