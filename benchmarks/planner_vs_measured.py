@@ -55,7 +55,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from offcore_torch.compare.compare import measure_microbatch_overhead, profile_workload
     from offcore_torch.compare.executor import PlanExecutor
-    from offcore_torch.compare.profiler import measure_link
+    from offcore_torch.compare.link import measure_link
     from offcore_torch.compare.runs import _optimizer_for, _release_optimizer
     from offcore_torch.compare.settings import CompareSettings, build_workload, pcie_like_bandwidths
     from offcore_torch.compare.strategies import plan_strategies

@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from offcore_torch.compare.compare import measure_kind_overheads, measure_microbatch_overhead, profile_workload
     from offcore_torch.compare.executor import PlanExecutor
+    from offcore_torch.compare.link import measure_link
     from offcore_torch.compare.max_batch import _max_batch, _steps_run, probe_max_batch, two_point_batch
-    from offcore_torch.compare.profiler import measure_link, measure_step
+    from offcore_torch.compare.profiler import measure_step
     from offcore_torch.compare.runs import _optimizer_for
     from offcore_torch.compare.settings import (
         _PROBE_MAX_FACTOR,

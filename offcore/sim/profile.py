@@ -95,7 +95,7 @@ class LayerProfile:
             save is the latest of the layer's saves backward has used, with the layer's saves
             autograd released by then added back: what the backward needs beyond the saves
             still alive, from that use to the next (Note [Gross working bytes of a backward]
-            in offcore_torch/compare/profiler.py). An offloaded layer's backward holds, from each use,
+            in offcore_torch/compare/recording.py). An offloaded layer's backward holds, from each use,
             its saves reloaded and not yet used plus these bytes; each save goes at the next
             use (Note [An offloaded layer's saves go as backward uses them] in simulator.py).
             Empty (the default): unknown; an offloaded layer's saves then stay to the end of

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from offcore_torch.compare.profiler import StepMeasurement  # noqa: E402
+from offcore_torch.compare.measurement import StepMeasurement  # noqa: E402
 from offcore_torch.compare.settings import CompareSettings  # noqa: E402
 from offcore_torch.compare.strategies import plan_strategies, strategy_plans  # noqa: E402
 

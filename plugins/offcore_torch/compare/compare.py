@@ -30,8 +30,10 @@ from offcore.errors import CapacityExceededError
 from offcore.sim import Plan
 from offcore.units import format_bandwidth, format_bytes
 from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.link import measure_link
 from offcore_torch.compare.max_batch import _extrapolated_batch, _max_batch, _measure_max_batch, two_point_batch
-from offcore_torch.compare.profiler import StepMeasurement, measure_link, measure_step
+from offcore_torch.compare.measurement import StepMeasurement
+from offcore_torch.compare.profiler import measure_step
 from offcore_torch.compare.runs import (
     _accumulation_loss_delta,
     _compare_runs,

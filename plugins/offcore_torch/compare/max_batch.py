@@ -17,7 +17,7 @@ from offcore.errors import ConfigurationError
 from offcore.sim import Plan, StepProfile, simulate
 from offcore.units import format_bytes
 from offcore_torch.compare.executor import PlanExecutor
-from offcore_torch.compare.profiler import StepMeasurement
+from offcore_torch.compare.measurement import StepMeasurement
 from offcore_torch.compare.runs import _is_oom, _optimizer_for, _release_optimizer
 from offcore_torch.compare.settings import (
     _PROBE_LIMIT,

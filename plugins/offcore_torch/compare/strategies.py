@@ -11,7 +11,7 @@ from offcore.errors import CapacityExceededError
 from offcore.sim import Action, Plan, StepProfile, plan, simulate, steady_prefetch
 from offcore.sim.planner import STEADY_MARGIN_S
 from offcore.units import format_bytes
-from offcore_torch.compare.profiler import StepMeasurement
+from offcore_torch.compare.measurement import StepMeasurement
 from offcore_torch.compare.settings import CompareSettings
 
 # ----------------------------------------------------------------------------- plans
