@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import offcore_torch
-import offcore_torch.optimizer as optimizer_module
+import offcore_torch.optimizer.optimizer as optimizer_module
 import torch
 from offcore_torch.models import mlp_workload
 
@@ -603,7 +603,7 @@ def _sequential(
 
 
 def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> list[dict[str, Any]]:
-    import offcore_torch.optimizer as optimizer_module
+    import offcore_torch.optimizer.optimizer as optimizer_module
 
     parent = args.nvme_dir or "/var/tmp"
     directory = tempfile.mkdtemp(prefix="offcore-bench-", dir=parent)

@@ -15,7 +15,7 @@ for which one training step (forward, backward, optimizer update) runs at all, p
   the device with the real ``OffloadOptimizer`` working on the handle's host copies (found on
   the parameters): gradients D2H as backward makes them, the host step updates the host
   copies in place, no upload after it, the next forward streams them (Note [Parameters on the
-  host with offload_parameters] in plugins/offcore_torch/optimizer.py);
+  host with offload_parameters] in plugins/offcore_torch/optimizer/optimizer.py);
 - **all kinds (host-step stand-in, floor)**: the same with a bare host AdamW over
   ``handle.host_tensor`` (gradients D2H synchronously, ``handle.host_updated()``): what the
   composition cannot beat, kept as a labelled floor.
@@ -57,7 +57,7 @@ from typing import Any
 import offcore_torch
 import torch
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss
-from offcore_torch.parameters import offload_parameters
+from offcore_torch.parameters.parameters import offload_parameters
 from offcore_torch.runtime import runtime_for
 
 import offcore
