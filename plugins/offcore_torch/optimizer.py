@@ -560,20 +560,27 @@ class _HostGradient(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         markers: list[_HostGradient] = []
+        in_place = func._schema.is_mutable and func.__name__.split(".")[0].endswith("_")
+        target = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else (args[0] if args else None)
+        # an operator writing a tensor of the user's (``x.copy_(p.grad)``) reads the host values on its device;
+        # every other one runs on the host (a device scalar, clip_grad_norm_'s coefficient, comes over)
+        if "out" in kwargs:
+            target, in_place = kwargs["out"], True
+        on_host = not in_place or isinstance(target, _HostGradient)
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, _HostGradient):
                 markers.append(x)
-                return x.host()
-            if isinstance(x, torch.Tensor) and x.device.type != "cpu":
-                return x.cpu()  # a device scalar (clip_grad_norm_'s coefficient): the host computes
+                return x.host() if on_host else x.host().to(x.device)
+            if on_host and isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                return x.cpu()
             return x
 
         out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
         first = markers[0]
         if "out" in kwargs:
             return kwargs["out"]
-        if func._schema.is_mutable and func.__name__.split(".")[0].endswith("_"):  # in place: the marker itself
+        if in_place:  # the tensor written (the marker itself, when the host gradient was written)
             return None if out is None else args[0]
         if func.is_view:  # a view of the host gradient is a gradient too (``p.grad.detach().mul_(c)``)
 

@@ -202,3 +202,25 @@ def test_a_cleared_gradient_read_later_is_refused(make_fake_device: Any) -> None
                 kept.sum()
         finally:
             opt.close()
+
+
+def test_clip_grad_norm_takes_a_wrapper_holding_the_optimizer(make_fake_device: Any) -> None:
+    """accelerate hands its ``AcceleratedOptimizer`` around; ``offcore_torch.clip_grad_norm_`` takes what it wraps."""
+
+    class Wrapper:  # accelerate's AcceleratedOptimizer keeps the optimizer as ``.optimizer``
+        def __init__(self, optimizer: Any) -> None:
+            self.optimizer = optimizer
+
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        plain, ref, model, opt = _pair(dev)
+        try:
+            _loss(plain, 0).backward()
+            _loss(model, 0).backward()
+            expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.05)
+            assert torch.equal(offcore_torch.clip_grad_norm_(Wrapper(opt), 0.05), expected)
+            ref.step()
+            opt.step()
+            assert _equal(list(model.parameters()), list(plain.parameters()))
+        finally:
+            opt.close()
