@@ -224,3 +224,23 @@ def test_clip_grad_norm_takes_a_wrapper_holding_the_optimizer(make_fake_device: 
             assert _equal(list(model.parameters()), list(plain.parameters()))
         finally:
             opt.close()
+
+
+def test_grads_set_between_backward_and_step_are_what_step_uses(make_fake_device: Any) -> None:
+    """``p.grad = None`` for one parameter (frozen for this step) and ``p.grad = t`` for another between
+    backward and ``step()``: torch's step skips the first and steps the second with ``t``."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        plain, ref, model, opt = _pair(dev)
+        try:
+            for step in range(3):
+                for net, optimizer in ((plain, ref), (model, opt)):
+                    _loss(net, step).backward()
+                    first, second = list(net.parameters())[:2]
+                    first.grad = None
+                    second.grad = torch.full_like(second, 0.5 + step)
+                    optimizer.step()
+                    net.zero_grad()
+            assert _equal(list(model.parameters()), list(plain.parameters()))
+        finally:
+            opt.close()
