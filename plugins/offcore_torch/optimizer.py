@@ -609,9 +609,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
       ``"host"``: accumulation and steps) and the forward's waits for parameters (``"wait"``).
     - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
       staging room): the host pool holding masters, gradients and staging buffers.
-    - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
-      in the next forward; the rest is uploaded at the forward's triggers, in the core's need
-      order (Note [The optimizer's moves go through the core]).
+    - ``upload_budget`` (None: unbounded): with ``overlap_uploads=True``, bytes of updated parameters
+      uploaded ahead of their use in the next forward; the rest is uploaded at the forward's triggers,
+      in the core's need order (Note [The optimizer's moves go through the core]). Without it,
+      ``step()`` issues every upload before it returns.
     - ``max_inflight_gradients`` (None: the larger of 64 MiB and twice the largest gradient):
       bytes of device gradients whose D2H has not landed; past it, backward waits for the
       oldest copy's event before going on (Note [In-flight gradients are capped]). One gradient
