@@ -638,7 +638,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
       :meth:`synchronize`) first (Note [Parameters read after step() are the stepped ones]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
-    keyed by the host masters); ``state_dict()`` is in torch's format.
+    keyed by the host masters); ``state_dict()`` is in torch's format. When ``backward()`` returns,
+    every gradient is final on the host, and each parameter's ``.grad`` shows its host gradient (torch
+    operators on it run on the host: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips
+    what ``step()`` uses; ``model.zero_grad()`` clears it: Note [The host gradient is the device
+    parameter's .grad]).
 
         >>> opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
     """
