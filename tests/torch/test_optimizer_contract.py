@@ -244,3 +244,33 @@ def test_grads_set_between_backward_and_step_are_what_step_uses(make_fake_device
             assert _equal(list(model.parameters()), list(plain.parameters()))
         finally:
             opt.close()
+
+
+def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make_fake_device: Any) -> None:
+    """Gradients handed over with ``accept_gradient`` (how DDP's and FSDP2's reach the optimizer) are not shown
+    as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
+    ``opt.zero_grad()`` since is refused naming the fix, not added to the last step's sum."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        _, _, model, opt = _pair(dev)
+        opt.remove_gradient_hooks()
+        params = list(model.parameters())
+
+        def hand_over() -> None:
+            _loss(model, 0).backward()
+            for p in params:
+                opt.accept_gradient(p, p.grad)
+            opt.synchronize()
+            model.zero_grad()
+
+        try:
+            hand_over()
+            opt.step()
+            opt.zero_grad()
+            hand_over()  # cleared by opt.zero_grad(): taken
+            opt.step()
+            model.zero_grad()  # cannot reach the host gradients
+            with pytest.raises(offcore.OffcoreError, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
+                hand_over()
+        finally:
+            opt.close()
