@@ -2,9 +2,10 @@
 
 The tests run on every backend the ``backend`` fixture yields. On the CPU fake device
 they also vary the emulated link (bandwidth and latency) and always run with the
-sanitizer on (every fixture asserts it: :func:`assert_sanitized`), so a missing wait or
-a buffer freed while a copy still uses it gives NaNs and a recorded violation, which
-every fixture checks at teardown (:func:`finish_device`). On real accelerators the link
+sanitizer on (every fixture asserts it: :func:`assert_sanitized`), so a missing wait, a
+buffer freed while a copy still uses it, or a torch operator touching bytes of a copy in
+flight (``check_ops``) gives NaNs and a recorded violation, which every fixture checks at
+teardown (:func:`finish_device`). On real accelerators the link
 is the hardware's, so the emulated variants skip with that reason.
 """
 
@@ -42,6 +43,10 @@ def assert_sanitized(device: Any) -> Any:
         assert Capability.SANITIZER in device.capabilities and device.options.sanitize, (
             f"{device!r}: the PyTorch tests run the fake device with its sanitizer on; without it a missing "
             "wait or an early free passes unnoticed"
+        )
+        assert device.options.check_ops, (
+            f"{device!r}: the PyTorch tests check torch operators against the copies in flight (check_ops=True); "
+            "without it an operator reading a copy's destination too early only computes NaN"
         )
     return device
 
