@@ -133,6 +133,21 @@ next forward waiting per parameter on its own event.
 # issued while the caller does something else between ``step()`` and the forward, is little on one
 # interpreter: the issue is Python under the GIL wherever it runs.
 #
+# Note [Parameters read after step() are the stepped ones]
+# torch.optim's contract: once ``step()`` returned, every read of a parameter -- an EMA update
+# (``ema.mul_(0.9).add_(p, alpha=0.1)``), a logged weight norm, ``torch.func.functional_call``, a
+# checkpoint -- sees the stepped value. A forward pre-hook sees only reads through module calls, so by
+# default (``overlap_uploads=False``) ``step()`` ends by issuing every upload of the step (due, or held
+# back by ``upload_budget``: ``_upload_rest``) and making the compute stream wait for each
+# (``_publish_uploads``). On a GPU that is a device-side wait: the host goes on queueing the next
+# forward, whose kernels start once the copies landed; what is lost is only the overlap of the later
+# layers' copies with the first layers' compute. On the fake device compute is the host, so it blocks.
+# ``overlap_uploads=True`` keeps that overlap: the uploads are issued at the first of ``zero_grad()``,
+# a parameter's use ... (Note [Who issues step()'s uploads]) and each module's pre-hook waits for its
+# own parameters; a read outside a module call is then the caller's to order
+# (``opt.wait_for_parameters([p])`` / ``opt.synchronize()``), and the sanitizer reports one that is not
+# (a read of an upload's destination in flight). benchmarks/optimizer_offload.py times both.
+#
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
 # optimizer's own around every ``Optimizer.step`` call. ``OffloadOptimizer.step()`` is the user's
@@ -497,6 +512,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
       device's shared tier set by :func:`offcore_torch.nvme_tier`.
     - ``nvme_masters`` (None: on with ``tier="nvme"``): the fp32 masters of bf16/fp16 parameters
       (``master_weights=True``) live on disk with their states (Note [Masters on NVMe]).
+    - ``overlap_uploads`` (False): when ``step()`` returns, every updated parameter's upload is issued
+      and the compute stream waits for them (a device-side wait on a GPU), so any later read of a
+      parameter, by any torch op, sees the stepped value. True keeps the uploads in flight past
+      ``step()``, overlapping the next forward, which waits per parameter in its module's pre-hook;
+      a parameter read outside a module call then needs :meth:`wait_for_parameters` (or
+      :meth:`synchronize`) first (Note [Parameters read after step() are the stepped ones]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
     keyed by the host masters); ``state_dict()`` is in torch's format.
@@ -525,6 +546,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         verify: bool = False,
         trace: TraceRecorder | None = None,
         params_on_host: Any = None,
+        overlap_uploads: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -590,6 +612,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._params_handle = self._find_handle(groups, params_on_host)
         self._offload_gradients = offload_gradients
         self._accumulation_steps = accumulation_steps
+        if not isinstance(overlap_uploads, bool):
+            raise ConfigurationError(f"overlap_uploads must be True or False, got {overlap_uploads!r}")
+        self._overlap_uploads = overlap_uploads  # Note [Parameters read after step() are the stepped ones]
         self._pin_memory = pin_memory
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = dict(optimizer_kwargs)
@@ -1394,7 +1419,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rs.consumed(key)
             self._execute(rs, rs.used(key, now, managed_key=key))
 
-    def _wait_parameter(self, slot: _Slot) -> None:
+    def _wait_parameter(self, slot: _Slot, *, traced: bool = True) -> None:
         """Make the compute stream wait for ``slot``'s H2D (a forward pre-hook); the host observes it."""
         with self._lock:
             if self._pending_h2d.pop(id(slot.param), None) is None:
@@ -1416,10 +1441,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
                     "host master holds the stepped value: fix the cause and call opt.synchronize()"
                 ) from again
-        if self.trace is not None:
+        if self.trace is not None and traced:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
-        if event.query():
-            self._mark_synced(slot)
+        # the compute stream is ordered after the upload now: everything it does later (a write of the
+        # user's) comes after the copy, so the version the copy left is the synced one. On the fake device
+        # the copy landed (its compute is the host); on CUDA the copy bumped the version when issued
+        # (h2d_versions), and querying would leave a copy not landed yet unsynced, and its master refreshed
+        # from the device (the fp32 master rounded to bf16) before the next step.
+        self._mark_synced(slot)
 
     def _observe(self, slot: _Slot) -> bool:
         """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
@@ -1564,7 +1593,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise
         self._end_round()
         self._stepped_since_zero_grad = True
+        if not self._overlap_uploads:
+            self._publish_uploads()
         return loss
+
+    def _publish_uploads(self) -> None:
+        """Note [Parameters read after step() are the stepped ones]: issue every upload of this step (due,
+        or held back by ``upload_budget``) and make the compute stream wait for all of them: a device-side
+        wait on a GPU (the host does not block), a block on the fake device, whose compute is the host."""
+        began = time.perf_counter()
+        with self._sched_lock:
+            if self._rs is not None:
+                self._upload_rest(self._rs)
+        with self._lock:
+            pending = list(self._pending_h2d.values())
+        for slot in pending:
+            self._wait_parameter(slot, traced=False)
+        if self.trace is not None and pending:
+            self.trace.span("wait", f"step()'s {len(pending)} uploads", began, time.perf_counter() - began)
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
     def _groups(self, slots: list[_Slot]) -> list[list[_Slot]]:

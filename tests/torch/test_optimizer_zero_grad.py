@@ -1,4 +1,6 @@
-"""Who issues the uploads ``step()`` left due (Note [Who issues step()'s uploads]), on the sanitized fake device.
+"""Who issues the uploads ``step()`` left due (Note [Who issues step()'s uploads]), on the sanitized fake device,
+with ``overlap_uploads=True`` (by default ``step()`` issues them itself and the compute stream waits for them:
+Note [Parameters read after step() are the stepped ones], tests/torch/test_optimizer_contract.py).
 
 - ``zero_grad()`` issues all of them, in need order, on its own thread; nothing is queued on the worker;
 - without ``zero_grad()``, the forward's first use of a parameter issues all of them at once, so the
@@ -35,7 +37,7 @@ def _adamw(dev: Any) -> Iterator[tuple[Any, list[Any], Any]]:
     with dev:
         model = place(MLP.build(0), dev)
         params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True, overlap_uploads=True)
         try:
             yield model, params, opt
         finally:
@@ -113,7 +115,9 @@ def test_a_write_between_step_and_the_forward_wins(
             model = place(MLP.build(0), dev)
             params = list(model.parameters())
             if offload:
-                opt: Any = offcore_torch.OffloadOptimizer(params, torch.optim.SGD, device=dev, lr=0.1, momentum=0.9)
+                opt: Any = offcore_torch.OffloadOptimizer(
+                    params, torch.optim.SGD, device=dev, lr=0.1, momentum=0.9, overlap_uploads=True
+                )
             else:
                 opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
             try:
