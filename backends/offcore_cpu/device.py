@@ -28,7 +28,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, NoReturn
 
 from offcore.errors import ConfigurationError
@@ -466,6 +466,22 @@ class FakeDevice:
         with self._untracked():
             ops.poison(buffer)
         return True
+
+    def host_writes(self, buffers: Sequence[Any], *, what: str) -> Callable[[], None]:
+        """Declare host work queued on another thread that will write ``buffers``; returns its finisher.
+
+        A binding that hands writes of tensors the user can see to a worker thread (an
+        optimizer summing gradients on the host) declares them when it queues the work and
+        calls the finisher once the work is done. Meanwhile, with the sanitizer's operator
+        check, an operator of the calling program touching those bytes is an
+        ``access-in-flight`` violation, as for a copy in flight (Note [Operators checked
+        against copies in flight] in ``offcore_cpu/sanitizer.py``). A no-op finisher without
+        it. (The member ``host_writes`` of :attr:`offcore.Capability.SANITIZER`.)
+
+            >>> done = dev.host_writes([master.grad], what="the host gradient of parameter 0")  # doctest: +SKIP
+            >>> worker.submit(accumulate).add_done_callback(lambda _: done())                  # doctest: +SKIP
+        """
+        return self._sanitizer.host_writes(self._ops, list(buffers), what)  # type: ignore[no-any-return]
 
     def _release_host(self, buffer: Any) -> None:
         """A host-pool buffer goes back to its pool: poisoned, and copies still using it are flagged."""

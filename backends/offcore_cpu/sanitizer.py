@@ -143,6 +143,7 @@ class Flight:
         "keys",
         "sanitizer",
         "reported",
+        "label",
     )
 
     def __init__(
@@ -166,8 +167,11 @@ class Flight:
         self.keys = {"dst": _storage_key(dst), "src": _storage_key(src)} if ops.family == "torch" else None
         self.sanitizer: Sanitizer | None = None
         self.reported: set[tuple[str, str, str]] = set()
+        self.label: str | None = None  # host work declared with Sanitizer.host_writes: what it is
 
     def describe(self) -> str:
+        if self.label is not None:
+            return f"host work ({self.label}, {self.nbytes} bytes, {self.stream})"
         return f"copy #{self.number} ({self.direction.value}, {self.nbytes} bytes, stream {self.stream!r})"
 
 
@@ -197,6 +201,13 @@ def any_in_flight() -> bool:
     return bool(_OPS_INDEX)
 
 
+_HOST = {"src": False, "dst": False}
+
+
+def _nothing() -> None:
+    return None
+
+
 class Sanitizer:
     """Switch, random source and violation record of the sanitizer (Notes above).
 
@@ -224,17 +235,23 @@ class Sanitizer:
     def start(self, flight: Flight) -> Flight:
         with self._lock:
             self._flights[id(flight)] = flight
+        self._index(flight)
+        return flight
+
+    def finish(self, flight: Flight) -> None:
+        with self._lock:
+            self._flights.pop(id(flight), None)
+        self._unindex(flight)
+
+    def _index(self, flight: Flight) -> None:
         if self.check_ops and flight.keys is not None:
             flight.sanitizer = self
             with _INDEX_LOCK:
                 for side, key in flight.keys.items():
                     if key is not None:
                         _OPS_INDEX.setdefault(key, []).append((flight, side))
-        return flight
 
-    def finish(self, flight: Flight) -> None:
-        with self._lock:
-            self._flights.pop(id(flight), None)
+    def _unindex(self, flight: Flight) -> None:
         if flight.sanitizer is not None and flight.keys is not None:
             with _INDEX_LOCK:
                 for key in flight.keys.values():
@@ -246,6 +263,29 @@ class Sanitizer:
                         _OPS_INDEX[key] = hits
                     else:
                         del _OPS_INDEX[key]
+
+    def host_writes(self, ops: Any, buffers: Any, what: str) -> Any:
+        """Declare host work another thread will do, writing ``buffers``; returns its finisher (call it once).
+
+        Until then the bytes are in flight for the operator check, as a copy's destination
+        (Note [Operators checked against copies in flight]); a no-op without ``check_ops``.
+        """
+        if not self.check_ops or ops.family != "torch":
+            return _nothing
+        flights = []
+        for buffer in buffers:
+            flight = Flight(0, "a host worker thread", Direction.H2H, ops.nbytes(buffer), ops, buffer, buffer, _HOST)
+            flight.keys = {"dst": flight.keys["dst"]} if flight.keys else None
+            flight.label = what
+            flight.src = flight.dst = None  # nothing moves: only the bytes are watched
+            self._index(flight)  # not a copy: not in copies_in_flight, never "released" under one
+            flights.append(flight)
+
+        def finish() -> None:
+            while flights:
+                self._unindex(flights.pop())
+
+        return finish
 
     def in_flight(self) -> int:
         """Sanitized copies queued or running whose bytes have not landed."""
@@ -350,9 +390,16 @@ class Sanitizer:
             else (
                 "the copy may deliver the new bytes, the old ones or a mix"
                 if side == "src"
-                else "the copy's bytes land over what the operator wrote"
+                else "what the other side writes lands over what the operator wrote"
             )
         )
+        wait = (
+            "Wait until that work is done first (the binding's own synchronisation)."
+            if flight.label is not None
+            else "Wait for the copy's event on the compute stream first (event.synchronize() or "
+            "current_stream().wait_event(event))."
+        )
+        work = "that work" if flight.label is not None else "the copy"
         self.report(
             "access-in-flight",
             flight.number,
@@ -360,8 +407,7 @@ class Sanitizer:
             flight.direction,
             side,
             f"operator {op} on {op_stream} {verb} {argument} ({tensor}) while {flight.describe()} still "
-            f"{copy_does} those bytes, and nothing orders the operator after the copy: {effect}. Wait for the "
-            "copy's event on the compute stream first (event.synchronize() or current_stream().wait_event(event)).",
+            f"{copy_does} those bytes, and nothing orders the operator after {work}: {effect}. {wait}",
             op=op,
             argument=argument,
             tensor=tensor,

@@ -10,6 +10,9 @@ on (the default), the same read is ordered after the copy: no violation, the ste
 1. parameters read right after ``step()`` while OffloadOptimizer's uploads are in flight
    (``overlap_uploads=True``): an EMA update, a weight norm. (``torch.func.functional_call`` with the
    model's parameters waits in the optimizer's module pre-hook even then: it is checked with the protection on.)
+2. ``.grad`` written by the optimizer's worker thread after ``backward()`` returned: clipping over the
+   optimizer's ``param_groups`` (Lightning's) reads the host gradients while the worker still sums into them
+   (Note [Host work the worker does is declared to the sanitizer]).
 """
 
 from __future__ import annotations
@@ -111,3 +114,33 @@ def _reference_step() -> list[torch.Tensor]:
     WORK.loss(model, WORK.make_batch(0, torch.device("cpu"))).backward()
     opt.step()
     return [p.detach() for p in model.parameters()]
+
+
+def test_host_gradients_read_right_after_backward_while_the_worker_sums_into_them_are_reported(
+    make_fake_device: Any,
+) -> None:
+    """Hazard 2: the second micro-step's gradients are summed into the host gradients by the worker after
+    backward returned; Lightning-style clipping over ``param_groups`` reads them meanwhile."""
+    dev = make_fake_device(link="slow")
+    with dev:
+        model, opt = _trained(dev)  # micro-step 1
+        try:
+            opt.zero_grad(set_to_none=False)  # drains the worker: the host gradients stay, zeroed
+            with dev.gate(direction="d2h", timeout=20) as gate:
+                WORK.loss(model, WORK.make_batch(1, torch.device("cpu"))).backward()  # micro-step 2
+                gate.wait_held(1)  # the worker waits for this copy before it sums
+                grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+                assert grads, "the host gradients of micro-step 1 are the optimizer's .grad"
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+            opt.step()
+            opt.zero_grad()
+        finally:
+            opt.close()
+    found = dev.sanitizer_violations(clear=True)
+    assert found, "reading host gradients the worker still writes must be reported"
+    assert {v["kind"] for v in found} == {"access-in-flight"}, found
+    assert all(v["side"] == "destination" and "OffloadOptimizer's worker" in v["message"] for v in found), found
+    assert {(v["op"], v["access"]) for v in found} == {
+        ("aten._foreach_norm.Scalar", "read"),  # the total norm
+        ("aten._foreach_mul_.Tensor", "write"),  # the clipping
+    }, found
