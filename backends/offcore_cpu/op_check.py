@@ -143,11 +143,9 @@ class OpCheckMode(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if kwargs is None:
-            kwargs = {}
         if _OPS_INDEX:  # nothing in flight: only this call is paid
-            check(func, args, kwargs)
-        return func(*args, **kwargs)
+            check(func, args, kwargs or {})
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 _LOCAL = threading.local()  # .mode (pushed on this thread, or None), .refs
