@@ -220,3 +220,28 @@ def test_the_mode_nests_under_user_modes_and_fake_tensors(make_device: Any) -> N
     thread.join()
     assert depths == [1, 2, 1, 0]
     assert torch._C._len_torch_dispatch_stack() == 1
+
+
+@pytest.mark.slow
+def test_torch_compile_still_compiles_with_the_mode_and_its_runtime_operators_are_checked(make_device: Any) -> None:
+    """``ignore_compile_internals``: dynamo compiles with the mode on the stack (it skips frames under other
+    Python dispatch modes); the compiled graph's operators (eager backend) are checked at run time."""
+    import torch._dynamo
+
+    dev = make_device()
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def f(x: Any) -> Any:
+        return (x.sin() * 2).sum()
+
+    h2d = dev.new_stream()
+    param = device_tensor(dev, 64)
+    with dev.gate(h2d) as gate:
+        dev.copy_(param, torch.ones(64), stream=h2d)
+        gate.wait_held(1)
+        f(param)
+    dev.synchronize()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "dynamo compiled the frame"
+    assert accesses(dev) == [("aten.sin.default", "read", "destination")]
+    torch._dynamo.reset()
