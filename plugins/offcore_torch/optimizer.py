@@ -182,8 +182,8 @@ next forward waiting per parameter on its own event.
 # gradient through the wrapper. A ``_HostGradient`` kept past a clear of its parameter (``_Slot.clears``)
 # refuses to be read: the host buffer is the next round's. DDP (``attach_ddp``) and FSDP2 hand gradients
 # over without the optimizer's hooks: their parameters show nothing, and only ``opt.zero_grad()`` clears
-# their host gradients (a gradient kept across a step is told once, Note [Host gradients are cleared by
-# opt.zero_grad()]).
+# their host gradients (a gradient after a step with no ``opt.zero_grad()`` since is refused, Note [Host
+# gradients are cleared by opt.zero_grad()]).
 #
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
@@ -292,7 +292,6 @@ import itertools
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -305,7 +304,6 @@ from offcore.errors import (
     ConfigurationError,
     CopyFailedError,
     OffcoreError,
-    OffcoreWarning,
     StorageError,
 )
 from offcore.inflight import must_wait
@@ -610,9 +608,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
       ``"host"``: accumulation and steps) and the forward's waits for parameters (``"wait"``).
     - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
       staging room): the host pool holding masters, gradients and staging buffers.
-    - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
-      in the next forward; the rest is uploaded at the forward's triggers, in the core's need
-      order (Note [The optimizer's moves go through the core]).
+    - ``upload_budget`` (None: unbounded): with ``overlap_uploads=True``, bytes of updated parameters
+      uploaded ahead of their use in the next forward; the rest is uploaded at the forward's triggers,
+      in the core's need order (Note [The optimizer's moves go through the core]). Without it,
+      ``step()`` issues every upload before it returns.
     - ``max_inflight_gradients`` (None: the larger of 64 MiB and twice the largest gradient):
       bytes of device gradients whose D2H has not landed; past it, backward waits for the
       oldest copy's event before going on (Note [In-flight gradients are capped]). One gradient
@@ -638,7 +637,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
       :meth:`synchronize`) first (Note [Parameters read after step() are the stepped ones]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
-    keyed by the host masters); ``state_dict()`` is in torch's format.
+    keyed by the host masters); ``state_dict()`` is in torch's format. When ``backward()`` returns,
+    every gradient is final on the host, and each parameter's ``.grad`` shows its host gradient (torch
+    operators on it run on the host: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips
+    what ``step()`` uses; ``model.zero_grad()`` clears it: Note [The host gradient is the device
+    parameter's .grad]).
 
         >>> opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
     """
@@ -758,7 +761,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # host once per round]); _taken_stepped: that round's step() ran
         self._taken: dict[int, tuple[weakref.ref[torch.Tensor], int] | None] | None = None
         self._taken_stepped = False
-        self._warned_kept_gradients = False
         self._last_micro = False
         # Note [Gradients are final when backward returns]: the autograd graph task whose end is hooked
         self._backward_task = -1
@@ -1194,8 +1196,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "of this round ran; call opt.step() before the next backward, or raise accumulation_steps "
                 "(Note [Host step rounds])"
             )
-        if slot.accumulated and slot.hook is None and self._stepped_since_zero_grad and not self._warned_kept_gradients:
-            self._warn_kept_gradients()
+        if slot.accumulated and slot.hook is None and self._stepped_since_zero_grad:
+            self._refuse_kept_gradient(slot)
         self._hook_backward_end()
         self._cap_in_flight(grad.numel() * grad.element_size())
         dev, rt = self._device, self._runtime
@@ -2145,23 +2147,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.accumulated = True
             self._submit(self._land, slot, done, None, staging, target, False, False)  # p.grad keeps the source
 
-    def _warn_kept_gradients(self) -> None:
+    def _refuse_kept_gradient(self, slot: _Slot) -> None:
         # Note [Host gradients are cleared by opt.zero_grad()]
         # Parameters whose gradients come through ``accept_gradient`` (DDP's communication hook, FSDP2's
         # shard hooks) show no host gradient as ``.grad`` (Note [The host gradient is the device
         # parameter's .grad]): the sum of their round lives on the host only, so ``model.zero_grad()``
-        # or ``p.grad = None`` clear nothing of it, and a gradient of the next backward is *added* to the
-        # host gradient the last step used -- torch's behaviour for a ``.grad`` not cleared, but not
-        # what a loop clearing that way expects. Only ``opt.zero_grad()`` clears them; the case is told
-        # once per optimizer.
-        self._warned_kept_gradients = True
-        warnings.warn(
-            "OffloadOptimizer: a gradient arrived after step() with no opt.zero_grad() since: it is added to the "
-            "host gradient that step used (as torch adds to a .grad that was not cleared). model.zero_grad() and "
-            "p.grad = None do not clear the optimizer's host gradients: call opt.zero_grad() after opt.step() "
-            "(this is said once per optimizer)",
-            OffcoreWarning,
-            stacklevel=4,
+        # or ``p.grad = None`` cannot clear it. A gradient arriving after ``step()`` with no
+        # ``opt.zero_grad()`` since would be *added* to the sum the last step used: torch's behaviour for
+        # a ``.grad`` nobody cleared, but what a loop clearing through the model gets without knowing it
+        # (Trainer calls ``model.zero_grad()``). Which of the two it is cannot be told here, so it is
+        # refused, before the gradient's copy starts, naming the fix -- never trained on silently.
+        raise OffcoreError(
+            f"OffloadOptimizer: parameter {slot.index} ({tuple(slot.param.shape)}) got a gradient after step() with "
+            "no opt.zero_grad() since. Its gradients reach the optimizer through DDP / FSDP2 (attach_ddp, "
+            "FSDPOffloadOptimizer), so model.zero_grad() and p.grad = None cannot clear the host gradients: call "
+            "opt.zero_grad() after opt.step() (a framework: use its integration, e.g. "
+            "offcore_torch.integrations.transformers / .accelerate / .lightning)"
         )
 
     def _count_state(self) -> None:

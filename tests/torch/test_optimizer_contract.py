@@ -224,3 +224,53 @@ def test_clip_grad_norm_takes_a_wrapper_holding_the_optimizer(make_fake_device: 
             assert _equal(list(model.parameters()), list(plain.parameters()))
         finally:
             opt.close()
+
+
+def test_grads_set_between_backward_and_step_are_what_step_uses(make_fake_device: Any) -> None:
+    """``p.grad = None`` for one parameter (frozen for this step) and ``p.grad = t`` for another between
+    backward and ``step()``: torch's step skips the first and steps the second with ``t``."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        plain, ref, model, opt = _pair(dev)
+        try:
+            for step in range(3):
+                for net, optimizer in ((plain, ref), (model, opt)):
+                    _loss(net, step).backward()
+                    first, second = list(net.parameters())[:2]
+                    first.grad = None
+                    second.grad = torch.full_like(second, 0.5 + step)
+                    optimizer.step()
+                    net.zero_grad()
+            assert _equal(list(model.parameters()), list(plain.parameters()))
+        finally:
+            opt.close()
+
+
+def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make_fake_device: Any) -> None:
+    """Gradients handed over with ``accept_gradient`` (how DDP's and FSDP2's reach the optimizer) are not shown
+    as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
+    ``opt.zero_grad()`` since is refused naming the fix, not added to the last step's sum."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        _, _, model, opt = _pair(dev)
+        opt.remove_gradient_hooks()
+        params = list(model.parameters())
+
+        def hand_over() -> None:
+            _loss(model, 0).backward()
+            for p in params:
+                opt.accept_gradient(p, p.grad)
+            opt.synchronize()
+            model.zero_grad()
+
+        try:
+            hand_over()
+            opt.step()
+            opt.zero_grad()
+            hand_over()  # cleared by opt.zero_grad(): taken
+            opt.step()
+            model.zero_grad()  # cannot reach the host gradients
+            with pytest.raises(offcore.OffcoreError, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
+                hand_over()
+        finally:
+            opt.close()
