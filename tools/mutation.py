@@ -203,6 +203,18 @@ MUTATIONS: list[Mutation] = [
         tests=list(DEVICE) + ["tests/torch/test_offload_prefetch.py"],
     ),
     Mutation(
+        "op-check-off",
+        "the sanitizer's operator check sees no copy in flight (the mode runs, reports nothing)",
+        [
+            (
+                "backends/offcore_cpu/op_check.py",
+                "        if _OPS_INDEX:  # nothing in flight: only this call is paid\n",
+                "        if False:\n",
+            )
+        ],
+        tests=["tests/backends/test_cpu_op_check.py", "tests/torch/test_sanitizer_hazards.py"],
+    ),
+    Mutation(
         "sanitize-option-ignored",
         "sanitize=True ignored when the fake device parses its options",
         [

@@ -312,6 +312,7 @@ from offcore.ledger import Ledger
 from offcore.nvme import NvmeSpec, NvmeTier, pipelined
 from offcore.objects import State
 from offcore.pool import HostBuffer
+from offcore.protocols import Capability
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
@@ -725,6 +726,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         _check_params(groups)
 
         self._device = device
+        # Note [Host work the worker does is declared to the sanitizer]
+        self._host_writes: Callable[..., Any] | None = (
+            device.host_writes if Capability.SANITIZER in getattr(device, "capabilities", ()) else None
+        )
         self._runtime = runtime_for(device)
         self._master_weights = master_weights
         # Note [Masters on NVMe]: default on with tier="nvme" (it applies to masters of another dtype)
@@ -1237,7 +1242,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if run_step:
             slot.stepped = True
             self._check_fresh(slot)
-        self._submit(self._land, slot, done, entry, staging, target, accumulate, run_step)
+        self._submit(self._landing(slot, staging, run_step), slot, done, entry, staging, target, accumulate, run_step)
         self._release_landed()
         return done
 
@@ -1316,6 +1321,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 assert action.kind is ActionKind.FREE, action
             holder.clear()
         self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+
+    # Note [Host work the worker does is declared to the sanitizer]
+    # After backward returned, the worker may still sum a gradient into its host gradient (the staging
+    # path) and run a host step (accumulation_steps, last_micro_step) writing the master: host work on
+    # another thread, not a copy. A sanitizing backend (Capability.SANITIZER: ``host_writes``) is told
+    # when it is queued and when it is done, so a program reading those tensors meanwhile (the optimizer's
+    # param_groups' grads or params) is reported as for a copy in flight, not only racing.
+    def _landing(self, slot: _Slot, staging: HostBuffer | None, run_step: bool) -> Callable[..., None]:
+        """``_land``, its host writes declared to a sanitizing backend (Note above)."""
+        writes = ([slot.grad] if staging is not None else []) + ([slot.master] if run_step else [])
+        if self._host_writes is None or not writes:
+            return self._land
+        finish = self._host_writes(writes, what=f"OffloadOptimizer's worker landing parameter {slot.index}'s gradient")
+
+        def land(*args: Any) -> None:
+            try:
+                self._land(*args)
+            finally:
+                finish()
+
+        return land
 
     def _land(
         self,
