@@ -14,7 +14,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -22,7 +22,7 @@ def differences(results: dict[bool, Any]) -> list[str]:
     """What differs between the run without offcore (``results[False]``) and with it (``results[True]``)."""
     without, with_ = results[False], results[True]
     out = []
-    for phase, (a, b) in enumerate(zip(without, with_)):
+    for phase, (a, b) in enumerate(zip(without, with_, strict=True)):
         for key in a:
             if not same(a[key], b[key]):
                 out.append(f"{'resumed ' if phase else ''}{key}: {_show(a[key])} != {_show(b[key])}")

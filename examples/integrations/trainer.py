@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import transformers
+from offcore_torch.integrations.transformers import OffloadTrainer  # offcore
 
 import offcore
-from offcore_torch.integrations.transformers import OffloadTrainer  # offcore
 
 
 def dataset(n: int = 16, seq: int = 16, vocab: int = 64) -> list[dict[str, torch.Tensor]]:
@@ -30,12 +30,26 @@ def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, A
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     model = dev.adopt(transformers.GPT2LMHeadModel(cfg))
     args = transformers.TrainingArguments(
-        out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.5,
-        logging_steps=1, save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        out,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
     if use_offcore:
-        trainer = OffloadTrainer(model=model, args=args, train_dataset=dataset(),  # offcore
-                                 offcore_device=dev, offload_activations={"min_bytes": 0})  # offcore
+        trainer = OffloadTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset(),  # offcore
+            offcore_device=dev,
+            offload_activations={"min_bytes": 0},
+        )  # offcore
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
     with dev:
