@@ -62,9 +62,9 @@ def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, A
     }
 
 
-def run() -> dict[str, Any]:
+def run() -> dict[bool, Any]:
     """Both runs, a resume of each from its step-2 checkpoint; returns {name: (without, with)}."""
-    results: dict[str, Any] = {}
+    results: dict[bool, Any] = {}
     for use in (False, True):
         with tempfile.TemporaryDirectory() as out:
             full = train(use, out)
