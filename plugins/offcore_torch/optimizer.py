@@ -2222,16 +2222,15 @@ def _grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], N
 # The hook is global (every module's call runs it), so dynamo traces it inside a compiled module's
 # ``_call_impl``: it would break the graph (it sets attributes, records events, registers hooks). Under
 # tracing it returns at once (``torch.compiler.is_compiling()`` is a constant there, so no graph break), and
-# the waits happen eagerly, one call earlier: at ``torch.compile(model)``'s wrapper (an ``OptimizedModule``,
-# whose own call runs the hook outside the compiled frame) for every parameter of the wrapped model, and at
-# the eager parent of a module compiled in place (``block.compile()``, whose hooks run only compiled) for
-# every parameter of that module. Each parameter is then current before the compiled code reads it
-# (tests/integrations/test_compile.py).
+# the waits happen eagerly, one call earlier: at ``torch.compile(module)``'s wrapper (an ``OptimizedModule``,
+# whose own call runs the hook outside the compiled frame), for every parameter of the wrapped module — the
+# whole model, or one block when each block is compiled (``model.layers[i] = torch.compile(block)``). Each
+# parameter is then current before the compiled code reads it (tests/integrations/test_compile.py).
 def _compiled_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose parameters this (eager) call of ``module`` must make current for compiled code."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return [module._orig_mod]
-    return [m for m in module._modules.values() if m is not None and m._compiled_call_impl is not None]
+    return []
 
 
 def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
