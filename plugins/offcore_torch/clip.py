@@ -44,9 +44,15 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the host gradients of ``optimizer`` to a global norm of ``max_norm`` (torch's semantics).
 
+    ``optimizer`` is an :class:`~offcore_torch.OffloadOptimizer`, or a stack's wrapper around one
+    (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``).
+
     Returns the total norm (a host tensor), as ``torch.nn.utils.clip_grad_norm_`` does. Call it
     between the last backward and ``optimizer.step()``.
     """
+    from offcore_torch.integrations import offload_optimizer_of
+
+    optimizer = offload_optimizer_of(optimizer) or optimizer  # accelerate's / Lightning's wrappers
     if not isinstance(optimizer, OffloadOptimizer):
         raise ConfigurationError(
             f"offcore_torch.clip_grad_norm_ takes an OffloadOptimizer, got {type(optimizer).__name__}; "

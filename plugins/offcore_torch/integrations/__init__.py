@@ -27,15 +27,15 @@ def offload_optimizer_of(optimizer: Any) -> Any:
     stacks put around it: accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), else None."""
     from offcore_torch.optimizer import OffloadOptimizer
 
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, OffloadOptimizer):
+    for _ in range(8):
+        if optimizer is None:
+            return None
+        # Lightning's wrapper subclasses the optimizer's class and shares its __dict__: the one it wraps is
+        # under ``_optimizer``; accelerate's keeps it under ``optimizer``
+        inner = optimizer.__dict__.get("_optimizer", getattr(optimizer, "optimizer", None))
+        if isinstance(optimizer, OffloadOptimizer) and not isinstance(inner, OffloadOptimizer):
             return optimizer
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "_optimizer", None)
         optimizer = inner
-        seen += 1
     return None
 
 
