@@ -36,7 +36,7 @@ def _import(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in {"torch", "torch_npu", "matplotlib", "tqdm", "scipy"}:
+        if exc.name and exc.name.split(".")[0] in {"torch", "torch_npu", "matplotlib", "tqdm", "scipy", "transformers", "accelerate", "pytorch_lightning", "lightning"}:
             pytest.skip(f"{name} needs {exc.name}")
         raise
 

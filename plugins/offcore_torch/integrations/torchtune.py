@@ -1,7 +1,7 @@
 """torchtune's recipe shape with offcore: a context built once at set-up, entered every step.
 
     >>> from offcore_torch.integrations.torchtune import OffloadActivations           # doctest: +SKIP
-    >>> ctx = OffloadActivations(device=dev)            # torchtune's signature, plus the offcore device
+    >>> ctx = OffloadActivations(device=dev)  # doctest: +SKIP
     >>> for batch in loader:                                                        # doctest: +SKIP
     ...     with ctx:
     ...         logits = model(batch)
