@@ -31,7 +31,7 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(*blocks, torch.nn.Linear(64, 1))
 
 
-def train(use_offcore: bool, how: str, backend: str = "aot_eager") -> dict[str, Any]:
+def train(use_offcore: bool, how: str, backend: str = "aot_eager", parameters: bool = False) -> dict[str, Any]:
     dev = offcore.device(
         "cpu", capacity="256MiB", h2d_bandwidth="1GiB/s", d2h_bandwidth="1GiB/s", latency="100us", sanitize=True
     )
@@ -47,6 +47,7 @@ def train(use_offcore: bool, how: str, backend: str = "aot_eager") -> dict[str, 
     losses, graphs = [], []
     g = torch.Generator().manual_seed(1)
     with dev:
+        streamed = offcore_torch.offload_parameters(model, dev) if use_offcore and parameters else None
         if use_offcore:
             opt: Any = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
         else:
@@ -66,13 +67,16 @@ def train(use_offcore: bool, how: str, backend: str = "aot_eager") -> dict[str, 
         params = [p.clone() for p in model.state_dict().values()]
         if use_offcore:
             opt.close()
+        if streamed is not None:
+            assert streamed.stats().h2d_bytes > 0  # the blocks' parameters were streamed in
+            streamed.remove()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert dev.sanitizer_violations() == []
     return {"losses": losses, "params": params, "graphs": graphs}
 
 
-def check(how: str, backend: str) -> None:
-    bare, off = train(False, how, backend), train(True, how, backend)
+def check(how: str, backend: str, parameters: bool = False) -> None:
+    bare, off = train(False, how, backend), train(True, how, backend, parameters)
     assert off["losses"] == bare["losses"]
     assert all(torch.equal(a, b) for a, b in zip(bare["params"], off["params"], strict=True))
     # compiled at the first step only: no recompile afterwards (and as many graphs as without offcore)
@@ -88,3 +92,9 @@ def test_compiled_model_with_offcore_is_bit_identical_without_graph_breaks_or_re
 @pytest.mark.parametrize("how", ["whole", "blocks"])
 def test_inductor(how: str) -> None:
     check(how, "inductor")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_offload_parameters_with_compiled_blocks(backend: str) -> None:
+    """offload_parameters with each block compiled: the block is the unit, streamed at its boundary."""
+    check("blocks", backend, parameters=True)

@@ -15,10 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import offcore  # noqa: E402
 import offcore_torch  # noqa: E402
-from offcore.errors import ConfigurationError  # noqa: E402
 from offcore_torch.integrations import offload_optimizer_of  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore.errors import ConfigurationError  # noqa: E402
 
 
 def device() -> Any:
@@ -29,7 +30,9 @@ def device() -> Any:
 
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)
+    )
 
 
 def grads_and_norm(use: str, max_norm: float = 0.05) -> tuple[Any, list[Any]]:
@@ -45,7 +48,9 @@ def grads_and_norm(use: str, max_norm: float = 0.05) -> tuple[Any, list[Any]]:
             accelerator: Any = accelerate.Accelerator(cpu=True)
         else:
             opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=1.0)
-            accelerator = OffloadAccelerator(cpu=True) if use == "offload_accelerator" else accelerate.Accelerator(cpu=True)
+            accelerator = (
+                OffloadAccelerator(cpu=True) if use == "offload_accelerator" else accelerate.Accelerator(cpu=True)
+            )
         model, opt = accelerator.prepare(model, opt)
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
         accelerator.backward(model(x).square().mean())
