@@ -43,9 +43,7 @@ class LM(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.use_offcore:
-            return offcore_torch.OffloadOptimizer(
-                self.parameters(), torch.optim.AdamW, device=self.dev, lr=1e-2
-            )  # offcore
+            return offcore_torch.OffloadOptimizer(self.parameters(), torch.optim.AdamW, device=self.dev, lr=1e-2)  # fmt: skip # offcore
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 

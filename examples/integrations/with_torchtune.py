@@ -48,12 +48,7 @@ class Recipe:
         )
         self.model = self.dev.adopt(transformers.LlamaForCausalLM(cfg))
         if self.use_offcore:
-            self.opt = offcore_torch.OffloadOptimizer(
-                self.model.parameters(),
-                torch.optim.AdamW,  # offcore
-                device=self.dev,
-                lr=1e-2,
-            )
+            self.opt = offcore_torch.OffloadOptimizer(self.model.parameters(), torch.optim.AdamW, device=self.dev, lr=1e-2)  # fmt: skip # offcore
             self.ctx = get_act_offloading_ctx_manager(self.model, True, device=self.dev)  # offcore
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)

@@ -43,13 +43,7 @@ def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, A
         disable_tqdm=True,
     )
     if use_offcore:
-        trainer = OffloadTrainer(
-            model=model,
-            args=args,
-            train_dataset=dataset(),  # offcore
-            offcore_device=dev,
-            offload_activations={"min_bytes": 0},
-        )  # offcore
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=dataset(), offcore_device=dev, offload_activations=True)  # fmt: skip # offcore
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
     with dev:

@@ -32,7 +32,6 @@ def module_names() -> list[str]:
 
 # what a module may need that an env may not have (offcore_torch.integrations: the stacks, in tox -e integrations)
 _OPTIONAL = {"torch", "torch_npu", "matplotlib", "tqdm", "scipy", "transformers", "accelerate", "pytorch_lightning"}
-_OPTIONAL.add("lightning")
 
 
 def _import(name: str) -> ModuleType:
