@@ -1,4 +1,4 @@
-"""accelerate with offcore: ``prepare(model, OffloadOptimizer, loader)``, clipping through the accelerator.
+"""accelerate with offcore: ``prepare(model, OffloadOptimizer, loader)``; ``accelerator.clip_grad_norm_`` as usual.
 
     python examples/integrations/with_accelerate.py
 
@@ -17,7 +17,6 @@ import accelerate
 import offcore_torch
 import torch
 import transformers
-from offcore_torch.integrations.accelerate import OffloadAccelerator  # offcore
 
 import offcore
 
@@ -43,11 +42,10 @@ def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
     losses, norms = [], []
     with dev:
+        accelerator = accelerate.Accelerator(cpu=True)
         if use_offcore:
-            accelerator = OffloadAccelerator(cpu=True)  # offcore
             opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)  # offcore
         else:
-            accelerator = accelerate.Accelerator(cpu=True)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, opt, loader = accelerator.prepare(model, opt, loader)
         start = 0

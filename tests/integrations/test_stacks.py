@@ -1,8 +1,8 @@
 """The integration modules one by one, and the stacks used without them.
 
-The examples (test_examples.py) check whole runs; these check the pieces: clipping through each stack's
-wrapper, the Trainer's own optimizer rebuilt on the host, torchtune's context entered every step, and what a
-stack does with an ``OffloadOptimizer`` and no integration at all.
+The examples (test_examples.py) check whole runs; these check the pieces: clipping through accelerate's
+wrapper, Lightning's wrapper unwrapped, the Trainer given an ``OffloadOptimizer`` (stock and
+``OffloadTrainer``), torchtune's context entered every step.
 """
 
 from __future__ import annotations
@@ -36,21 +36,17 @@ def mlp() -> torch.nn.Module:
 
 
 def grads_and_norm(use: str, max_norm: float = 0.05) -> tuple[Any, list[Any]]:
-    """One backward and a clip: torch's over the device gradients, or through accelerate's wrapper."""
+    """One backward and a clip through accelerate: of a torch optimizer's device gradients, or of an
+    OffloadOptimizer's host gradients (by accelerator.clip_grad_norm_, or offcore's on the prepared wrapper)."""
     accelerate = pytest.importorskip("accelerate")
-    from offcore_torch.integrations.accelerate import OffloadAccelerator
-
     dev = device()
     model = dev.adopt(mlp())
     with dev:
         if use == "torch":
             opt: Any = torch.optim.SGD(model.parameters(), lr=1.0)
-            accelerator: Any = accelerate.Accelerator(cpu=True)
         else:
             opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=1.0)
-            accelerator = (
-                OffloadAccelerator(cpu=True) if use == "offload_accelerator" else accelerate.Accelerator(cpu=True)
-            )
+        accelerator = accelerate.Accelerator(cpu=True)
         model, opt = accelerator.prepare(model, opt)
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
         accelerator.backward(model(x).square().mean())
@@ -66,41 +62,13 @@ def grads_and_norm(use: str, max_norm: float = 0.05) -> tuple[Any, list[Any]]:
     return norm, params
 
 
-@pytest.mark.parametrize("use", ["offload_accelerator", "offcore_clip"])
+@pytest.mark.parametrize("use", ["accelerator", "offcore_clip"])
 def test_accelerate_clipping_is_torchs(use: str) -> None:
+    """accelerator.clip_grad_norm_(model.parameters()) and offcore_torch.clip_grad_norm_ on the prepared wrapper."""
     norm, params = grads_and_norm("torch")
     got_norm, got = grads_and_norm(use)
     assert got_norm.item() == norm.item() and norm.item() > 0.05  # it clipped
     assert all(torch.equal(a, b) for a, b in zip(params, got, strict=True))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="accelerate.Accelerator.clip_grad_norm_(model.parameters()) reads the device .grad, which the "
-    "OffloadOptimizer moved to the host (torch's clipping contract over model.parameters(): branch opt); "
-    "OffloadAccelerator clips right",
-)
-def test_plain_accelerator_clips_an_offload_optimizer() -> None:
-    norm, params = grads_and_norm("torch")
-    got_norm, got = grads_and_norm("plain_accelerator")
-    assert got_norm.item() == norm.item()
-    assert all(torch.equal(a, b) for a, b in zip(params, got, strict=True))
-
-
-def test_offload_accelerator_refuses_a_subset_of_the_parameters() -> None:
-    pytest.importorskip("accelerate")
-    from offcore_torch.integrations.accelerate import OffloadAccelerator
-
-    dev = device()
-    model = dev.adopt(mlp())
-    with dev:
-        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=1.0)
-        accelerator = OffloadAccelerator(cpu=True)
-        model, opt = accelerator.prepare(model, opt)
-        model(torch.randn(4, 32)).sum().backward()
-        with pytest.raises(ConfigurationError, match="global"):
-            accelerator.clip_grad_norm_(list(model.parameters())[:2], 1.0)
-        offload_optimizer_of(opt).close()
 
 
 def test_offload_optimizer_of_unwraps_lightning() -> None:
@@ -215,16 +183,11 @@ def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @pytest.mark.slow
 def test_offload_trainer_given_an_offload_optimizer() -> None:
-    """OffloadTrainer clips and clears the host gradients of an optimizer passed in ``optimizers=``."""
+    """OffloadTrainer with an optimizer passed in ``optimizers=`` (not rebuilt)."""
     assert same_run(trainer_run("torch"), trainer_run("offload_trainer"))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stock Trainer clears with model.zero_grad() and clips over model.parameters(), neither of which "
-    "reaches an OffloadOptimizer's host gradients yet (torch.optim's contract inside OffloadOptimizer: branch opt); "
-    "OffloadTrainer does both",
-)
 def test_stock_trainer_given_an_offload_optimizer() -> None:
+    """The stock Trainer clears with model.zero_grad() and clips over model.parameters(): both reach the host."""
     assert same_run(trainer_run("torch"), trainer_run("plain"))

@@ -9,12 +9,11 @@
 :class:`OffloadTrainer` builds the optimizer the ``Trainer`` would build (``args.optim``, its param groups
 with and without weight decay, its arguments) as an :class:`~offcore_torch.OffloadOptimizer` over the same
 class, so training is bit-identical to the same ``Trainer`` without offcore: losses, ``grad_norm`` in the
-logs, parameters, checkpoints and resume. ``max_grad_norm`` clips the host gradients
-(in ``model.parameters()`` order, as the ``Trainer`` sums them), and the host gradients are cleared after each optimizer step (the
-``Trainer`` calls ``model.zero_grad()``, which does not reach them). An optimizer passed as
-``optimizers=(OffloadOptimizer(...), None)`` gets the same clipping and clearing. With
+logs, parameters, checkpoints and resume (the ``Trainer``'s ``model.zero_grad()`` and its clipping over
+``model.parameters()`` reach the host gradients). A stock ``Trainer`` given
+``optimizers=(OffloadOptimizer(...), None)`` trains bit-identically too. With
 ``offload_activations`` every training forward runs inside :func:`offcore_torch.offload_activations`
-(backward may run after it; gradient checkpointing and ``bf16=True`` work). :class:`OffloadTrainerMixin`
+(backward may run after it). :class:`OffloadTrainerMixin`
 adds the same to another ``Trainer`` subclass (``class MyTrainer(OffloadTrainerMixin, SFTTrainer)``).
 """
 
@@ -28,21 +27,8 @@ import transformers
 
 import offcore_torch
 from offcore.errors import ConfigurationError
-from offcore_torch.integrations import clip_in_order, offload_optimizer_of
 
 __all__ = ["OffloadTrainer", "OffloadTrainerMixin"]
-
-
-class _ClearHostGradients(transformers.TrainerCallback):
-    """After each optimizer step: clear the host gradients (the ``Trainer`` clears with ``model.zero_grad()``)."""
-
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        opt = offload_optimizer_of(self._trainer.optimizer)
-        if opt is not None:
-            opt.zero_grad()
 
 
 class OffloadTrainerMixin:
@@ -75,7 +61,6 @@ class OffloadTrainerMixin:
         self._offcore_optimizer = _options(offload_optimizer, "offload_optimizer")
         self._offcore_activations = _options(offload_activations, "offload_activations")
         super().__init__(*args, **kwargs)
-        self.add_callback(_ClearHostGradients(self))  # type: ignore[attr-defined]
 
     def create_optimizer(self, model: Any = None) -> Any:
         """The ``Trainer``'s optimizer, as an :class:`~offcore_torch.OffloadOptimizer` over the same class."""
@@ -108,19 +93,6 @@ class OffloadTrainerMixin:
         if self._offcore_activations is not None and torch.is_grad_enabled():
             stack.enter_context(offcore_torch.offload_activations(self.offcore_device, **self._offcore_activations))
         return stack
-
-    def _clip_grad_norm(self, model: Any) -> Any:
-        opt = offload_optimizer_of(getattr(self, "optimizer", None))
-        if opt is None:
-            return super()._clip_grad_norm(model)  # type: ignore[misc]
-        return clip_in_order(opt, model.parameters(), self.args.max_grad_norm)  # type: ignore[attr-defined]
-
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-        if grad_norm is None:
-            opt = offload_optimizer_of(getattr(self, "optimizer", None))
-            if opt is not None:
-                grad_norm = clip_in_order(opt, model.parameters(), float("inf"))
-        return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
 
 def _options(value: bool | dict[str, Any] | None, name: str) -> dict[str, Any] | None:
