@@ -137,7 +137,7 @@ def test_torchtune_context_is_built_once_and_entered_every_step() -> None:
     assert isinstance(get_act_offloading_ctx_manager(torch.nn.Linear(1, 1), False), contextlib.nullcontext)
 
 
-def trainer_run(how: str) -> dict[str, Any]:
+def trainer_run(how: str, **extra: Any) -> dict[str, Any]:
     transformers = pytest.importorskip("transformers")
     import tempfile
 
@@ -152,7 +152,7 @@ def trainer_run(how: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             out, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1,
-            save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True, optim="adamw_torch",
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True, optim="adamw_torch", **extra,
         )  # fmt: skip
         with dev:
             if how == "torch":
@@ -161,13 +161,21 @@ def trainer_run(how: str) -> dict[str, Any]:
             elif how == "plain":  # the stock Trainer given an OffloadOptimizer
                 opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
                 trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+            elif how == "stock_default":  # the Trainer's own optimizer
+                trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+            elif how == "offload_trainer_default":  # the same, built on the host, activations offloaded
+                trainer = OffloadTrainer(
+                    model=model, args=args, train_dataset=data, offcore_device=dev, offload_activations={"min_bytes": 0}
+                )
+                opt = trainer.create_optimizer()
             else:
                 opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
                 trainer = OffloadTrainer(
                     model=model, args=args, train_dataset=data, optimizers=(opt, None), offcore_device=dev
                 )
             trainer.train()
-            opt.synchronize() if how != "torch" else None
+            if how not in ("torch", "stock_default"):
+                assert offload_optimizer_of(trainer.optimizer) is not None
             params = [p.clone() for p in model.state_dict().values()]
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return {"losses": [e["loss"] for e in logs], "norms": [e["grad_norm"] for e in logs], "params": params}
@@ -191,3 +199,11 @@ def test_offload_trainer_given_an_offload_optimizer() -> None:
 def test_stock_trainer_given_an_offload_optimizer() -> None:
     """The stock Trainer clears with model.zero_grad() and clips over model.parameters(): both reach the host."""
     assert same_run(trainer_run("torch"), trainer_run("plain"))
+
+
+@pytest.mark.slow
+def test_offload_trainer_with_gradient_checkpointing_and_bf16() -> None:
+    """OffloadTrainer (its own optimizer on the host, activations offloaded) against the stock Trainer, with
+    gradient checkpointing and bf16 autocast."""
+    extra = {"gradient_checkpointing": True, "bf16": True}
+    assert same_run(trainer_run("stock_default", **extra), trainer_run("offload_trainer_default", **extra))
