@@ -13,7 +13,8 @@ import pathlib
 from typing import Any
 
 import pytest
-from conftest import EXAMPLES
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "integrations"  # on sys.path (conftest)
 
 EXAMPLES_AND_STACKS = {
     "plain_loop": ["transformers"],
