@@ -616,7 +616,7 @@ def _sequential(
 
 
 def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> list[dict[str, Any]]:
-    import offcore_torch.optimizer as optimizer_module
+    import offcore_torch.optimizer.optimizer as optimizer_module
 
     parent = args.nvme_dir or "/var/tmp"
     directory = tempfile.mkdtemp(prefix="offcore-bench-", dir=parent)

@@ -56,4 +56,4 @@ def test_the_modules_are_found() -> None:
     names = module_names()
     assert {"offcore", "offcore.units", "offcore_cpu"} <= set(names)
     if HAVE_TORCH:
-        assert "offcore_torch.offload" in names
+        assert "offcore_torch.activations.offload" in names

@@ -32,7 +32,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, gpt_workload, mlp_workload  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from offload_helpers import memory_levels  # noqa: E402
 from optimizer_offload_helpers import offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402

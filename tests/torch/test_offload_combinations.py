@@ -34,8 +34,8 @@ from hypothesis import assume, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis_draws import derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
-from offcore_torch.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.optimizer.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from optimizer_offload_helpers import HostReference, assert_same, offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
 

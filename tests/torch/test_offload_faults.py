@@ -48,7 +48,7 @@ def start_copy_workers(dev: Any) -> None:
 
 
 def levels(dev: Any) -> dict[str, Any]:
-    from offcore_torch.policy import _ACTIVE_RULES
+    from offcore_torch.activations.policy import _ACTIVE_RULES
 
     stats = dev.memory_stats()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

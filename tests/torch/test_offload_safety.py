@@ -1,7 +1,7 @@
 """Saved tensors must come back as forward saved them: version checks and exact gradients.
 
 Autograd does not compare version counters under saved-tensor hooks, so offcore does
-(Note [Saved-tensor version checks] in ``offcore_torch.offload``).
+(Note [Saved-tensor version checks] in ``offcore_torch.activations.offload``).
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_cpu.streams import WorkerStream  # noqa: E402
-from offcore_torch.offload import OffloadHandle  # noqa: E402
+from offcore_torch.activations.offload import OffloadHandle  # noqa: E402
+from offcore_torch.activations.storage import release_storage  # noqa: E402
 from offcore_torch.runtime import DeviceRuntime, runtime_for  # noqa: E402
-from offcore_torch.storage import release_storage  # noqa: E402
 from offload_helpers import FixedScheduler, settle  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_test_devices import is_fake_device  # noqa: E402

@@ -63,7 +63,7 @@ def randn(dev: Any, *shape: int, **kwargs: Any) -> Any:
 def global_module_hooks() -> tuple[int, int, int]:
     """How many global nn.Module forward (pre-)hooks are registered, and how many regions the one pair offcore
     keeps for the process calls (Note [One pair of global module hooks]): a region that failed must leave none."""
-    from offcore_torch.policy import _ACTIVE_RULES
+    from offcore_torch.activations.policy import _ACTIVE_RULES
 
     return (
         len(nn.modules.module._global_forward_pre_hooks),

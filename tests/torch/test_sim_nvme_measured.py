@@ -27,10 +27,11 @@ from typing import Any
 
 import pytest
 import torch
-from offcore_torch.compare import CompareSettings, WorkloadProfiler, build_workload, measure_kind_overheads
-from offcore_torch.executor import PlanExecutor
-from offcore_torch.optimizer import OffloadOptimizer
-from offcore_torch.profiler import measure_link
+from offcore_torch.compare.compare import WorkloadProfiler, measure_kind_overheads
+from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.link import measure_link
+from offcore_torch.compare.settings import CompareSettings, build_workload
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 from offcore.bandwidth import measure_nvme_link
 from offcore.kinds import Direction

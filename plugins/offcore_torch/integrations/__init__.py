@@ -24,7 +24,7 @@ __all__ = ["offload_optimizer_of"]
 def offload_optimizer_of(optimizer: Any) -> Any:
     """The :class:`~offcore_torch.OffloadOptimizer` inside ``optimizer`` (itself, or under the wrappers the
     stacks put around it: accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), else None."""
-    from offcore_torch.optimizer import OffloadOptimizer
+    from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
     for _ in range(8):
         if optimizer is None:

@@ -4,7 +4,7 @@ All knobs are validated up front, so a typo fails at ``offload_activations(...)`
 a :class:`~offcore.ConfigurationError` instead of mid-step; an unknown keyword is
 refused with the list of known ones (:data:`KNOWN_OPTIONS`).
 
-    >>> from offcore_torch.policy import OffloadPolicy
+    >>> from offcore_torch.activations.policy import OffloadPolicy
     >>> policy = OffloadPolicy.parse(min_bytes="64KiB", watermark=0.3)
     >>> policy.min_bytes, policy.watermark, policy.prefetch
     (65536, 0.3, 'deadline')
@@ -35,7 +35,7 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
-from offcore_torch.storage import is_parameter_like
+from offcore_torch.activations.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 

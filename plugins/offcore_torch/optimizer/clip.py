@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from offcore.errors import ConfigurationError
-from offcore_torch.optimizer import OffloadOptimizer
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 __all__ = ["clip_grad_norm_"]
 
