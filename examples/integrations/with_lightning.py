@@ -35,7 +35,11 @@ class LM(pl.LightningModule):
         cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0)
         cfg.embd_pdrop = cfg.attn_pdrop = 0.0
         self.model = dev.adopt(transformers.GPT2LMHeadModel(cfg))
-        self.dev, self.use_offcore, self.losses = dev, use_offcore, []
+        self.dev, self.use_offcore, self.losses, self.norms = dev, use_offcore, [], []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norms = pl.utilities.grad_norm(self, norm_type=2)  # what Lightning's docs log, before clipping
+        self.norms.append(norms["grad_2.0_norm_total"].item())
 
     def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -66,7 +70,7 @@ def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
     with dev:
         trainer.fit(module, loader, ckpt_path=sorted(glob.glob(f"{out}/epoch=0*.ckpt"))[0] if resume else None)
         params = {n: p.clone() for n, p in module.model.state_dict().items()}
-    return {"losses": module.losses, "params": params}
+    return {"losses": module.losses, "grad_norms": module.norms, "params": params}
 
 
 def run() -> dict[bool, Any]:
