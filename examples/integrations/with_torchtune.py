@@ -63,7 +63,7 @@ class Recipe:
     def train(self) -> dict[str, Any]:
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(4)]
-        losses = []
+        losses, norms = [], []
         for step, ids in enumerate(batches):
             if step < self.start:
                 continue
@@ -71,12 +71,17 @@ class Recipe:
                 logits = self.model(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=0.5).item())  # as its recipes
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
             if step == 1 and self.start == 0:
                 torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()}, f"{self.out}/ckpt.pt")
-        return {"losses": losses, "params": {n: p.clone() for n, p in self.model.state_dict().items()}}
+        return {
+            "losses": losses,
+            "grad_norms": norms,
+            "params": {n: p.clone() for n, p in self.model.state_dict().items()},
+        }
 
 
 def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
