@@ -48,6 +48,8 @@ def start_copy_workers(dev: Any) -> None:
 
 
 def levels(dev: Any) -> dict[str, Any]:
+    from offcore_torch.activations.policy import _ACTIVE_RULES
+
     stats = dev.memory_stats()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return {
@@ -59,6 +61,7 @@ def levels(dev: Any) -> dict[str, Any]:
         "module hooks": (
             len(nn.modules.module._global_forward_pre_hooks),
             len(nn.modules.module._global_forward_hooks),
+            len(_ACTIVE_RULES),  # regions the process-wide module hooks still call
         ),
     }
 

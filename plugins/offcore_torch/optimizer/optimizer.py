@@ -2525,13 +2525,25 @@ def _backward_end_callback(opt: OffloadOptimizer) -> Callable[[], None]:
     return callback
 
 
+# Note [The forward pre-hook under torch.compile]
+# The hook is global (every module's call runs it), so dynamo traces it inside a compiled module's
+# ``_call_impl``: it would break the graph (it sets attributes, records events, registers hooks). Under
+# tracing it returns at once (``torch.compiler.is_compiling()`` is a constant there, so no graph break), and
+# the waits happen eagerly, one call earlier: at ``torch.compile(module)``'s wrapper (an ``OptimizedModule``,
+# whose own call runs the hook outside the compiled frame), for every parameter of the wrapped module — the
+# whole model, or one block when each block is compiled (``model.layers[i] = torch.compile(block)``). Each
+# parameter is then current before the compiled code reads it (tests/integrations/test_compile.py).
+def _compiled_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose parameters this (eager) call of ``module`` must make current for compiled code."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return [module._orig_mod]
+    return []
+
+
 def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
     ref = weakref.ref(opt)
 
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        optimizer = ref()
-        if optimizer is None:
-            return
+    def use(optimizer: OffloadOptimizer, module: torch.nn.Module) -> None:
         by_param = optimizer._device_params
         mine = False
         for param in module._parameters.values():
@@ -2543,6 +2555,17 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
                 optimizer._on_use(slot)
         if mine and id(module) not in optimizer._state_dict_hooked:
             optimizer._watch_state_dict(module)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # Note [The forward pre-hook under torch.compile]
+            return
+        optimizer = ref()
+        if optimizer is None:
+            return
+        use(optimizer, module)
+        for compiled in _compiled_inside(module):
+            for sub in compiled.modules():
+                use(optimizer, sub)
 
     return hook
 
