@@ -82,7 +82,9 @@ def budgets(m: StepMeasurement) -> list[int]:
     return grid + [m.predicted_peak(m.predict(p, microbatch_overhead_s=OVERHEAD)[0]) for p in named]
 
 
-@pytest.mark.parametrize("recompute_factor", [1.0, 1.4, 2.5])
+@pytest.mark.parametrize(  # ~7 s each: one fast, all in the slow env
+    "recompute_factor", [pytest.param(1.0, marks=pytest.mark.slow), 1.4, pytest.param(2.5, marks=pytest.mark.slow)]
+)
 def test_planned_is_never_predicted_slower_than_a_named_strategy_that_fits(recompute_factor: float) -> None:
     m = measurement(recompute_factor=recompute_factor)
     for budget in budgets(m):

@@ -42,6 +42,7 @@ PLANS = {tier: Plan.keep_all(4, optimizer="offload", optimizer_tier=tier) for ti
 ROUNDS = 6  # timed steps of each, interleaved; the first two teach the schedulers
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": six timed rounds of real steps (~20 s); the NVMe model: tests/core/test_sim_nvme.py
 def test_an_nvme_optimizer_step_is_predicted(make_fake_device: Any, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     work = build_workload(SETTINGS)

@@ -54,6 +54,7 @@ LINK_FITS = 5  # link measurements; the one with the median H2D bandwidth is tak
 STEPS, WARMUP = 7, 2  # the first steps teach the schedulers
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": timed link-bound steps (~18 s); param-stream's peak: test_sim_memory.py, its model: tests/core/test_sim_kinds.py
 def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_device: Any) -> None:
     torch.set_num_threads(1)
     work = build_workload(SETTINGS)
