@@ -197,13 +197,13 @@ def _micro_step(
         losses.append(loss.detach().clone())
 
 
-@pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
 def _supported(drawn: dict[str, Any]) -> bool:
     if drawn["micro_step"] >= drawn["micro_steps"]:
         return False
     return not (drawn["how"] == "backward-raises" and drawn["optimizer"] == "offload-under-backward")
 
 
+@pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
 @derandomized(max_examples=30, examples=covering(CHOICES, valid=_supported))
 @given(drawn=abandoned)
 def test_an_abandoned_step_changes_nothing_and_leaks_nothing(drawn: dict[str, Any]) -> None:

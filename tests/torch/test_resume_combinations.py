@@ -215,14 +215,14 @@ def _resumed(drawn: dict[str, Any]) -> dict[str, Any]:
     return got
 
 
-# a step the scaler skips (inf/NaN) never calls optimizer.step(): torch's LR schedulers warn, as without offcore
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def _supported(drawn: dict[str, Any]) -> bool:
     # fp16 loss scaling: not with steps under backward (docs/optimizer-offload.md), and torch's GradScaler
     # refuses an optimizer over fp16 parameters without masters (the device optimizer)
     return not (drawn["precision"] == "fp16-scaler" and drawn["optimizer"] in ("offload-under-backward", "device"))
 
 
+# a step the scaler skips (inf/NaN) never calls optimizer.step(): torch's LR schedulers warn, as without offcore
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 @derandomized(max_examples=40, examples=covering(CHOICES, valid=_supported))
 @given(drawn=combinations)
 def test_resume_from_a_checkpoint_is_bit_identical_to_training_straight_through(drawn: dict[str, Any]) -> None:
