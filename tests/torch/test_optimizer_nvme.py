@@ -211,6 +211,7 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": three fresh processes per mode (~30 s each); fast: test_optimizer_state.py's fresh-process resume, and NVMe resume in test_resume_combinations.py
 @pytest.mark.parametrize("mode", ["path", "shared"])
 def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "resume.py"
