@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from offcore_torch.compare.compare.measurement import StepMeasurement  # noqa: E402
-from offcore_torch.compare.compare.settings import CompareSettings  # noqa: E402
-from offcore_torch.compare.compare.strategies import plan_strategies, strategy_plans  # noqa: E402
+from offcore_torch.compare.measurement import StepMeasurement  # noqa: E402
+from offcore_torch.compare.settings import CompareSettings  # noqa: E402
+from offcore_torch.compare.strategies import plan_strategies, strategy_plans  # noqa: E402
 
 from offcore.sim import Action, LayerProfile, Plan, StepProfile, simulate  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_a_headroom_applies_to_accumulate_and_planned_alike() -> None:
 
 def test_a_strategy_that_ran_within_the_budget_is_trusted_over_the_models_peak() -> None:
     """Suspect: offload peaks predicted 1.4-2x too high. Once offload has run within the budget, planned may use it."""
-    from offcore_torch.compare.compare.strategies import _replan_with_measured_peaks
+    from offcore_torch.compare.strategies import _replan_with_measured_peaks
 
     from offcore.comparison import Gates, StrategyResult
 

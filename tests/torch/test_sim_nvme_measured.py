@@ -29,8 +29,8 @@ import pytest
 import torch
 from offcore_torch.compare.compare import WorkloadProfiler, measure_kind_overheads
 from offcore_torch.compare.executor import PlanExecutor
-from offcore_torch.compare.compare.link import measure_link
-from offcore_torch.compare.compare.settings import CompareSettings, build_workload
+from offcore_torch.compare.link import measure_link
+from offcore_torch.compare.settings import CompareSettings, build_workload
 from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 from offcore.bandwidth import measure_nvme_link

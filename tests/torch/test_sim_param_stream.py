@@ -35,9 +35,9 @@ import torch
 from offcore_torch import offload_parameters
 from offcore_torch.compare.compare import WorkloadProfiler, measure_kind_overheads
 from offcore_torch.compare.executor import PlanExecutor
-from offcore_torch.compare.compare.link import measure_link
-from offcore_torch.compare.compare.runs import _release_optimizer
-from offcore_torch.compare.compare.settings import CompareSettings, build_workload
+from offcore_torch.compare.link import measure_link
+from offcore_torch.compare.runs import _release_optimizer
+from offcore_torch.compare.settings import CompareSettings, build_workload
 from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 from offcore.sim import Plan
