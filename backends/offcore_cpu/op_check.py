@@ -145,7 +145,22 @@ class OpCheckMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _OPS_INDEX:  # nothing in flight: only this call is paid
             check(func, args, kwargs or {})
+        if _PLAIN_TYPES.issuperset(types):
+            # Note [The checking mode runs plain operators with Python dispatch off]
+            # An operator called from a dispatch mode runs with the tracer excluded and Python dispatch
+            # on, the very state in which the frontend wraps a Python number as a tensor: the fake
+            # device's allocator hook (_alloc_hook.cpp, python_number) then took every output of at most
+            # 16 bytes for such a number and left it off the device (a 0-dim or 4-float saved tensor was
+            # "not_on_device", its offload skipped). With plain tensors only there is nothing below this
+            # mode for Python dispatch to reach, so it runs with Python dispatch off, as it would without
+            # the mode; a tensor subclass (DTensor, a user's wrapper) still dispatches to its own code.
+            with _NO_PYTHON_DISPATCH():
+                return func(*args, **kwargs) if kwargs else func(*args)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 
 _LOCAL = threading.local()  # .mode (pushed on this thread, or None), .refs
