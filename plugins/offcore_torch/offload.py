@@ -93,6 +93,7 @@ from offcore.errors import (
     ConfigurationError,
     CopyFailedError,
     OffcoreWarning,
+    SavedTensorHooksDisabledError,
     SavedTensorModifiedError,
 )
 from offcore.inflight import must_wait
@@ -444,9 +445,10 @@ class OffloadHandle:
         try:
             hooks.__enter__()
         except RuntimeError as exc:  # torch.autograd.graph.disable_saved_tensors_hooks is in force
-            raise ConfigurationError(
-                "offload_activations cannot run here: saved-tensor hooks are disabled on this thread "
-                f"(torch says: {str(exc).strip()}). Enter it outside torch.autograd.graph.disable_saved_tensors_hooks."
+            # torch's own message first: code written for save_on_cpu matches it (a RuntimeError too)
+            raise SavedTensorHooksDisabledError(
+                f"{str(exc).strip()}\n(offload_activations cannot run here: saved-tensor hooks are disabled on this "
+                "thread. Enter it outside torch.autograd.graph.disable_saved_tensors_hooks.)"
             ) from exc
         try:
             self._rules.install()

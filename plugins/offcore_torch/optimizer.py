@@ -238,6 +238,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
 import warnings
@@ -246,6 +247,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from offcore_layout import describe, plain_tensor_problem
 
 from offcore.errors import (
     CapacityExceededError,
@@ -393,12 +395,33 @@ def _check_params(groups: list[Any]) -> None:
                 raise ConfigurationError(
                     f"OffloadOptimizer params must be tensors or (name, tensor) pairs, got {type(param).__name__}"
                 )
+            name = f" {named[0]!r}" if isinstance(named, tuple) else ""
+            if _is_dtensor(param):
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) is a DTensor (sharded with "
+                    "fully_shard / FSDP2): its bytes are the local shard, not the global shape. Use "
+                    "offcore_torch.distributed.FSDPOffloadOptimizer(model, optimizer_class, device=...), which steps "
+                    "each rank's shard on the host"
+                )
+            problem = plain_tensor_problem(param)
+            if problem is not None and param.layout is torch.strided:
+                # Note [Raw pointers see checked tensors only]: the device copies only plain tensors
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) cannot be offloaded: {problem}. "
+                    "Offload plain dense parameters"
+                )
             if param.layout is not torch.strided:
-                name = f" {named[0]!r}" if isinstance(named, tuple) else ""
                 raise ConfigurationError(
                     f"OffloadOptimizer: parameter{name} ({tuple(param.shape)}) is sparse ({param.layout}); sparse "
                     "parameters are not supported (the host copies are dense): make it a dense parameter"
                 )
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed when unused)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def _check_dense_gradient(slot: _Slot, grad: torch.Tensor) -> None:

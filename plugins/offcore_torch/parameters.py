@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from offcore_layout import describe, plain_tensor_problem
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, OffcoreWarning
@@ -520,7 +521,16 @@ class ParameterOffloadHandle:
 
     # -- setup -----------------------------------------------------------------------
     def _slot_for(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> _Slot | None:
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        problem = plain_tensor_problem(tensor)
+        if problem is not None:  # Note [Raw pointers see checked tensors only]: checked before any storage use
+            raise ConfigurationError(
+                f"offload_parameters: {name} ({describe(tensor)}) cannot be offloaded: {problem}. Offload plain "
+                "dense parameters (FSDP2 shards its parameters itself: offload its optimizer with "
+                "offcore_torch.distributed.FSDPOffloadOptimizer)"
+            )
+        if tensor.numel() == 0:
             return None
         storage = tensor.untyped_storage()
         slot = self._by_storage.get(id(storage))
