@@ -23,6 +23,7 @@ from typing import Any
 from offcore.ledger import Ledger
 from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.nvme.tier import NvmeTier
+from offcore_torch.runtime import check_bool, check_device
 
 __all__ = ["nvme_tier", "nvme_tier_for", "open_nvme"]
 
@@ -52,6 +53,8 @@ def nvme_tier(
 
         >>> tier = nvme_tier(dev, "/mnt/nvme", budget="200GiB")        # doctest: +SKIP
     """
+    check_device(device, "nvme_tier", methods=False)
+    check_bool(verify, "verify", "nvme_tier")
     key = id(device)
     if path is None:
         _drop(key)

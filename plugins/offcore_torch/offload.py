@@ -115,6 +115,7 @@ from offcore_torch.runtime import (
     _SAMPLE_FIRST,
     _TIMING_BATCH,
     DeviceRuntime,
+    check_device,
     runtime_for,
     runtime_of,
 )
@@ -1400,30 +1401,7 @@ def _release_buffers(
 
 
 def _check_device(device: Any) -> None:
-    if isinstance(device, str):
-        raise ConfigurationError(
-            f"offload_activations needs a device object, not the string {device!r}: "
-            f"create it with offcore.device({device!r}, ...) and pass that"
-        )
-    missing = [
-        name
-        for name in (
-            "current_stream",
-            "new_stream",
-            "new_event",
-            "allocate",
-            "holds",
-            "copy_",
-            "memory_stats",
-            "host_pool",
-        )
-        if not callable(getattr(device, name, None))
-    ]
-    if missing:
-        raise ConfigurationError(
-            f"{type(device).__name__} is not an offcore backend device (missing {', '.join(missing)}); "
-            "create one with offcore.device('cpu' | 'cuda' | 'npu', ...)"
-        )
+    check_device(device, "offload_activations")
     capabilities = frozenset(getattr(device, "capabilities", ()))
     if capabilities and Capability.TORCH not in capabilities:
         raise ConfigurationError(

@@ -253,6 +253,7 @@ from offcore.errors import (
     CapacityExceededError,
     ConfigurationError,
     CopyFailedError,
+    IllegalTransitionError,
     OffcoreError,
     OffcoreWarning,
     StorageError,
@@ -268,7 +269,7 @@ from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
 from offcore_torch.nvme import nvme_tier_for, open_nvme
-from offcore_torch.runtime import runtime_for
+from offcore_torch.runtime import check_bool, check_device, runtime_for
 
 __all__ = ["OffloadOptimizer", "OffloadGradScaler", "MASTER_WEIGHTS_KEY"]
 
@@ -410,6 +411,12 @@ def _check_params(groups: list[Any]) -> None:
                     f"OffloadOptimizer: parameter{name} ({describe(param)}) cannot be offloaded: {problem}. "
                     "Offload plain dense parameters"
                 )
+            if not param.is_leaf:
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) is not a leaf tensor (it was computed "
+                    f"by {type(param.grad_fn).__name__}); optimizers step leaves: pass the nn.Parameter, or "
+                    "tensor.detach().requires_grad_()"
+                )
             if param.layout is not torch.strided:
                 raise ConfigurationError(
                     f"OffloadOptimizer: parameter{name} ({tuple(param.shape)}) is sparse ({param.layout}); sparse "
@@ -550,6 +557,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params_on_host: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
+        check_device(device, "OffloadOptimizer")
+        for flag, value in (
+            ("master_weights", master_weights),
+            ("offload_gradients", offload_gradients),
+            ("pin_memory", pin_memory),
+            ("verify", verify),
+        ):
+            check_bool(value, flag, "OffloadOptimizer")
+        if trace is not None and not callable(getattr(trace, "span", None)):
+            raise ConfigurationError(
+                f"OffloadOptimizer: trace must be an offcore.trace.TraceRecorder (or None), got {trace!r}"
+            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigurationError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
@@ -917,6 +936,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of device parameters (their host copies are made now)."""
+        self._check_open("add_param_group()")
         if self._host is None:  # Optimizer.__init__ path, unused: groups are built in __init__
             raise OffcoreError("OffloadOptimizer is not initialised")
         self._drain()
@@ -946,6 +966,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
             >>> opt.accept_gradient(param, reduced_grad)          # doctest: +SKIP
         """
+        self._check_open("accept_gradient()")
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
         return self._send_gradient(self._slot(param), grad, clear=False)
@@ -1544,6 +1565,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Returns when the host steps finished (Note [One host step at step()]); the uploads are issued
         in need order from there, and the next forward waits per parameter for its copy.
         """
+        self._check_open("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2008,6 +2030,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`); states and masters on NVMe are
         read from disk. The hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``
         run as torch runs them (a post hook may return a new state dict)."""
+        self._check_open("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         sd = self._state_dict()
@@ -2089,6 +2112,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         (which may return the state dict to load) and ``register_load_state_dict_post_hook`` run as
         torch runs them.
         """
+        self._check_open("load_state_dict()")
+        if not isinstance(state_dict, dict):
+            raise ConfigurationError(
+                f"OffloadOptimizer.load_state_dict() takes a state dict (a dict from state_dict()), got "
+                f"{type(state_dict).__name__}"
+            )
         state_dict = dict(state_dict)  # torch's shallow copy: a pre hook may change it
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -2142,6 +2171,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._count_state()
 
     # -- lifecycle --------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        """Refuse ``what`` on a closed optimizer: its host copies are gone, so it would step nothing."""
+        if self._closed:
+            raise IllegalTransitionError(
+                f"OffloadOptimizer.{what} after close(): the optimizer gave its host memory back and steps "
+                "nothing; make a new OffloadOptimizer (load its state_dict(), saved before close(), to go on)"
+            )
+
     def close(self) -> None:
         """Wait for work in flight, remove the hooks, give the host memory back."""
         if self._closed:
@@ -2193,6 +2230,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty
             slot.stage = slot.h2d_dst = None
+            slot.group = {**slot.group, "params": []}  # the host group listed the masters (pinned views)
         self._host = None
         self._pending_h2d.clear()
         self._rs = None

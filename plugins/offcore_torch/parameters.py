@@ -72,7 +72,7 @@ from offcore.scheduler import Scheduler
 from offcore.units import parse_size
 from offcore_torch.budget import shared_budget_for
 from offcore_torch.nvme import nvme_tier_for, open_nvme
-from offcore_torch.runtime import DeviceRuntime, runtime_for
+from offcore_torch.runtime import DeviceRuntime, check_bool, check_device, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
 
@@ -1771,6 +1771,9 @@ def offload_parameters(
 
         >>> handle = offload_parameters(model, dev, budget="32MiB")   # doctest: +SKIP
     """
+    check_device(device, "offload_parameters")
+    check_bool(buffers, "buffers", "offload_parameters")
+    check_bool(pinned, "pinned", "offload_parameters")
     if prefetch not in ("deadline", "asap", "on_demand"):
         raise ConfigurationError(f"prefetch must be 'deadline', 'asap' or 'on_demand', got {prefetch!r}")
     if not pinned:
