@@ -467,7 +467,16 @@ def runtime_of(device: Any) -> DeviceRuntime | None:
     return runtime
 
 
-_DEVICE_METHODS = ("current_stream", "new_stream", "new_event", "allocate", "holds", "copy_", "memory_stats", "host_pool")
+_DEVICE_METHODS = (
+    "current_stream",
+    "new_stream",
+    "new_event",
+    "allocate",
+    "holds",
+    "copy_",
+    "memory_stats",
+    "host_pool",
+)
 
 
 def check_device(device: Any, who: str, *, methods: bool = True) -> None:
