@@ -431,6 +431,37 @@ def _is_dtensor(tensor: Any) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
+# Note [One OffloadOptimizer per parameter]
+# Each OffloadOptimizer takes its parameters' gradients off the device in their post-accumulate-grad
+# hooks and clears ``param.grad``. Two of them over one parameter (torch steps both of two plain
+# optimizers) would race for the gradient: the one whose hook runs second finds ``grad`` None and
+# never steps, silently. So a parameter carries ``(weakref to its optimizer, id(param))`` while an open
+# optimizer holds it; a second optimizer is refused until the first is closed (or collected). The id
+# makes a ``copy.deepcopy`` of the parameter (which copies the attribute) a parameter of its own.
+_OWNER_ATTRIBUTE = "_offcore_offload_optimizer"
+
+
+def _claim(param: torch.Tensor, opt: OffloadOptimizer) -> None:
+    owner = getattr(param, _OWNER_ATTRIBUTE, None)
+    if owner is not None and owner[1] == id(param):
+        other = owner[0]()
+        if other is not None and other is not opt and not other._closed:
+            raise ConfigurationError(
+                f"OffloadOptimizer: a parameter ({describe(param)}) is already optimized by another open "
+                "OffloadOptimizer; each takes its parameters' gradients off the device, so the second would never "
+                "see one. Close the first (opt.close(), or use it as a context manager), or give each optimizer "
+                "its own parameters"
+            )
+    setattr(param, _OWNER_ATTRIBUTE, (weakref.ref(opt), id(param)))
+
+
+def _unclaim(param: torch.Tensor, opt: OffloadOptimizer) -> None:
+    owner = getattr(param, _OWNER_ATTRIBUTE, None)
+    if owner is not None and owner[0]() is opt:
+        with contextlib.suppress(AttributeError):
+            delattr(param, _OWNER_ATTRIBUTE)
+
+
 def _check_dense_gradient(slot: _Slot, grad: torch.Tensor) -> None:
     """A sparse gradient (``nn.Embedding(sparse=True)``) is refused before any copy starts."""
     if grad.layout is not torch.strided:
@@ -552,7 +583,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nvme_masters: bool | None = None,
         nvme_path: str | None = None,
         nvme_budget: int | str | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
         trace: TraceRecorder | None = None,
         params_on_host: Any = None,
         **optimizer_kwargs: Any,
@@ -562,7 +593,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ("master_weights", master_weights),
             ("offload_gradients", offload_gradients),
             ("pin_memory", pin_memory),
-            ("verify", verify),
+            ("verify", False if verify is None else verify),
         ):
             check_bool(value, flag, "OffloadOptimizer")
         if trace is not None and not callable(getattr(trace, "span", None)):
@@ -595,7 +626,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigurationError(
                 "give the NVMe tier once: nvme= (a path or an offcore.nvme.NvmeSpec) or nvme_path="
             )
-        if tier == "nvme" and nvme is None and nvme_path is None and (nvme_budget is not None or verify):
+        if tier == "nvme" and nvme is None and nvme_path is None and (nvme_budget is not None or verify is not None):
             raise ConfigurationError(
                 "nvme_budget= / verify= set up a tier of this optimizer's own: give its directory with nvme= or "
                 "nvme_path= (the device's shared tier, offcore_torch.nvme_tier, has its own budget and verify)"
@@ -638,6 +669,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.ledger = Ledger()
         self.trace = trace
         self._slots: list[_Slot] = []
+        self._frozen: set[int] = set()  # slots frozen when made: no gradient hook (Note [Parameters unfrozen ...])
         self._by_param: dict[int, _Slot] = {}
         self._device_params: dict[int, _Slot] = {}  # the forward pre-hook's: parameters not on the host
         self._lock = threading.Lock()
@@ -700,11 +732,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._nvme_base = id(self)  # keys (id, index): unique in a tier shared by the device's bindings
         if tier == "nvme":
             if nvme_path is not None:
-                nvme = NvmeSpec(nvme_path, nvme_budget, verify)
-            elif nvme_budget is not None or verify:
+                nvme = NvmeSpec(nvme_path, nvme_budget, True if verify is None else verify)
+            elif nvme_budget is not None or verify is not None:
                 spec = NvmeSpec(os.fspath(nvme), nvme_budget, verify) if not isinstance(nvme, NvmeSpec) else nvme
                 nvme = NvmeSpec(
-                    spec.path, nvme_budget if nvme_budget is not None else spec.budget, verify or spec.verify
+                    spec.path,
+                    nvme_budget if nvme_budget is not None else spec.budget,
+                    spec.verify if verify is None else verify,
                 )
             self._nvme, self._nvme_owned = open_nvme(device, nvme, ledger=self.ledger)
             # bounce buffers: three groups live in the pipeline (read i+1, step i, write i-1), each of
@@ -729,6 +763,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             host_groups = [self._make_slots(g) for g in groups]
             self._host = optimizer_class(host_groups, **optimizer_kwargs)
         except BaseException:
+            self._closed = True  # claims nothing (Note [One OffloadOptimizer per parameter])
             self._release_everything()
             raise
         self._regroup()
@@ -813,6 +848,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             param = _tensor_of(named)
             if id(param) in self._by_param:
                 raise ConfigurationError("some parameters appear in more than one parameter group")
+            _claim(param, self)
             if not param.is_floating_point():
                 raise ConfigurationError(f"OffloadOptimizer optimizes floating-point parameters, got {param.dtype}")
             slot = _Slot(len(self._slots), param, group)
@@ -856,6 +892,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._release_group([slot])
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+            elif self._offload_gradients:  # Note [Parameters unfrozen after construction]
+                self._frozen.add(slot.index)
             # named parameters: the host group gets (name, master), so torch writes "param_names" as for its own
             masters.append((named[0], slot.master) if isinstance(named, tuple) else slot.master)
         return {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
@@ -971,8 +1009,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise OffcoreError("OffloadOptimizer is closed")
         return self._send_gradient(self._slot(param), grad, clear=False)
 
+    # Note [Parameters unfrozen after construction]
+    # Gradients reach the host through each parameter's post-accumulate-grad hook, and torch refuses
+    # that hook on a tensor that does not require grad. A parameter frozen when the optimizer was made
+    # and unfrozen later (gradual unfreezing) therefore had no hook: its gradient stayed on the device
+    # and it never moved, silently, where torch's optimizers step it. So such slots are remembered
+    # (``_frozen``) and ``step()`` adopts the ones that require grad now: their hook is registered for
+    # the next rounds, and a gradient already accumulated on the device is taken now, as the hook would
+    # have taken it. (Not after remove_gradient_hooks(): then the caller hands the gradients over.)
+    def _adopt_unfrozen(self) -> None:
+        for index in sorted(self._frozen):
+            slot = self._slots[index]
+            if not slot.param.requires_grad:
+                continue
+            self._frozen.discard(index)
+            slot.hook = slot.param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+            self._on_gradient(slot)
+
     def remove_gradient_hooks(self) -> None:
         """Stop taking gradients from post-accumulate-grad hooks (they come through :meth:`accept_gradient`)."""
+        self._frozen.clear()
         for slot in self._slots:
             if slot.hook is not None:
                 slot.hook.remove()
@@ -1566,6 +1622,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         in need order from there, and the next forward waits per parameter for its copy.
         """
         self._check_open("step()")
+        if self._frozen:
+            self._adopt_unfrozen()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2226,6 +2284,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._state_pool.trim()
             _drop_nvme(self._nvme, self._nvme_owned, self._nvme_base)
         self.ledger = Ledger()
+        for slot in self._slots:  # Note [One OffloadOptimizer per parameter]
+            _unclaim(slot.param, self)
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty
