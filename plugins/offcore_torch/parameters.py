@@ -80,6 +80,8 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 _SEARCH = 64  # how far ahead of the cursor a use is looked up in the predicted sequence
 _UNIT_SECONDS = 1e-3  # the first step's predicted spacing of uses (seconds), before anything was measured
 
+_CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__  # Note [Forwards ended by a BaseException]
+
 # functions that read no tensor data: a parameter whose storage is empty may pass through them
 _METADATA = frozenset(
     {
@@ -1279,7 +1281,29 @@ class ParameterOffloadHandle:
                 slot.pins -= 1
 
     # -- hooks -------------------------------------------------------------------------
+    # Note [Forwards ended by a BaseException]
+    # The post hook that pops a module's frame is registered with ``always_call=True``, but torch calls
+    # those hooks only when forward raised an ``Exception``: a ``KeyboardInterrupt`` (or ``SystemExit``,
+    # ``GeneratorExit``) raised in forward or in a user's hook leaves every frame of that forward behind,
+    # and the handle believed it was inside forward from then on: ``remove()`` refused forever and the
+    # step never ended (its pins and pinned buffers held). A frame is stale when no call of a module this
+    # handle hooks is on the stack of the handle's thread: the root model's pre hook finding frames checks
+    # that (a root model is not called inside its own forward), so does ``remove()``; stale frames are
+    # dropped as a failed forward's are (``_abort``).
+    def _frames_are_stale(self) -> bool:
+        if threading.current_thread() is not self._thread:
+            return False  # a forward may be running on the handle's thread
+        hooked = {id(self.model), *self._module_unit}
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in hooked:
+                return False
+            frame = frame.f_back
+        return True
+
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self._frames and module is self.model and self._frames_are_stale():
+            self._abort()  # Note [Forwards ended by a BaseException]
         unit = self._module_unit.get(id(module))
         in_backward = _graph_task_id() >= 0
         frame: tuple[_Unit | None, list[_Slot], bool] = (unit, [], in_backward)
@@ -1635,8 +1659,10 @@ class ParameterOffloadHandle:
         """Bring every parameter and buffer back to the device (bit-identical) and remove every hook."""
         if self._removed:
             return
-        if self._frames:
+        if self._frames and not self._frames_are_stale():
             raise OffcoreError("handle.remove() inside the model's forward")
+        if self._frames:  # Note [Forwards ended by a BaseException]
+            self._abort()
         self._end_step()
         for slot in self._slots:
             slot.outside = False
