@@ -1665,7 +1665,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._end_round()
             raise
-        self._end_round()
+        try:
+            self._end_round()
+        except BaseException as exc:  # an error must say what happened: here, the update did
+            exc.add_note(
+                "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
+                "the round (from what step() starts for the next one); do not call step() again for this round"
+            )
+            raise
         self._stepped_since_zero_grad = True
         return loss
 

@@ -969,6 +969,16 @@ class ParameterOffloadHandle:
                 if slot.host is not None and slot.resident:
                     self._release_host(slot)
 
+    # Note [A prefetch refused at submission is not an error of the caller's]
+    # Prefetches are issued from wherever a trigger lands: a module's hooks, and also the end of an
+    # OffloadOptimizer's step() (host_updated starts the next round early, Note [The next step starts
+    # early]). A prefetch copy that the device refuses at submission (``copy_`` raising) left
+    # _copy_in's storages not resident, their host copies intact; raising it out of step() told the
+    # caller the step failed *after* the update was applied, so a retry applied it twice. A prefetch is
+    # only ahead of time: its failure is a warning and a counted copy failure, the prefetch is refused
+    # for this trigger, and the use copies the storages in (raising there, where nothing else happened,
+    # if that copy fails too). Out-of-memory refusals stay what they were (no more prefetches).
+
     # Note [A parameter copy that failed is copied again]
     # A host-to-device copy of a parameter can fail on its stream (the event raises when waited for,
     # as an asynchronous CUDA error does; the fake device's injected faults do). The host copy is
@@ -1203,11 +1213,21 @@ class ParameterOffloadHandle:
                 unit = self._units[step.sequence[key][0]]
                 try:
                     event = self._copy_in(unit.slots)
-                except BaseException as exc:
-                    if not _is_oom(exc):
-                        raise
-                    self._counters["refused"] += 1
-                    rs.refused(key, "oom")
+                except Exception as exc:
+                    if _is_oom(exc):
+                        self._counters["refused"] += 1
+                        rs.refused(key, "oom")
+                        continue
+                    # Note [A prefetch refused at submission is not an error of the caller's]
+                    self._counters["copy_failures"] += 1
+                    warnings.warn(
+                        f"offcore: the prefetch of {unit.name}'s parameters failed at submission ({exc}); they are "
+                        "copied in when used (Note [A prefetch refused at submission is not an error of the "
+                        "caller's])",
+                        OffcoreWarning,
+                        stacklevel=2,
+                    )
+                    rs.refused(key, "failed")
                     continue
                 for slot in unit.slots:
                     slot.holds += 1
