@@ -525,7 +525,7 @@ class ParameterOffloadHandle:
     def _slot_for(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> _Slot | None:
         if not isinstance(tensor, torch.Tensor):
             return None
-        problem = plain_tensor_problem(tensor)
+        problem = None if tensor.is_meta else plain_tensor_problem(tensor)  # meta: "on meta", below
         if problem is not None:  # Note [Raw pointers see checked tensors only]: checked before any storage use
             raise ConfigurationError(
                 f"offload_parameters: {name} ({describe(tensor)}) cannot be offloaded: {problem}. Offload plain "
