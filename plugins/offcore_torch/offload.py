@@ -430,6 +430,11 @@ class OffloadHandle:
                 "an OffloadHandle is entered once: call offload_activations(...) again for the next step"
             )
         self._entered = True
+        if getattr(self.device, "closed", False) is True:  # Note [A closed device says so] (offcore_cpu)
+            raise ConfigurationError(
+                f"offload_activations on {self.device!r}, which is closed (dev.close() ran): make a new device and "
+                "enter the region on it"
+            )
         poll(self.runtime)
         self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
         if _inside_checkpoint():

@@ -113,3 +113,21 @@ def test_a_closed_optimizer_refuses_to_step_and_has_given_its_pinned_memory_back
         with pytest.raises(offcore.IllegalTransitionError, match="after close"):
             call()
     opt.close()  # twice is fine
+
+
+def test_a_region_on_a_closed_device_says_the_device_is_closed(make_fake_device: Any) -> None:
+    """A sanitized device closed between steps: the next region warned per saved tensor about an internal
+    stream ("create a new one with dev.new_stream()") and left a sanitizer record for every copy."""
+    dev = make_fake_device(link="unlimited")
+    with dev:
+        model = dev.adopt(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32)))
+        x = torch.randn(8, 32)
+        with offcore_torch.offload_activations(dev, min_bytes=0):
+            loss = model(x).sum()
+        loss.backward()
+    offcore_torch.synchronize(dev)
+    dev.close()
+    with pytest.raises(offcore.ConfigurationError, match=r"which is closed \(dev.close\(\) ran\)"):
+        with dev, offcore_torch.offload_activations(dev, min_bytes=0):
+            model(x).sum()
+    assert dev.copies_in_flight == 0
