@@ -358,6 +358,7 @@ class OffloadHandle:
         self._trace = TraceRecorder(process_name="offcore_torch") if policy.trace else None
         self._stats = OffloadStats()
         self._kept: collections.Counter[str] = collections.Counter()
+        self._elsewhere: str | None = None  # a saved tensor not in the device's memory (Note [A region whose ...])
         self._peak_samples = 0
         self._peak_baseline = 0
         self._peak_final: int | None = None
@@ -491,6 +492,7 @@ class OffloadHandle:
                 self.runtime.resolve_timings()  # Note [Timings are read in batches] (runtime.py)
             self._flush_copies()
         if exc_type is None:
+            self._warn_if_all_elsewhere()  # Note [A region whose tensors live elsewhere says so]
             # Note [Prefetch from the end of forward]: what backward needs first was saved
             # last; starting the plan now keeps (or starts reloading) it before backward's
             # first use instead of stalling on it.
@@ -505,7 +507,31 @@ class OffloadHandle:
     # -- pack ----------------------------------------------------------------------------
     def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> Kept:
         self._kept[reason] += 1
+        if reason == "not_on_device" and self._elsewhere is None:
+            self._elsewhere = f"{tensor.device} ({tuple(tensor.shape)} {tensor.dtype})"
         return Kept(tensor, key)
+
+    # Note [A region whose tensors live elsewhere says so]
+    # The region offloads what is in its device's memory (``device.holds``). A forward whose tensors are
+    # made elsewhere -- outside ``with dev:`` on the fake device, while another device is active, on a
+    # model not moved to the device -- saves them all as "not_on_device": nothing is offloaded, the
+    # stats say 0 bytes, and nothing else told the user the region did nothing. At the end of a forward
+    # that offloaded nothing while some of its saved tensors were elsewhere, the region warns, once per
+    # device, with the fix.
+    def _warn_if_all_elsewhere(self) -> None:
+        elsewhere = self._kept.get("not_on_device", 0)
+        if not elsewhere or self._stats.offloaded_tensors or getattr(self.runtime, "warned_elsewhere", False):
+            return
+        self.runtime.warned_elsewhere = True  # type: ignore[attr-defined]
+        warnings.warn(
+            f"offcore: offload_activations on {self.device!r} offloaded nothing: {elsewhere} saved tensor(s) were "
+            f"not in that device's memory (e.g. on {self._elsewhere}). Run the forward with its tensors on the "
+            f"region's device: inside `with dev:` for the fake device (the model adopted or built there, the "
+            f"inputs made there), or moved to {getattr(self.device, 'torch_device', 'the device')}; on the thread "
+            "that entered the region",
+            OffcoreWarning,
+            stacklevel=3,
+        )
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         # Once per saved tensor: the decisions are PackRules' (policy.py), asked in their order.
