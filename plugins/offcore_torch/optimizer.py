@@ -701,6 +701,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
         self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
         self._lost: str | None = None  # a gradient of this round was lost (Note [Failed copies in the optimizer])
+        self.copy_failures = 0
+        """Copies that failed and were made again, recovered (each also an OffcoreWarning)."""
         self._state_bytes = 0
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
@@ -1215,6 +1217,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     with self._sched_lock:  # the core sees the first copy fail and the second start
                         entry[4].offload_failed(entry[3])
                         entry[4].offload_started(entry[3], again, self._host_tier)
+                    self._recovered(f"the D2H copy of parameter {slot.index}'s gradient", exc)
                 except Exception:
                     if entry is not None:
                         self._free_gradient(entry, failed=True)
@@ -1327,11 +1330,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except Exception as first:
             self._runtime.recover(stream)
             try:
-                return self._device.copy_(dst, src, stream=stream)
+                event = self._device.copy_(dst, src, stream=stream)
+                self._recovered(f"the copy of {what or 'a tensor'} (refused at submission)", first)
+                return event
             except Exception as exc:
                 raise CopyFailedError(
                     f"OffloadOptimizer: the copy of {what or 'a tensor'} failed twice ({first}; {exc})"
                 ) from exc
+
+    def _recovered(self, what: str, exc: BaseException) -> None:
+        """A failed copy was made again and landed (Note [Failed copies in the optimizer]): counted in
+        ``copy_failures`` and said, as the other bindings say theirs; the numbers are unchanged."""
+        with self._lock:
+            self.copy_failures += 1
+        warnings.warn(
+            f"offcore: {what} failed ({exc}); copied again, recovered without changing a number "
+            "(see OffloadOptimizer.copy_failures)",
+            OffcoreWarning,
+            stacklevel=3,
+        )
 
     def _copy_up(self, slot: _Slot, *, force: bool = False) -> Any:
         """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event.
@@ -1516,6 +1533,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
                     "host master holds the stepped value: fix the cause and call opt.synchronize()"
                 ) from again
+            self._recovered(f"the upload of parameter {slot.index}", exc)
         if self.trace is not None:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         if event.query():
