@@ -435,31 +435,43 @@ def _is_dtensor(tensor: Any) -> bool:
 # Each OffloadOptimizer takes its parameters' gradients off the device in their post-accumulate-grad
 # hooks and clears ``param.grad``. Two of them over one parameter (torch steps both of two plain
 # optimizers) would race for the gradient: the one whose hook runs second finds ``grad`` None and
-# never steps, silently. So a parameter carries ``(weakref to its optimizer, id(param))`` while an open
-# optimizer holds it; a second optimizer is refused until the first is closed (or collected). The id
-# makes a ``copy.deepcopy`` of the parameter (which copies the attribute) a parameter of its own.
-_OWNER_ATTRIBUTE = "_offcore_offload_optimizer"
+# never steps, silently. So an open optimizer claims its parameters, and a second one is refused until
+# the first is closed (or collected). The claims live in a registry keyed by ``id(param)``, each a
+# weak reference to the parameter and to its optimizer, held alive by the optimizer (``_claims``): the
+# parameter carries nothing (an attribute would be pickled with ``torch.save(model)`` and copied by
+# ``copy.deepcopy``), a claim goes with its optimizer, and an id reused by another tensor does not match.
+class _Claim:
+    __slots__ = ("param", "opt", "__weakref__")
+
+    def __init__(self, param: torch.Tensor, opt: OffloadOptimizer) -> None:
+        self.param = weakref.ref(param)
+        self.opt = weakref.ref(opt)
+
+
+_CLAIMS: weakref.WeakValueDictionary[int, _Claim] = weakref.WeakValueDictionary()
 
 
 def _claim(param: torch.Tensor, opt: OffloadOptimizer) -> None:
-    owner = getattr(param, _OWNER_ATTRIBUTE, None)
-    if owner is not None and owner[1] == id(param):
-        other = owner[0]()
-        if other is not None and other is not opt and not other._closed:
-            raise ConfigurationError(
-                f"OffloadOptimizer: a parameter ({describe(param)}) is already optimized by another open "
-                "OffloadOptimizer; each takes its parameters' gradients off the device, so the second would never "
-                "see one. Close the first (opt.close(), or use it as a context manager), or give each optimizer "
-                "its own parameters"
-            )
-    setattr(param, _OWNER_ATTRIBUTE, (weakref.ref(opt), id(param)))
+    claim = _CLAIMS.get(id(param))
+    other = claim.opt() if claim is not None and claim.param() is param else None
+    if other is not None and other is not opt and not other._closed:
+        raise ConfigurationError(
+            f"OffloadOptimizer: a parameter ({describe(param)}) is already optimized by another open "
+            "OffloadOptimizer; each takes its parameters' gradients off the device, so the second would never "
+            "see one. Close the first (opt.close(), or use it as a context manager), or give each optimizer "
+            "its own parameters"
+        )
+    claim = _Claim(param, opt)
+    opt._claims.append(claim)
+    _CLAIMS[id(param)] = claim
 
 
-def _unclaim(param: torch.Tensor, opt: OffloadOptimizer) -> None:
-    owner = getattr(param, _OWNER_ATTRIBUTE, None)
-    if owner is not None and owner[0]() is opt:
-        with contextlib.suppress(AttributeError):
-            delattr(param, _OWNER_ATTRIBUTE)
+def _unclaim(opt: OffloadOptimizer) -> None:
+    for claim in opt._claims:
+        param = claim.param()
+        if param is not None and _CLAIMS.get(id(param)) is claim:
+            del _CLAIMS[id(param)]
+    opt._claims.clear()
 
 
 def _check_dense_gradient(slot: _Slot, grad: torch.Tensor) -> None:
@@ -670,6 +682,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.trace = trace
         self._slots: list[_Slot] = []
         self._frozen: set[int] = set()  # slots frozen when made: no gradient hook (Note [Parameters unfrozen ...])
+        self._claims: list[_Claim] = []  # Note [One OffloadOptimizer per parameter]
         self._by_param: dict[int, _Slot] = {}
         self._device_params: dict[int, _Slot] = {}  # the forward pre-hook's: parameters not on the host
         self._lock = threading.Lock()
@@ -2309,8 +2322,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._state_pool.trim()
             _drop_nvme(self._nvme, self._nvme_owned, self._nvme_base)
         self.ledger = Ledger()
-        for slot in self._slots:  # Note [One OffloadOptimizer per parameter]
-            _unclaim(slot.param, self)
+        _unclaim(self)  # Note [One OffloadOptimizer per parameter]
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -73,9 +74,10 @@ def test_a_second_optimizer_over_the_same_parameters_is_refused_while_the_first_
     first = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=0.1)
     with pytest.raises(offcore.ConfigurationError, match="already optimized by another open OffloadOptimizer"):
         offcore_torch.OffloadOptimizer(model[2].parameters(), torch.optim.SGD, device=dev, lr=0.1)
-    # a copy of the model is other parameters (the mark is per parameter object)
+    # a copy of the model is other parameters, and the model still pickles (the parameters carry no mark)
     other = offcore_torch.OffloadOptimizer(copy.deepcopy(model).parameters(), torch.optim.SGD, device=dev, lr=0.1)
     other.close()
+    torch.save(model, io.BytesIO())
     first.close()
     second = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.SGD, device=dev, lr=0.1)
     with dev:
