@@ -517,12 +517,27 @@ class OffloadHandle:
     # model not moved to the device -- saves them all as "not_on_device": nothing is offloaded, the
     # stats say 0 bytes, and nothing else told the user the region did nothing. At the end of a forward
     # that offloaded nothing while some of its saved tensors were elsewhere, the region warns, once per
-    # device, with the fix.
+    # device, with the fix. A forward on another thread never reaches the (thread-local) pack hook; the
+    # rules' global module hooks see its modules (PackRules.foreign_thread), and the region says that.
     def _warn_if_all_elsewhere(self) -> None:
         elsewhere = self._kept.get("not_on_device", 0)
-        if not elsewhere or self._stats.offloaded_tensors or getattr(self.runtime, "warned_elsewhere", False):
+        thread = self._rules.foreign_thread
+        if (
+            not (elsewhere or thread)
+            or self._stats.offloaded_tensors
+            or getattr(self.runtime, "warned_elsewhere", False)
+        ):
             return
         self.runtime.warned_elsewhere = True  # type: ignore[attr-defined]
+        if not elsewhere:  # a module ran on another thread while the region was active, nothing was saved here
+            warnings.warn(
+                f"offcore: offload_activations on {self.device!r} offloaded nothing: the forward ran on thread "
+                f"{thread!r}, but the region was entered on {threading.current_thread().name!r} and saved-tensor "
+                "hooks belong to one thread. Enter the region on the thread that runs the forward",
+                OffcoreWarning,
+                stacklevel=3,
+            )
+            return
         warnings.warn(
             f"offcore: offload_activations on {self.device!r} offloaded nothing: {elsewhere} saved tensor(s) were "
             f"not in that device's memory (e.g. on {self._elsewhere}). Run the forward with its tensors on the "

@@ -261,6 +261,8 @@ class PackRules:
         "exclude_depth",
         "watermark",
         "capacity",
+        "thread",
+        "foreign_thread",
         "_handles",
     )
 
@@ -278,6 +280,8 @@ class PackRules:
             Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
         )
         self.capacity = 0
+        self.thread = 0  # the thread the region was entered on (install)
+        self.foreign_thread: str | None = None  # a module called on another thread meanwhile (its name)
         self._handles: list[Any] = []
 
     # -- the decisions (once per saved tensor) -------------------------------------------
@@ -347,6 +351,7 @@ class PackRules:
     def install(self) -> None:
         """Register the module hooks the rules need (removed by :meth:`remove`, also after a failure)."""
         policy, handles = self.policy, self._handles
+        self.thread, self.foreign_thread = threading.get_ident(), None
         try:
             for module in (policy.modules or ()) + (policy.exclude or ()):
                 self.note_module(module)
@@ -407,6 +412,9 @@ class PackRules:
                         keys.add(tensor.untyped_storage()._cdata)  # storage_key, inlined
 
     def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
+        if threading.get_ident() != self.thread:  # saved-tensor hooks are this thread's: nothing of it is ours
+            self.foreign_thread = threading.current_thread().name
+            return
         name = self.module_names.get(id(module))
         if name is None:
             self.note_module(module)
@@ -414,5 +422,5 @@ class PackRules:
         self.module_stack.append(name)
 
     def _on_module_exit(self, module: nn.Module, _args: Any, _out: Any) -> None:
-        if self.module_stack:
+        if self.module_stack and threading.get_ident() == self.thread:
             self.module_stack.pop()

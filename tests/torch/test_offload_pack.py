@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any
 
@@ -179,6 +180,27 @@ def test_a_region_whose_tensors_all_live_elsewhere_warns_once_with_the_fix(backe
                 loss = adopted(torch.randn(16, 64)).exp().sum()
             loss.backward()
         assert handle.stats().offloaded_tensors > 0
+    settle(dev)
+
+
+def test_a_region_whose_forward_runs_on_another_thread_warns(dev: Any) -> None:
+    """Saved-tensor hooks belong to the thread that entered the region: a forward on a worker thread offloaded
+    nothing, silently."""
+    with dev:
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(dev.torch_device)
+    out: dict[str, Any] = {}
+
+    def forward() -> None:
+        with dev:
+            out["loss"] = model(torch.randn(8, 64, device=dev.torch_device)).sum()
+
+    with pytest.warns(offcore.OffcoreWarning, match="the forward ran on thread 'worker'"):
+        with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+            worker = threading.Thread(target=forward, name="worker")
+            worker.start()
+            worker.join()
+    out.pop("loss").backward()
+    assert handle.stats().offloaded_tensors == 0
     settle(dev)
 
 
