@@ -51,7 +51,7 @@ Each precondition and target is printed MET or MISSED.
 
 ``--compare`` runs ``offcore compare``'s default workload instead (TinyGPT d_model 64, 4 layers,
 4 heads, seq 64, batch 8, vocab 256, no dropout) the way its offload strategy runs it
-(:class:`offcore_torch.executor.PlanExecutor`): ``min_bytes=0`` and ``modules=`` the model's
+(:class:`offcore_torch.compare.executor.PlanExecutor`): ``min_bytes=0`` and ``modules=`` the model's
 layers, so every saved storage inside a layer moves (the embedding, the head and the loss keep
 theirs). The cost floor then copies the same storages: the saves inside the same layers, each
 storage once (a floor copying every saved storage would copy about 12 % more than offcore and
@@ -82,9 +82,9 @@ from typing import Any
 
 import offcore_torch
 import torch
+from offcore_torch.activations.storage import is_parameter_like
 from offcore_torch.layers import find_layers
 from offcore_torch.models import GPTConfig, Workload, gpt_workload
-from offcore_torch.storage import is_parameter_like
 
 import offcore
 
@@ -100,7 +100,7 @@ FILL = 0.7
 # step that computes for well under a millisecond per saved tensor.
 DEFAULT_WORKLOAD = {"batch": 4, "seq_len": 256, "d_model": 512, "layers": 4, "heads": 8, "vocab": 512}
 SMALL = {"seq_len": 64, "d_model": 128, "heads": 4}
-# --compare: offcore compare's default workload (offcore_torch.compare.CompareSettings), without dropout
+# --compare: offcore compare's default workload (offcore_torch.compare.settings.CompareSettings), without dropout
 COMPARE = {"batch": 8, "seq_len": 64, "d_model": 64, "layers": 4, "heads": 4, "vocab": 256}
 
 

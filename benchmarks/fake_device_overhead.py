@@ -11,8 +11,10 @@ keep-all: no offload) side by side in one run, for each workload:
   a mode whose ``__torch_dispatch__`` only calls the operator.
 - **fake device**: ``with dev:`` with ``sanitize=False`` and the default accounting (torch's
   CPU allocator hooked, ``accounting="allocator"``, where the hook builds).
-- **fake device + sanitizer**: the same with ``sanitize=True`` (also poisons uninitialised
-  outputs).
+- **fake device + sanitizer**: the same with ``sanitize=True`` and ``check_ops=False`` (also poisons
+  uninitialised outputs).
+- **fake device + sanitizer + operator check**: ``sanitize=True`` with its default ``check_ops=True``
+  (a Python dispatch mode checking every operator against the copies in flight).
 - **fake device, dispatch accounting**: ``accounting="dispatch"``, the Python dispatch-mode
   reference (what every ``with dev:`` cost before the allocator hook).
 
@@ -112,12 +114,18 @@ def _variants(work: Workload) -> list[Variant]:
         Variant("plain torch", contextlib.nullcontext),
         Variant("empty dispatch mode", _EmptyMode),
     ]
-    for name, sanitize, accounting in (
-        ("fake device", False, "auto"),
-        ("fake device + sanitizer", True, "auto"),
-        ("fake device, dispatch accounting", False, "dispatch"),
+    for name, sanitize, accounting, check_ops in (
+        ("fake device", False, "auto", False),
+        ("fake device + sanitizer", True, "auto", False),
+        ("fake device + sanitizer + operator check", True, "auto", True),
+        ("fake device, dispatch accounting", False, "dispatch", False),
     ):
-        dev = offcore.device("cpu", capacity="4GiB", sanitize=sanitize, seed=0, accounting=accounting)
+        # made under a mode: the operator check's mode (Note [One checking mode per thread, at the bottom of
+        # its stack]) is pushed by `with dev:` alone, so the other variants run without it
+        with _EmptyMode():
+            dev = offcore.device(
+                "cpu", capacity="4GiB", sanitize=sanitize, seed=0, accounting=accounting, check_ops=check_ops
+            )
         label = f"{name} ({dev.accounting})" if accounting == "auto" else name
         variants.append(Variant(label, lambda dev=dev: dev, closer=dev.close))
     for variant in variants:

@@ -29,7 +29,7 @@ from typing import Any
 
 import offcore_torch
 import torch
-from offcore_torch.profiler import measure_step
+from offcore_torch.compare.profiler import measure_step
 from torch import nn
 
 import offcore

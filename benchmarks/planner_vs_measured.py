@@ -4,7 +4,7 @@ For two workload shapes (the ``offcore compare`` default, and a wider one) this 
 the step once (as ``offcore compare`` does: calibrated, the PCIe-like link, the measured
 micro-step overhead), then for each capacity of a grid between 50 % and 95 % of the
 keep-all peak forms every strategy's plan exactly as ``offcore compare --capacity C``
-does (``offcore_torch.compare.plan_strategies``: one profile for every plan). Every
+does (``offcore_torch.compare.strategies.plan_strategies``: one profile for every plan). Every
 named plan's device peak is measured alone on a fresh fake device and, as ``offcore
 compare`` does once the named strategies have run, "planned" is re-planned with those
 measured peaks when one fits a capacity the model says it exceeds (Note [Measured peaks]
@@ -53,18 +53,12 @@ NAMES = STRATEGIES  # every strategy offcore compare runs, in its order
 
 def run_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from offcore_torch.compare import (
-        CompareSettings,
-        _optimizer_for,
-        _release_optimizer,
-        build_workload,
-        measure_microbatch_overhead,
-        pcie_like_bandwidths,
-        plan_strategies,
-        profile_workload,
-    )
-    from offcore_torch.executor import PlanExecutor
-    from offcore_torch.profiler import measure_link
+    from offcore_torch.compare.compare import measure_microbatch_overhead, profile_workload
+    from offcore_torch.compare.executor import PlanExecutor
+    from offcore_torch.compare.link import measure_link
+    from offcore_torch.compare.runs import _optimizer_for, _release_optimizer
+    from offcore_torch.compare.settings import CompareSettings, build_workload, pcie_like_bandwidths
+    from offcore_torch.compare.strategies import plan_strategies
 
     import offcore
 

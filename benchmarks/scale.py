@@ -15,7 +15,7 @@ for which one training step (forward, backward, optimizer update) runs at all, p
   the device with the real ``OffloadOptimizer`` working on the handle's host copies (found on
   the parameters): gradients D2H as backward makes them, the host step updates the host
   copies in place, no upload after it, the next forward streams them (Note [Parameters on the
-  host with offload_parameters] in plugins/offcore_torch/optimizer.py);
+  host with offload_parameters] in plugins/offcore_torch/optimizer/optimizer.py);
 - **all kinds (host-step stand-in, floor)**: the same with a bare host AdamW over
   ``handle.host_tensor`` (gradients D2H synchronously, ``handle.host_updated()``): what the
   composition cannot beat, kept as a labelled floor.
@@ -57,7 +57,7 @@ from typing import Any
 import offcore_torch
 import torch
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss
-from offcore_torch.parameters import offload_parameters
+from offcore_torch.parameters.parameters import offload_parameters
 from offcore_torch.runtime import runtime_for
 
 import offcore
@@ -207,19 +207,68 @@ def largest(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"variant": variant, "width": lo, "parameters": count, "peak_bytes": peak}
 
 
+def scale_table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    """The scale rows (variant, width, parameters, ratio, peak) as fixed-width text or a Markdown table."""
+    if markdown:
+        # a blank line first: a Markdown table does not interrupt the caption line printed before it
+        lines = ["", "| variant | width | parameters | x keep-all | device peak |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            f"| {r['variant']} | {r['width']} | {r['parameters']:,d} | {r['ratio']:.1f} | {format_bytes(r['peak_bytes'])} |"
+            for r in rows
+        ]
+        return "\n".join(lines)
+    lines = [f"{'variant':52s} {'width':>6s} {'parameters':>12s} {'x keep-all':>10s} {'device peak':>12s}"]
+    lines += [
+        f"{r['variant']:52s} {r['width']:6d} {r['parameters']:12,d} {r['ratio']:10.1f} {format_bytes(r['peak_bytes']):>12s}"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def time_table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    """The step-time rows as fixed-width text or a Markdown table."""
+    lines = []
+    if markdown:
+        lines += [
+            "",
+            "| variant | step (ms) | x keep-all | paired x | CPU (ms) | prefetch hits | stalls | unplanned | wait (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    for row in rows:
+        med = row["median_s"]
+        if markdown:
+            copies = (
+                f"{row['prefetch_hits']} | {row['stalls']} | {row['unplanned']} | {row['exposed_wait_s'] * 1e3:.1f}"
+                if "stalls" in row
+                else "- | - | - | -"
+            )
+            lines.append(
+                f"| {row['variant']} | {med * 1e3:.2f} | {row['ratio']:.3f} | {row['paired_ratio']:.3f} | "
+                f"{row['cpu_s'] * 1e3:.1f} | {copies} |"
+            )
+            continue
+        extra = (
+            f"  hits {row['prefetch_hits']} stalls {row['stalls']} unplanned {row['unplanned']} "
+            f"wait {row['exposed_wait_s'] * 1e3:.1f} ms"
+            if "stalls" in row
+            else ""
+        )
+        lines.append(
+            f"{row['variant']:34s} {med * 1e3:8.2f} ms  {row['ratio']:.3f} x keep-all (paired {row['paired_ratio']:.3f} x)  "
+            f"cpu {row['cpu_s'] * 1e3:7.1f} ms{extra}"
+        )
+    return "\n".join(lines)
+
+
 def part_scale(args: argparse.Namespace) -> dict[str, Any]:
     rows = [largest(v, args) for v in args.variants]
     base = rows[0]["parameters"] or 1
     print(
         f"\nscale: capacity {args.capacity}, depth {args.depth}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}"
     )
-    print(f"{'variant':52s} {'width':>6s} {'parameters':>12s} {'x keep-all':>10s} {'device peak':>12s}")
     for row in rows:
         row["ratio"] = row["parameters"] / base
-        print(
-            f"{row['variant']:52s} {row['width']:6d} {row['parameters']:12,d} {row['ratio']:10.1f} "
-            f"{format_bytes(row['peak_bytes']):>12s}"
-        )
+    print(scale_table(rows, markdown=args.markdown))
     target = next((r for r in rows if r["variant"] == ALL_KINDS), None)
     if target is not None:
         ok = target["ratio"] >= 10
@@ -332,16 +381,7 @@ def part_time(args: argparse.Namespace) -> dict[str, Any]:
                 exposed_wait_s=st.exposed_wait_s,
             )
         rows.append(row)
-        extra = (
-            f"  hits {row['prefetch_hits']} stalls {row['stalls']} unplanned {row['unplanned']} "
-            f"wait {row['exposed_wait_s'] * 1e3:.1f} ms"
-            if "stalls" in row
-            else ""
-        )
-        print(
-            f"{name:34s} {med * 1e3:8.2f} ms  {row['ratio']:.3f} x keep-all (paired {row['paired_ratio']:.3f} x)  "
-            f"cpu {row['cpu_s'] * 1e3:7.1f} ms{extra}"
-        )
+    print(time_table(rows, markdown=args.markdown))
     for row in rows[1:3]:
         ratio = row["ratio"]
         print(f"target {row['variant']} <= 1.15 x keep-all: {'MET' if ratio <= 1.15 else 'NOT MET'} ({ratio:.3f} x)")
@@ -379,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/benchmarks.md)")
     args = parser.parse_args(argv)
     if args.budget is not None:
         args.budget = parse_size(args.budget, what="budget")

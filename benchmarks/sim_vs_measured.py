@@ -35,7 +35,7 @@ rounds can interleave); the profile sees them too, so predicted and measured pea
 stay comparable. The memory columns (issue 14: within 10 %) give, per strategy, the
 predicted / measured peak and the same ratio for the bytes *above* the resident state
 (what a plan changes, not diluted by the six models) and the simulator's max batch in the
-planning budget's headroom above that resident state (``offcore_torch.compare._max_batch``).
+planning budget's headroom above that resident state (``offcore_torch.compare.max_batch._max_batch``).
 "worst" is the simulator's bound on the peak under the plan's prefetch
 budget whatever the copies' timing (SimResult.worst_peak_bytes, Note [The worst peak within
 the prefetch budget]) over the measured peak: never below 1 in backward-peaking plans. Offloaded steps free a device copy when its host copy has
@@ -46,7 +46,7 @@ steps (the same estimator its scheduler plans with) instead of the idle
 
 The max-batch table (issue 14: predicted within 10 % of measured) measures each strategy's
 max batch by real steps, as ``offcore compare`` does (Note [The max batch is probed by real
-steps]): the search ``offcore_torch.compare.probe_max_batch`` over probes that each run
+steps]): the search ``offcore_torch.compare.max_batch.probe_max_batch`` over probes that each run
 ``_steps_run``'s full training steps of the strategy's plan, model and optimizer alone on a
 fresh fake device with the planning budget as its capacity and the benchmark's link
 (``_make_device``); no batch is assumed to fit or not. The prediction beside it is the
@@ -122,25 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from offcore_torch.compare import (
+    from offcore_torch.compare.compare import measure_kind_overheads, measure_microbatch_overhead, profile_workload
+    from offcore_torch.compare.executor import PlanExecutor
+    from offcore_torch.compare.link import measure_link
+    from offcore_torch.compare.max_batch import _max_batch, _steps_run, probe_max_batch, two_point_batch
+    from offcore_torch.compare.profiler import measure_step
+    from offcore_torch.compare.runs import _optimizer_for
+    from offcore_torch.compare.settings import (
         _PROBE_MAX_FACTOR,
         CompareSettings,
         _make_device,
-        _max_batch,
-        _optimizer_for,
-        _steps_run,
         build_workload,
-        measure_kind_overheads,
-        measure_microbatch_overhead,
         pcie_like_bandwidths,
-        probe_max_batch,
-        profile_workload,
-        strategy_plans,
-        two_point_batch,
     )
-    from offcore_torch.executor import PlanExecutor
-    from offcore_torch.optimizer import OffloadOptimizer
-    from offcore_torch.profiler import measure_link, measure_step
+    from offcore_torch.compare.strategies import strategy_plans
+    from offcore_torch.optimizer.optimizer import OffloadOptimizer
     from offcore_torch.runtime import runtime_for
 
     import offcore

@@ -39,7 +39,7 @@ binding copies on demand at the use instead).
 # round ends, so a scheduler dropped without closing leaks nothing. A victim may be a prefetch
 # whose copy is still in flight: its binding drops it, but a use before the copy landed must
 # still wait for that copy (Note [An evicted prefetch still in flight] in
-# plugins/offcore_torch/offload.py; reading the buffer as it is gave wrong gradients).
+# plugins/offcore_torch/activations/offload.py; reading the buffer as it is gave wrong gradients).
 """
 
 from __future__ import annotations

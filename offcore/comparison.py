@@ -2,7 +2,7 @@
 
 The compare workflow (seed 004): fix the workload, run the baseline, run each
 candidate strategy on the same workload, decide under a memory budget, a throughput
-floor and a quality gate, and explain the peak. The runner (``offcore_torch.compare``)
+floor and a quality gate, and explain the peak. The runner (``offcore_torch.compare.compare``)
 fills :class:`StrategyResult` objects; this module turns them into the table, the
 accept / tune / reject decisions and the JSON / Markdown reports.
 

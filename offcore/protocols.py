@@ -91,7 +91,9 @@ class Capability(str, enum.Enum):
     SANITIZER = "sanitizer"
     """Poisons freed memory and in-flight buffers, jitters copies. Member ``poison(buffer)``: overwrite
     ``buffer`` with 0xFF bytes (NaN, -1) and flag a copy still using it; bindings call it on host
-    buffers they stop using, so a late reader sees garbage."""
+    buffers they stop using, so a late reader sees garbage. Member ``host_writes(buffers, *, what)``:
+    declare host work another thread will do writing ``buffers``; returns a callable to call when it
+    is done (until then the program's operators touching those bytes are reported)."""
     PRIVATE_FORMATS = "private_formats"
     """Tensors may carry a device-private memory format that must be restored (Ascend NZ). Members
     ``format_of(tensor) -> int | None`` (read at offload) and ``restore_format(tensor, fmt)`` (applied
@@ -136,6 +138,7 @@ OPTIONAL_MEMBERS: MappingProxyType[str, Capability | None] = MappingProxyType(
     {
         "torch_device": Capability.TORCH,
         "poison": Capability.SANITIZER,
+        "host_writes": Capability.SANITIZER,
         "format_of": Capability.PRIVATE_FORMATS,
         "restore_format": Capability.PRIVATE_FORMATS,
         "close": None,
@@ -172,7 +175,7 @@ class Backend(Protocol):
 
     These members are required; the bindings and the conformance suite call nothing else
     except the optional members of :data:`OPTIONAL_MEMBERS`, each after checking the
-    capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison``
+    capability that promises it: ``torch_device`` (:attr:`Capability.TORCH`), ``poison`` and ``host_writes``
     (:attr:`Capability.SANITIZER`), ``format_of`` and ``restore_format``
     (:attr:`Capability.PRIVATE_FORMATS`), and ``close()``, ``allocated_bytes()``, ``active`` (True
     while the calling thread is inside ``with device:``, for devices that are entered) and

@@ -74,7 +74,7 @@ MUTATIONS: list[Mutation] = [
         "offloading disabled: every saved tensor is kept on the device",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "        reason = rules.before_storage(tensor)\n",
                 '        return self._keep(tensor, key, "mutation: offload is a no-op")\n',
             )
@@ -85,7 +85,7 @@ MUTATIONS: list[Mutation] = [
         "bytes counted as offloaded, nothing moved: the tensor stays on the device but the stats say offloaded",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "        meta = TensorMeta.of(tensor)\n        try:\n            entry = self._offload(storage, nbytes, skey, tensor, key, meta)\n",
                 "        meta = TensorMeta.of(tensor)\n        self._stats.offloaded_bytes += nbytes\n"
                 "        self._stats.offloaded_storages += 1\n"
@@ -98,9 +98,13 @@ MUTATIONS: list[Mutation] = [
         "version-checks-off",
         "saved-tensor version checks off (offloaded and kept)",
         [
-            ("plugins/offcore_torch/offload.py", "        if current != packed.version:\n", "        if False:\n"),
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
+                "        if current != packed.version:\n",
+                "        if False:\n",
+            ),
+            (
+                "plugins/offcore_torch/activations/offload.py",
                 "            if packed.tensor._version != packed.version:\n",
                 "            if False:\n",
             ),
@@ -138,7 +142,7 @@ MUTATIONS: list[Mutation] = [
         "device copy never freed: offcore keeps its device references after the D2H landed",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "        for item in entry.live_items() if items is None else items:\n"
                 "            self._release_keeper(item)\n        entry.src = None\n",
                 "",
@@ -150,12 +154,12 @@ MUTATIONS: list[Mutation] = [
         "compute not waiting for a prefetched H2D copy",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "                    compute.wait_event(event)\n",
                 "                    pass\n",
             ),
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "                self.device.current_stream().wait_event(event)  # ordering only; it has landed\n",
                 "                pass\n",
             ),
@@ -166,7 +170,7 @@ MUTATIONS: list[Mutation] = [
         "a dropped graph returns its host buffers while their prefetch is still in flight",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "        if state is not State.PREFETCHING and state is not State.OFFLOADING:\n",
                 "        if state is not State.OFFLOADING:\n",
             )
@@ -177,12 +181,12 @@ MUTATIONS: list[Mutation] = [
         "offcore's copy streams no longer wait for the compute stream before a copy",
         [
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "            stream.wait_event(device.current_stream().record_event())\n",
                 "            pass\n",
             ),
             (
-                "plugins/offcore_torch/offload.py",
+                "plugins/offcore_torch/activations/offload.py",
                 "            stream.wait_event(device.current_stream().record_event(order))\n",
                 "            pass\n",
             ),
@@ -197,6 +201,18 @@ MUTATIONS: list[Mutation] = [
         "the sanitizer forced off inside the fake device (the option still says on)",
         [("backends/offcore_cpu/sanitizer.py", "        self.enabled = enabled\n", "        self.enabled = False\n")],
         tests=list(DEVICE) + ["tests/torch/test_offload_prefetch.py"],
+    ),
+    Mutation(
+        "op-check-off",
+        "the sanitizer's operator check sees no copy in flight (the mode runs, reports nothing)",
+        [
+            (
+                "backends/offcore_cpu/op_check.py",
+                "        if _OPS_INDEX:  # nothing in flight: only this call is paid\n",
+                "        if False:\n",
+            )
+        ],
+        tests=["tests/backends/test_cpu_op_check.py", "tests/torch/test_sanitizer_hazards.py"],
     ),
     Mutation(
         "sanitize-option-ignored",

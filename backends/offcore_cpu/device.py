@@ -28,7 +28,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, NoReturn
 
 from offcore.errors import ConfigurationError
@@ -55,9 +55,26 @@ _NOTHING = contextlib.nullcontext()
 _INLINE_COPY_LIMIT = 1 << 20
 
 
-def _close_streams(streams: weakref.WeakSet[WorkerStream]) -> None:
+class _OpCheckHold:
+    """A device's hold of its creating thread's operator-checking mode, dropped once, on that thread."""
+
+    __slots__ = ("_module", "_thread")
+
+    def __init__(self, module: Any) -> None:
+        self._module: Any = module
+        self._thread = threading.get_ident()
+
+    def drop(self) -> None:
+        if self._module is not None and threading.get_ident() == self._thread:
+            module, self._module = self._module, None
+            module.release()
+
+
+def _close_streams(streams: weakref.WeakSet[WorkerStream], op_check: _OpCheckHold | None = None) -> None:
     for stream in list(streams):
         stream.close()
+    if op_check is not None:
+        op_check.drop()
 
 
 class FakeDevice:
@@ -72,6 +89,8 @@ class FakeDevice:
       ``latency`` (``"10us"``) per copy; ``duplex`` (True): each direction has its own link.
     - ``sanitize`` (False), ``seed`` (0), ``jitter`` (``"2ms"``): see :mod:`offcore_cpu.sanitizer`
       (poison, jitter, use-after-free checks; :meth:`sanitizer_violations`, :meth:`check_sanitizer`).
+      ``check_ops`` (True): with ``sanitize`` and torch buffers, torch operators the host runs are
+      checked against the copies in flight (Note [Operators checked against copies in flight]).
     - ``buffers``: ``"torch"`` (default when torch is installed) or ``"numpy"``.
     - ``fail_copy`` (None) and ``fail_copy_mode`` (``"submit"``): fault injection, the
       ``fail_copy``-th ``copy_`` call fails (Note [Injected copy faults]; re-arm with
@@ -98,7 +117,12 @@ class FakeDevice:
             latency=self.options.latency,
             duplex=self.options.duplex,
         )
-        self._sanitizer = Sanitizer(enabled=self.options.sanitize, seed=self.options.seed, jitter=self.options.jitter)
+        self._sanitizer = Sanitizer(
+            enabled=self.options.sanitize,
+            seed=self.options.seed,
+            jitter=self.options.jitter,
+            check_ops=self.options.check_ops and self.options.buffers == "torch",
+        )
         self._compute = ComputeStream()
         if self.options.sanitize:  # Note [Copies ordered by the program] in sanitizer.py
             self._compute.order = Ordering()
@@ -137,7 +161,13 @@ class FakeDevice:
         if self.options.sanitize:
             capabilities.add(Capability.SANITIZER)
         self.capabilities: frozenset[Capability] = frozenset(capabilities)
-        self._finalizer = weakref.finalize(self, _close_streams, self._streams)
+        # Note [One checking mode per thread, at the bottom of its stack] (op_check.py)
+        self._op_check: _OpCheckHold | None = None
+        if self._sanitizer.check_ops:
+            from offcore_cpu import op_check
+
+            self._op_check = _OpCheckHold(op_check) if op_check.acquire(at_creation=True) else None
+        self._finalizer = weakref.finalize(self, _close_streams, self._streams, self._op_check)
         self._closed = False
 
     @property
@@ -186,6 +216,10 @@ class FakeDevice:
     def __enter__(self) -> FakeDevice:
         """Make this the active device on the calling thread (re-entrant)."""
         self._local.depth = getattr(self._local, "depth", 0) + 1
+        if self._sanitizer.check_ops:  # Note [One checking mode per thread, at the bottom of its stack]
+            from offcore_cpu import op_check
+
+            op_check.acquire(at_creation=False)
         if self._tracker is not None:
             self._tracker.activate()
         return self
@@ -196,6 +230,10 @@ class FakeDevice:
         self._local.depth -= 1
         if self._tracker is not None:
             self._tracker.deactivate()
+        if self._sanitizer.check_ops:
+            from offcore_cpu import op_check
+
+            op_check.release()
 
     @property
     def active(self) -> bool:
@@ -448,6 +486,22 @@ class FakeDevice:
             ops.poison(buffer)
         return True
 
+    def host_writes(self, buffers: Sequence[Any], *, what: str) -> Callable[[], None]:
+        """Declare host work queued on another thread that will write ``buffers``; returns its finisher.
+
+        A binding that hands writes of tensors the user can see to a worker thread (an
+        optimizer summing gradients on the host) declares them when it queues the work and
+        calls the finisher once the work is done. Meanwhile, with the sanitizer's operator
+        check, an operator of the calling program touching those bytes is an
+        ``access-in-flight`` violation, as for a copy in flight (Note [Operators checked
+        against copies in flight] in ``offcore_cpu/sanitizer.py``). A no-op finisher without
+        it. (The member ``host_writes`` of :attr:`offcore.Capability.SANITIZER`.)
+
+            >>> done = dev.host_writes([master.grad], what="the host gradient of parameter 0")  # doctest: +SKIP
+            >>> worker.submit(accumulate).add_done_callback(lambda _: done())                  # doctest: +SKIP
+        """
+        return self._sanitizer.host_writes(self._ops, list(buffers), what)  # type: ignore[no-any-return]
+
     def _release_host(self, buffer: Any) -> None:
         """A host-pool buffer goes back to its pool: poisoned, and copies still using it are flagged."""
         if not self._sanitizer.enabled:  # the common case first: once per offloaded storage
@@ -461,13 +515,17 @@ class FakeDevice:
 
     # -- sanitizer records (Note [Use after free] in sanitizer.py) --------------------------
     def sanitizer_violations(self, *, clear: bool = False) -> list[dict[str, Any]]:
-        """Buffers the sanitizer saw freed or released while a copy still used them, oldest first.
+        """The violations the sanitizer saw, oldest first.
 
         Each record: ``kind`` (``"use-after-free"`` for device memory whose last reference
-        died, ``"released-in-flight"`` for a buffer returned to its pool or passed to
-        :meth:`poison`), ``copy`` (the copy's number), ``stream``, ``direction``, ``side``
-        (``"source"`` / ``"destination"``) and ``message``. ``clear=True`` forgets them.
-        Always empty without the sanitizer.
+        died while a copy used it, ``"released-in-flight"`` for a buffer returned to its pool or
+        passed to :meth:`poison` while a copy used it, ``"unordered"`` for a copy racing with an
+        earlier copy of another stream, ``"access-in-flight"`` for a torch operator on the host
+        touching bytes of a copy in flight), ``copy`` (the copy's number), ``stream`` (the
+        copy's), ``direction``, ``side`` (``"source"`` / ``"destination"``) and ``message``;
+        an ``"access-in-flight"`` record also has ``op`` (``"aten.mul_.Tensor"``), ``argument``,
+        ``tensor`` (dtype, shape, bytes), ``access`` (``"read"`` / ``"write"``) and ``op_stream``.
+        ``clear=True`` forgets them. Always empty without the sanitizer.
         """
         return self._sanitizer.violations(clear=clear)
 
@@ -475,11 +533,11 @@ class FakeDevice:
         """Raise :class:`~offcore_cpu.errors.SanitizerViolation` listing every violation seen (then forgotten)."""
         found = self._sanitizer.violations(clear=clear)
         if found:
-            lines = "\n".join(f"- {v['message']}" for v in found[:20])
+            lines = "\n".join(f"- [{v['kind']}] {v['message']}" for v in found[:20])
             more = f"\n(and {len(found) - 20} more)" if len(found) > 20 else ""
             raise SanitizerViolation(
-                f"the sanitizer of fake device {self._label} saw {len(found)} buffer(s) freed or released while a "
-                f"copy still used them:\n{lines}{more}",
+                f"the sanitizer of fake device {self._label} saw {len(found)} violation(s): buffers freed or "
+                f"released, copies unordered, or operators run, while a copy still used them:\n{lines}{more}",
                 found,
             )
 

@@ -132,7 +132,8 @@ class GateTimeoutError(OffcoreError, AssertionError):
 
 
 class SanitizerViolation(OffcoreError, AssertionError):
-    """The sanitizer saw memory freed or released while a copy still used it (``dev.check_sanitizer()``).
+    """The sanitizer saw a race (``dev.check_sanitizer()``): memory freed or released while a copy still used
+    it, copies of two streams not ordered, or a torch operator touching bytes of a copy still in flight.
 
     ``violations`` holds the records of ``dev.sanitizer_violations()``.
     """

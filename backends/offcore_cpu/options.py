@@ -75,6 +75,7 @@ class FakeDeviceOptions:
     latency: float = 10e-6
     duplex: bool = True
     sanitize: bool = False
+    check_ops: bool = True  # with sanitize and torch buffers: Note [Operators checked against copies in flight]
     seed: int = 0
     jitter: float = 2e-3
     buffers: BufferFamily = "numpy"
@@ -93,6 +94,7 @@ class FakeDeviceOptions:
         latency: float | str = "10us",
         duplex: bool = True,
         sanitize: bool = False,
+        check_ops: bool = True,
         seed: int = 0,
         jitter: float | str = "2ms",
         buffers: str | None = None,
@@ -105,7 +107,7 @@ class FakeDeviceOptions:
         """Check every option; raises :class:`offcore.ConfigurationError` naming the bad one."""
         if unknown:
             known = (
-                "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, seed, jitter, buffers, "
+                "capacity, h2d_bandwidth, d2h_bandwidth, latency, duplex, sanitize, check_ops, seed, jitter, buffers, "
                 "fail_copy, fail_copy_mode, copy_log_limit, accounting"
             )
             raise ConfigurationError(f"unknown option(s) {sorted(unknown)} for the cpu fake device; known: {known}")
@@ -136,6 +138,7 @@ class FakeDeviceOptions:
             latency=parse_duration(latency, what="copy latency"),
             duplex=_flag(duplex, "duplex"),
             sanitize=_flag(sanitize, "sanitize"),
+            check_ops=_flag(check_ops, "check_ops"),
             seed=seed,
             jitter=parse_duration(jitter, what="sanitizer jitter"),
             buffers=buffers,  # type: ignore[arg-type]

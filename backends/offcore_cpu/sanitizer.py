@@ -69,8 +69,40 @@ reads the buffer, so the bug passes every test and corrupts gradients on a GPU. 
 # ordered after A, that is an ``unordered`` violation, found when B is enqueued: a
 # missing cross-stream wait is caught on every run, whether or not the copies overlapped
 # in time. Copies the host has observed are forgotten (nothing enqueued later can race
-# with them). Tensor operators on the compute stream are not tracked: a computation
-# reading a copy's destination too early is caught by poison (point 1) instead.
+# with them). Tensor operators on the compute stream are checked against the copies in
+# flight instead (Note [Operators checked against copies in flight]).
+
+# Note [Operators checked against copies in flight]
+# Poison makes an operator that reads a copy's destination too early compute NaN, but NaN
+# is only a symptom: a test sees a wrong number, or nothing at all (a reader that overwrites
+# what it read, a NaN that a max() drops), and nobody is told which copy and which operator
+# raced. So, as torch's CUDA sanitizer (``torch.cuda._sanitizer``) does for kernels, a
+# dispatch mode (``offcore_cpu.op_check``, torch buffers, ``check_ops=True``: the default
+# with ``sanitize=True``) sees every torch operator the host runs and what it accesses: an
+# argument the operator's schema marks written (``Tensor(a!)``: in place, ``out=``) is a
+# write, any other tensor argument a read, except views (``Tensor(a)``: the result aliases
+# it, no byte is read), factory functions reading only metadata (``new_*``, ``*_like``) and
+# in-place metadata operators (``set_``, ``resize_``, ``t_`` ...). Such an operator runs
+# on the compute stream, i.e. the host, which is ordered after a copy only once it
+# observed the copy complete (``event.synchronize()``, ``current_stream().wait_event``, a
+# true ``query()``, ``stream.synchronize()``, ``dev.synchronize()``: Note [Copies ordered
+# by the program]); a copy still in flight has not completed, so nothing orders the
+# operator after it. An operator that writes bytes an in-flight copy reads or writes, or
+# reads bytes it writes, is an ``access-in-flight`` violation naming the operator, the
+# argument (its dtype, shape and bytes), the copy (number, direction, stream) and both
+# streams; reading a copy's source is fine (both read). The operator still runs (and reads
+# poison): the record fails the test at ``dev.check_sanitizer()``, not in the middle of
+# it. Each copy reports an operator once per argument role. In flight means between
+# ``copy_`` and the moment its bytes landed (``Sanitizer.start`` / ``finish``): with gates
+# (Note [Gates]) a test makes the race certain; without them it is seen when the copy
+# happens to be slow enough (jitter, a slow link). Copies are indexed by the storage of
+# each side (``_OPS_INDEX``), so an operator pays a dict look-up per tensor argument while
+# any copy is in flight, and nothing but the mode's own call when none is.
+# Not seen: operators on other threads than those with a sanitized device created or
+# entered (the mode is per thread), operators under ``torch._C._DisableTorchDispatch``
+# (the device's and the binding's own bookkeeping), code compiled by ``torch.compile``
+# (the mode ignores compile internals, so compiled kernels run unchecked), and a copy
+# that landed but was never waited for (that race shows only on a GPU).
 
     >>> sanitizer = Sanitizer(enabled=True, seed=0, jitter=2e-3)
     >>> 0.0 <= sanitizer.draw_jitter() <= 2e-3
@@ -85,7 +117,7 @@ from typing import Any
 
 from offcore.kinds import Direction
 
-__all__ = ["Sanitizer", "Flight", "Ordering"]
+__all__ = ["Sanitizer", "Flight", "Ordering", "flights_on", "any_in_flight"]
 
 
 class Flight:
@@ -97,7 +129,22 @@ class Flight:
     released (``"src"`` / ``"dst"``), each reported once.
     """
 
-    __slots__ = ("number", "stream", "direction", "nbytes", "dst", "src", "on_device", "ranges", "lost", "ops")
+    __slots__ = (
+        "number",
+        "stream",
+        "direction",
+        "nbytes",
+        "dst",
+        "src",
+        "on_device",
+        "ranges",
+        "lost",
+        "ops",
+        "keys",
+        "sanitizer",
+        "reported",
+        "label",
+    )
 
     def __init__(
         self,
@@ -116,16 +163,61 @@ class Flight:
         self.src = ops.alias(src) if on_device["src"] else src
         self.ranges = {"dst": ops.byte_range(dst), "src": ops.byte_range(src)}
         self.lost: set[str] = set()
+        # the storage of each side, for the operator check (Note [Operators checked against copies in flight])
+        self.keys = {"dst": _storage_key(dst), "src": _storage_key(src)} if ops.family == "torch" else None
+        self.sanitizer: Sanitizer | None = None
+        self.reported: set[tuple[str, str, str]] = set()
+        self.label: str | None = None  # host work declared with Sanitizer.host_writes: what it is
 
     def describe(self) -> str:
+        if self.label is not None:
+            return f"host work ({self.label}, {self.nbytes} bytes, {self.stream})"
         return f"copy #{self.number} ({self.direction.value}, {self.nbytes} bytes, stream {self.stream!r})"
 
 
-class Sanitizer:
-    """Switch, random source and violation record of the sanitizer (Notes above)."""
+def _storage_key(buffer: Any) -> int | None:
+    """The identity of a torch buffer's storage (its ``StorageImpl``), or None where it has none."""
+    try:
+        return int(buffer.untyped_storage()._cdata)
+    except Exception:  # a tensor without a storage of its own: not indexed
+        return None
 
-    def __init__(self, *, enabled: bool, seed: int, jitter: float) -> None:
+
+# Note [Operators checked against copies in flight]: storage key -> (flight, side) of every
+# sanitized copy in flight whose device checks operators, across devices (the dispatch mode
+# is one per thread, not one per device). Changed under _INDEX_LOCK; read without it.
+_OPS_INDEX: dict[int, list[tuple[Flight, str]]] = {}
+_INDEX_LOCK = threading.Lock()
+
+
+def flights_on(key: int) -> list[tuple[Flight, str]]:
+    """The (flight, side) pairs in flight on the storage ``key`` (a copy of the list)."""
+    hits = _OPS_INDEX.get(key)
+    return list(hits) if hits else []
+
+
+def any_in_flight() -> bool:
+    """True while some copy whose device checks operators is in flight."""
+    return bool(_OPS_INDEX)
+
+
+_HOST = {"src": False, "dst": False}
+
+
+def _nothing() -> None:
+    return None
+
+
+class Sanitizer:
+    """Switch, random source and violation record of the sanitizer (Notes above).
+
+    ``check_ops``: index the copies in flight for the operator check (Note [Operators
+    checked against copies in flight]).
+    """
+
+    def __init__(self, *, enabled: bool, seed: int, jitter: float, check_ops: bool = False) -> None:
         self.enabled = enabled
+        self.check_ops = enabled and check_ops
         self.jitter = jitter
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -143,11 +235,57 @@ class Sanitizer:
     def start(self, flight: Flight) -> Flight:
         with self._lock:
             self._flights[id(flight)] = flight
+        self._index(flight)
         return flight
 
     def finish(self, flight: Flight) -> None:
         with self._lock:
             self._flights.pop(id(flight), None)
+        self._unindex(flight)
+
+    def _index(self, flight: Flight) -> None:
+        if self.check_ops and flight.keys is not None:
+            flight.sanitizer = self
+            with _INDEX_LOCK:
+                for side, key in flight.keys.items():
+                    if key is not None:
+                        _OPS_INDEX.setdefault(key, []).append((flight, side))
+
+    def _unindex(self, flight: Flight) -> None:
+        if flight.sanitizer is not None and flight.keys is not None:
+            with _INDEX_LOCK:
+                for key in flight.keys.values():
+                    hits = _OPS_INDEX.get(key) if key is not None else None
+                    if hits is None:
+                        continue
+                    hits = [hit for hit in hits if hit[0] is not flight]  # a new list: readers hold no lock
+                    if hits:
+                        _OPS_INDEX[key] = hits
+                    else:
+                        del _OPS_INDEX[key]
+
+    def host_writes(self, ops: Any, buffers: Any, what: str) -> Any:
+        """Declare host work another thread will do, writing ``buffers``; returns its finisher (call it once).
+
+        Until then the bytes are in flight for the operator check, as a copy's destination
+        (Note [Operators checked against copies in flight]); a no-op without ``check_ops``.
+        """
+        if not self.check_ops or ops.family != "torch":
+            return _nothing
+        flights = []
+        for buffer in buffers:
+            flight = Flight(0, "a host worker thread", Direction.H2H, ops.nbytes(buffer), ops, buffer, buffer, _HOST)
+            flight.keys = {"dst": flight.keys["dst"]} if flight.keys else None
+            flight.label = what
+            flight.src = flight.dst = None  # nothing moves: only the bytes are watched
+            self._index(flight)  # not a copy: not in copies_in_flight, never "released" under one
+            flights.append(flight)
+
+        def finish() -> None:
+            while flights:
+                self._unindex(flights.pop())
+
+        return finish
 
     def in_flight(self) -> int:
         """Sanitized copies queued or running whose bytes have not landed."""
@@ -219,7 +357,9 @@ class Sanitizer:
     def _report(self, kind: str, flight: Flight, side: str, message: str) -> None:
         self.report(kind, flight.number, flight.stream, flight.direction, side, message)
 
-    def report(self, kind: str, number: int, stream: str, direction: Direction, side: str, message: str) -> None:
+    def report(
+        self, kind: str, number: int, stream: str, direction: Direction, side: str, message: str, **extra: Any
+    ) -> None:
         with self._lock:
             self._violations.append(
                 {
@@ -229,8 +369,51 @@ class Sanitizer:
                     "direction": direction.value,
                     "side": "source" if side == "src" else "destination",
                     "message": message,
+                    **extra,
                 }
             )
+
+    def report_access(
+        self, flight: Flight, side: str, op: str, argument: str, tensor: str, write: bool, op_stream: str
+    ) -> None:
+        """An operator on the host touched bytes of ``flight`` (Note [Operators checked against copies in flight])."""
+        access = "write" if write else "read"
+        with self._lock:
+            if (op, side, access) in flight.reported:
+                return
+            flight.reported.add((op, side, access))
+        copy_does = "reads" if side == "src" else "writes"
+        verb = "writes" if write else "reads"
+        effect = (
+            "it reads bytes that have not landed (poison here; stale or half-copied data on a GPU)"
+            if not write
+            else (
+                "the copy may deliver the new bytes, the old ones or a mix"
+                if side == "src"
+                else "what the other side writes lands over what the operator wrote"
+            )
+        )
+        wait = (
+            "Wait until that work is done first (the binding's own synchronisation)."
+            if flight.label is not None
+            else "Wait for the copy's event on the compute stream first (event.synchronize() or "
+            "current_stream().wait_event(event))."
+        )
+        work = "that work" if flight.label is not None else "the copy"
+        self.report(
+            "access-in-flight",
+            flight.number,
+            flight.stream,
+            flight.direction,
+            side,
+            f"operator {op} on {op_stream} {verb} {argument} ({tensor}) while {flight.describe()} still "
+            f"{copy_does} those bytes, and nothing orders the operator after {work}: {effect}. {wait}",
+            op=op,
+            argument=argument,
+            tensor=tensor,
+            access=access,
+            op_stream=op_stream,
+        )
 
     def violations(self, *, clear: bool = False) -> list[dict[str, Any]]:
         with self._lock:

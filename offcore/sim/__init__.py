@@ -26,16 +26,14 @@ from offcore.sim.formulas import (
 )
 from offcore.sim.plan import Action, Plan, PrefetchPolicy
 from offcore.sim.planner import PlanResult, exhaustive_plan, plan, size_prefetch_budget, steady_prefetch
-from offcore.sim.profile import (
-    LayerProfile,
-    StepProfile,
+from offcore.sim.profile import LayerProfile, StepProfile, uniform_profile
+from offcore.sim.simulator import SimResult, TimelineEvent, simulate
+from offcore.sim.transformer import (
     transformer_layer_flops,
     transformer_layer_profile,
     transformer_saved_bytes,
     transformer_step_profile,
-    uniform_profile,
 )
-from offcore.sim.simulator import SimResult, TimelineEvent, simulate
 
 __all__ = [
     "Action",

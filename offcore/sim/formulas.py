@@ -114,7 +114,7 @@ def activation_bytes(batch: int, layers: int, seq: int, hidden: int, dtype_bytes
     """The seeds' first-order activation estimate ``M_act = B·L·S·H·dtype_bytes``.
 
     One hidden-sized tensor per token per layer; real layers save more (see
-    :func:`offcore.sim.profile.transformer_saved_bytes`).
+    :func:`offcore.sim.transformer.transformer_saved_bytes`).
 
     >>> activation_bytes(8, 32, 4096, 4096)
     8589934592

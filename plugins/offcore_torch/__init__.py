@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
+    from offcore_torch.activations.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
+    from offcore_torch.activations.policy import OffloadPolicy
+    from offcore_torch.activations.stats import OffloadStats
     from offcore_torch.budget import device_budget
-    from offcore_torch.clip import clip_grad_norm_
-    from offcore_torch.deepspeed_config import from_deepspeed_config
     from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
     from offcore_torch.nvme import nvme_tier, nvme_tier_for
-    from offcore_torch.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
-    from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
-    from offcore_torch.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
-    from offcore_torch.policy import OffloadPolicy
-    from offcore_torch.stats import OffloadStats
+    from offcore_torch.optimizer.clip import clip_grad_norm_
+    from offcore_torch.optimizer.deepspeed_config import from_deepspeed_config
+    from offcore_torch.optimizer.optimizer import OffloadGradScaler, OffloadOptimizer
+    from offcore_torch.parameters.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
 
 __all__ = [
     "FSDPOffloadOptimizer",
@@ -63,26 +63,26 @@ __all__ = [
 ]
 
 _EXPORTS = {
-    "OffloadHandle": "offcore_torch.offload",
-    "offload_activations": "offcore_torch.offload",
-    "no_offload": "offcore_torch.offload",
-    "mark": "offcore_torch.offload",
-    "OffloadPolicy": "offcore_torch.policy",
-    "OffloadStats": "offcore_torch.stats",
-    "synchronize": "offcore_torch.offload",
+    "OffloadHandle": "offcore_torch.activations.offload",
+    "offload_activations": "offcore_torch.activations.offload",
+    "no_offload": "offcore_torch.activations.offload",
+    "mark": "offcore_torch.activations.offload",
+    "OffloadPolicy": "offcore_torch.activations.policy",
+    "OffloadStats": "offcore_torch.activations.stats",
+    "synchronize": "offcore_torch.activations.offload",
     "Scheduler": "offcore.scheduler",
-    "OffloadOptimizer": "offcore_torch.optimizer",
-    "OffloadGradScaler": "offcore_torch.optimizer",
-    "clip_grad_norm_": "offcore_torch.clip",
-    "from_deepspeed_config": "offcore_torch.deepspeed_config",
+    "OffloadOptimizer": "offcore_torch.optimizer.optimizer",
+    "OffloadGradScaler": "offcore_torch.optimizer.optimizer",
+    "clip_grad_norm_": "offcore_torch.optimizer.clip",
+    "from_deepspeed_config": "offcore_torch.optimizer.deepspeed_config",
     "attach_ddp": "offcore_torch.distributed",
     "FSDPOffloadOptimizer": "offcore_torch.distributed",
-    "offload_parameters": "offcore_torch.parameters",
+    "offload_parameters": "offcore_torch.parameters.parameters",
     "device_budget": "offcore_torch.budget",
     "nvme_tier": "offcore_torch.nvme",
     "nvme_tier_for": "offcore_torch.nvme",
-    "ParameterOffloadHandle": "offcore_torch.parameters",
-    "ParameterOffloadStats": "offcore_torch.parameters",
+    "ParameterOffloadHandle": "offcore_torch.parameters.parameters",
+    "ParameterOffloadStats": "offcore_torch.parameters.parameters",
 }
 
 

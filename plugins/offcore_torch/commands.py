@@ -14,6 +14,6 @@ import offcore
 
 @offcore.hookimpl
 def offcore_register_commands(subparsers: Any) -> None:
-    from offcore_torch import compare_command
+    from offcore_torch.compare import compare_command
 
     compare_command.register(subparsers)

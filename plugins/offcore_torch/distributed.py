@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from offcore.errors import ConfigurationError, OffcoreError
-from offcore_torch.clip import clip_grad_norm_ as _clip_replicated
-from offcore_torch.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer, _unhooked_step
+from offcore_torch.optimizer.clip import clip_grad_norm_ as _clip_replicated
+from offcore_torch.optimizer.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
 

@@ -227,7 +227,7 @@ def test_private_formats_stay_on_the_device_by_default(
     """Restoring tiled/permuted layouts is unverified on hardware: such tensors are reported as not held.
 
     The activation binding keeps a tensor the device does not hold where it is
-    (offcore_torch.offload: reason "not_on_device"), so it is never copied or restored.
+    (offcore_torch.activations.offload: reason "not_on_device"), so it is never copied or restored.
     """
     torch_npu, _ = fake_npu
     dev = FormatTestNpu(0)

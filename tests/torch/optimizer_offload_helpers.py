@@ -220,5 +220,5 @@ def assert_equivalent(got: Trace, want: Trace) -> None:
     assert_same(got.norms, want.norms, "clip norms")
     assert_same(got.params, want.params, "params")
     assert_same(got.masters, want.masters, "masters")
-    state = {k: v for k, v in got.state.items() if k != offcore_torch.optimizer.MASTER_WEIGHTS_KEY}
+    state = {k: v for k, v in got.state.items() if k != offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY}
     assert_same(state, want.state, "optimizer state")

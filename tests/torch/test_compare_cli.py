@@ -36,9 +36,9 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import contextlib
     import io
 
-    import offcore_torch.compare
+    import offcore_torch.compare.compare
 
-    original = offcore_torch.compare._train
+    original = offcore_torch.compare.compare._train
     moved: dict[str, dict[str, int]] = {}
 
     def recorded(device: Any, *args: Any, label: str, **kwargs: Any) -> Any:
@@ -51,7 +51,7 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("compare") / "report"
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
-        patch.setattr(offcore_torch.compare, "_train", recorded)
+        patch.setattr(offcore_torch.compare.compare, "_train", recorded)
         status = main(["compare", *TINY, *FAST, "--out", str(out)])
     return {"status": status, "stdout": stdout.getvalue(), "out": out, "moved": moved}
 
@@ -157,12 +157,12 @@ def test_bad_arguments_exit_2_with_a_message(
 def test_an_unwritable_out_fails_before_the_run(
     where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import offcore_torch.compare
+    import offcore_torch.compare.compare
 
     def never(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the comparison ran although --out cannot be written")
 
-    monkeypatch.setattr(offcore_torch.compare, "run_compare", never)
+    monkeypatch.setattr(offcore_torch.compare.compare, "run_compare", never)
     afile = tmp_path / "afile"
     afile.write_text("x")
     out = {"a file": str(afile), "under a file": str(afile / "report"), "/proc": "/proc"}[where]

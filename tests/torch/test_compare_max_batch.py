@@ -1,6 +1,6 @@
 """``offcore compare``'s measured max batch is a measurement (Note [The max batch is probed by real steps]).
 
-The search (:func:`offcore_torch.compare.probe_max_batch`) on a known answer, and on a small
+The search (:func:`offcore_torch.compare.max_batch.probe_max_batch`) on a known answer, and on a small
 workload the figure compare reports against its training steps run again on fresh sanitized fake
 devices: the measured max batch runs, one batch more runs out of memory.
 """
@@ -13,7 +13,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from offcore_torch.compare import CompareSettings, probe_max_batch, run_compare  # noqa: E402
+from offcore_torch.compare.compare import run_compare  # noqa: E402
+from offcore_torch.compare.max_batch import probe_max_batch  # noqa: E402
+from offcore_torch.compare.settings import CompareSettings  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
 from offcore.sim import Plan  # noqa: E402
@@ -76,7 +78,7 @@ SMALL = {"batch": 4, "seq_len": 32, "layers": 3, "d_model": 64, "heads": 2, "voc
 def _runs(report: Any, name: str, batch: int, make_fake_device: Any) -> bool:
     """Whether compare's two full training steps (``_steps_run``) of ``name``'s plan run at ``batch`` on a
     fresh sanitized fake device with the compared capacity and link (compare probes on unsanitized ones)."""
-    from offcore_torch.compare import _steps_run
+    from offcore_torch.compare.max_batch import _steps_run
 
     link = report.device
     device = make_fake_device(
@@ -129,7 +131,7 @@ def test_without_probing_the_extrapolation_is_shown_and_labelled() -> None:
 def test_probes_on_the_compared_device_itself_find_the_same_batch(small_compare: Any, make_fake_device: Any) -> None:
     """Another backend's probes run on the compared device (its capacity cap is process-wide): same answer,
     and nothing left allocated after its out-of-memory probe."""
-    from offcore_torch.compare import _measure_max_batch
+    from offcore_torch.compare.max_batch import _measure_max_batch
 
     row = small_compare.result("checkpoint")
     link = small_compare.device

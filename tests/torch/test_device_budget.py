@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from offcore_torch.runtime import runtime_for  # noqa: E402
 from offload_helpers import FixedScheduler, settle  # noqa: E402
 

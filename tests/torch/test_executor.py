@@ -22,9 +22,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from offcore_torch.executor import PlanExecutor, split_batch  # noqa: E402
+from offcore_torch.compare.executor import PlanExecutor, split_batch  # noqa: E402
+from offcore_torch.compare.profiler import measure_step  # noqa: E402
 from offcore_torch.models import GPTConfig, gpt_workload  # noqa: E402
-from offcore_torch.profiler import measure_step  # noqa: E402
 from offcore_torch.testing import RunRecord, assert_bit_identical, bit_identical  # noqa: E402
 from offload_helpers import copied_bytes, moved_since  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402

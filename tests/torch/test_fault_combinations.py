@@ -29,10 +29,9 @@ hypothesis = pytest.importorskip("hypothesis")
 
 import offcore_torch  # noqa: E402
 from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis_draws import derandomized  # noqa: E402
+from hypothesis_draws import choices_strategy, covering, derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, gpt_workload, mlp_workload  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from offload_helpers import memory_levels  # noqa: E402
 from optimizer_offload_helpers import offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402
@@ -48,18 +47,17 @@ WORKLOADS: dict[str, Workload] = {
     "mlp": mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=16),
 }
 
-faults = st.fixed_dictionaries(
-    {
-        "model": st.sampled_from(sorted(WORKLOADS)),
-        "activations": st.sampled_from([None, "on_demand", "deadline"]),
-        "max_inflight": st.sampled_from(["256MiB", 0]),  # the default cap, or one D2H copy at a time
-        "parameters": st.booleans(),
-        "optimizer": st.sampled_from(["device", "offload", "offload-under-backward"]),
-        "nvme": st.booleans(),
-        "fault_at": st.integers(1, 120),
-        "fault_mode": st.sampled_from(["submit", "stream"]),
-    }
-)
+CHOICES: dict[str, Any] = {
+    "model": sorted(WORKLOADS),
+    "activations": [None, "on_demand", "deadline"],
+    "max_inflight": ["256MiB", 0],  # the default cap, or one D2H copy at a time
+    "parameters": [False, True],
+    "optimizer": ["device", "offload", "offload-under-backward"],
+    "nvme": [False, True],
+    "fault_at": range(1, 121),
+    "fault_mode": ["submit", "stream"],
+}
+faults = choices_strategy(CHOICES)
 
 
 def _offcore_caused(error: BaseException) -> bool:
@@ -152,7 +150,7 @@ def _run(drawn: dict[str, Any]) -> tuple[str | None, dict[str, int], dict[str, i
 
 @pytest.mark.filterwarnings("ignore::offcore.errors.OffcoreWarning")  # each recovered failure says so: expected here
 @pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised")  # torch, on a failed forward
-@derandomized(max_examples=60)
+@derandomized(max_examples=60, examples=covering(CHOICES))
 @given(drawn=faults)
 def test_a_failed_copy_anywhere_gives_a_clear_error_and_leaks_nothing(drawn: dict[str, Any]) -> None:
     error, before, after = _run(drawn)

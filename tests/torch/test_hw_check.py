@@ -143,6 +143,7 @@ def test_every_phase_on_the_fake_device(
     assert "## Optimizer offload" in md
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": sweeps 64 MiB to 1 GiB (~70 s); the sweep and its pool give-back run fast in test_every_phase_on_the_fake_device
 def test_the_sweep_sizes_that_crashed_now_run(hw_check: ModuleType, tmp_path: Path) -> None:
     """Issue 16, item 1: 64 MiB, 256 MiB, 1 GiB raised 'host pool budget exhausted' and wrote nothing."""
     _, available = hw_check.host_memory()
@@ -176,6 +177,7 @@ def test_the_budget_cuts_what_would_not_fit(hw_check: ModuleType, tmp_path: Path
     assert report["sweep"] and all(r["status"] in ("ok", "skipped") for r in report["sweep"])
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": two pytest runs and a sweep (~20 s); a suite resumed after pytest ended runs fast in test_every_phase_on_the_fake_device
 def test_suites_cut_by_their_allotment_resume_with_the_time_left_over(hw_check: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "out"
     slow = "import time\n\n" + "".join(f"def test_{i}():\n    time.sleep(1.5)\n\n" for i in range(3))
@@ -226,6 +228,7 @@ def test_a_size_that_fails_half_way_gives_its_pool_blocks_back(hw_check: ModuleT
     dev.close()
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": a subprocess killed part way (~16 s); the report written as it goes is checked fast by test_sweep_sizes_and_step_variants_that_would_not_fit_are_skipped
 def test_a_run_killed_part_way_leaves_valid_partial_figures(tmp_path: Path) -> None:
     out = tmp_path / "out"
     sleepy = "import time\n\ndef test_sleeps():\n    time.sleep(60)\n"

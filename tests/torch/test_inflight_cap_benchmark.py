@@ -11,6 +11,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inflight_cap.py"
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": the benchmark end to end (~13 s); the cap and its bound: test_offload_inflight.py
 @pytest.mark.offcore_backend("cpu")
 def test_the_benchmark_runs_and_every_cap_holds() -> None:
     done = subprocess.run(

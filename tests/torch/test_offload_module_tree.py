@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-from offcore_torch.policy import OffloadPolicy, PackRules  # noqa: E402
+from offcore_torch.activations.policy import OffloadPolicy, PackRules  # noqa: E402
 from offload_helpers import sanitized_device  # noqa: E402
 from torch import nn  # noqa: E402
 

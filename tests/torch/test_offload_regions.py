@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-from offcore_torch.offload import OffloadHandle  # noqa: E402
+from offcore_torch.activations.offload import OffloadHandle  # noqa: E402
 from offcore_torch.runtime import runtime_for  # noqa: E402
 from offload_helpers import sanitized_device, settle  # noqa: E402
 from torch import nn  # noqa: E402

@@ -1,7 +1,7 @@
 """Saved tensors must come back as forward saved them: version checks and exact gradients.
 
 Autograd does not compare version counters under saved-tensor hooks, so offcore does
-(Note [Saved-tensor version checks] in ``offcore_torch.offload``).
+(Note [Saved-tensor version checks] in ``offcore_torch.activations.offload``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ def test_in_place_change_while_the_copy_is_in_flight_raises(backend: Any, make_f
                     h.mul_(2)  # certainly while the copy of h is in flight
                 assert gate.held() == [held], "the copy was still in flight after the change"
         settle(dev)
+        # the sanitizer names the planted race too (Note [Operators checked against copies in flight])
+        (violation,) = dev.sanitizer_violations(clear=True)
+        assert (violation["kind"], violation["op"], violation["access"], violation["side"]) == (
+            "access-in-flight",
+            "aten.mul_.Tensor",
+            "write",
+            "source",
+        )
         assert handle.stats().offloaded_storages == 1
         with pytest.raises(offcore.SavedTensorModifiedError, match="modified in place") as info:
             loss.backward()

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-import offcore_torch.optimizer as optimizer_module  # noqa: E402
+import offcore_torch.optimizer.optimizer as optimizer_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import place  # noqa: E402
 

@@ -42,11 +42,24 @@ def test_without_a_cap_stalled_gradients_pile_up(make_fake_device: Any) -> None:
         opt = offcore_torch.OffloadOptimizer(
             model.parameters(), torch.optim.AdamW, device=dev, max_inflight_gradients="1GiB"
         )
+        params = list(model.parameters())
+        held: list[int] = []
         try:
             with dev.gate(direction="d2h") as gate:
-                _backward(model, 0)  # no copy can land: every gradient is held
-                gate.wait_held(1)
-                assert opt.ledger.bytes(Tier.DEVICE, Kind.GRADIENT) == _grad_bytes(model) > CAP
+
+                def last(param: torch.Tensor) -> None:  # after the optimizer's hook of the last gradient
+                    if len(held) < len(params) - 1:
+                        held.append(-1)
+                        return
+                    gate.wait_held(1)  # no copy can land: every gradient is held
+                    held.append(opt.ledger.bytes(Tier.DEVICE, Kind.GRADIENT))
+                    gate.open()  # backward returns once every gradient landed on the host
+
+                watch = [p.register_post_accumulate_grad_hook(last) for p in params]
+                _backward(model, 0)
+                for handle in watch:
+                    handle.remove()
+            assert held[-1] == _grad_bytes(model) > CAP
             opt.step()
             opt.zero_grad()
         finally:

@@ -127,7 +127,7 @@ def test_io_error_in_the_step_loses_nothing(
 ) -> None:
     """Step 2 meets an I/O error; the fault goes; step() again; the run ends as an uninterrupted one."""
     if groups == "per_parameter":  # several groups: the error comes part way through the pipeline
-        monkeypatch.setattr(offcore_torch.optimizer, "_NVME_GROUP_BYTES", 1)
+        monkeypatch.setattr(offcore_torch.optimizer.optimizer, "_NVME_GROUP_BYTES", 1)
     want = run(MLP, device=make_fake_device(), offload=False, steps=4)
     dev = make_fake_device()
     losses, grads = [], []
@@ -211,6 +211,7 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": three fresh processes per mode (~30 s each); fast: test_optimizer_state.py's fresh-process resume, and NVMe resume in test_resume_combinations.py
 @pytest.mark.parametrize("mode", ["path", "shared"])
 def test_exact_resume_from_nvme_in_a_fresh_process(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "resume.py"
@@ -273,7 +274,7 @@ def test_masters_on_nvme_lower_host_memory(make_fake_device: Any, tmp_path: Path
                 if on_disk:  # parked: no memory behind them; a read of master() comes from disk
                     assert all(s.master.stride() == (0,) * s.master.dim() for s in opt._slots)
                     assert opt._state_pool.used_bytes == 0
-                    sd = opt.state_dict()[offcore_torch.optimizer.MASTER_WEIGHTS_KEY]
+                    sd = opt.state_dict()[offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY]
                     for i, p in enumerate(model.parameters()):
                         assert torch.equal(opt.master(p), sd[i])
                         assert torch.equal(opt.master(p).to(torch.bfloat16), p.detach())
@@ -339,7 +340,7 @@ def test_master_on_nvme_refreshed_after_model_load_keeps_the_states(make_fake_de
             opt.step()  # the refresh reads each master's object, loads the device value, writes it back
             opt.synchronize()
             sd = opt.state_dict()
-            masters = sd[offcore_torch.optimizer.MASTER_WEIGHTS_KEY]
+            masters = sd[offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY]
             for i, (name, p) in enumerate(model.named_parameters()):
                 assert torch.equal(p.detach(), loaded[name]), name  # not the stale masters of step 2
                 assert torch.equal(masters[i], loaded[name].float()), name

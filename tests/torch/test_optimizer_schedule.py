@@ -126,7 +126,9 @@ def test_budget_holds_uploads_until_the_forward(make_fake_device: Any) -> None:
     dev = make_fake_device(link="slow")
     with dev:
         model = place(MLP.build(0), dev)
-        opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, upload_budget=1)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, upload_budget=1, overlap_uploads=True
+        )
         log = _record_uploads(opt)
         try:
             for step in range(2):

@@ -45,8 +45,8 @@ def test_state_dict_is_torch_format(make_fake_device: Any, tmp_path: Path) -> No
         buf.seek(0)
         loaded = torch.load(buf, weights_only=True)
         assert_same(loaded, sd)
-        assert set(loaded) == {"state", "param_groups", offcore_torch.optimizer.MASTER_WEIGHTS_KEY}
-        assert loaded[offcore_torch.optimizer.MASTER_WEIGHTS_KEY][0].dtype == torch.float32
+        assert set(loaded) == {"state", "param_groups", offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY}
+        assert loaded[offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY][0].dtype == torch.float32
         # a plain torch optimizer over fp32 host copies takes it unchanged
         plain = torch.optim.AdamW([p.detach().float().clone() for p in model.parameters()], fused=True, lr=1e-3)
         plain.load_state_dict(loaded)
@@ -179,7 +179,7 @@ def test_grad_scaler_fp16_skips_inf_steps(make_fake_device: Any, offload_gradien
             if offload:
                 opt.synchronize()
                 state = opt.state_dict()
-                state.pop(offcore_torch.optimizer.MASTER_WEIGHTS_KEY)
+                state.pop(offcore_torch.optimizer.optimizer.MASTER_WEIGHTS_KEY)
                 opt.close()
             else:
                 state = opt.opt.state_dict()

@@ -1,4 +1,6 @@
-"""Who issues the uploads ``step()`` left due (Note [Who issues step()'s uploads]), on the sanitized fake device.
+"""Who issues the uploads ``step()`` left due (Note [Who issues step()'s uploads]), on the sanitized fake device,
+with ``overlap_uploads=True`` (by default ``step()`` issues them itself and the compute stream waits for them:
+Note [Parameters read after step() are the stepped ones], tests/torch/test_optimizer_contract.py).
 
 - ``zero_grad()`` issues all of them, in need order, on its own thread; nothing is queued on the worker;
 - without ``zero_grad()``, the forward's first use of a parameter issues all of them at once, so the
@@ -10,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-import offcore
-
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-import offcore_torch.optimizer as optimizer_module  # noqa: E402
+import offcore_torch.optimizer.optimizer as optimizer_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import place  # noqa: E402
 
@@ -35,7 +34,7 @@ def _adamw(dev: Any) -> Iterator[tuple[Any, list[Any], Any]]:
     with dev:
         model = place(MLP.build(0), dev)
         params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True)
+        opt = offcore_torch.OffloadOptimizer(params, torch.optim.AdamW, device=dev, fused=True, overlap_uploads=True)
         try:
             yield model, params, opt
         finally:
@@ -113,7 +112,9 @@ def test_a_write_between_step_and_the_forward_wins(
             model = place(MLP.build(0), dev)
             params = list(model.parameters())
             if offload:
-                opt: Any = offcore_torch.OffloadOptimizer(params, torch.optim.SGD, device=dev, lr=0.1, momentum=0.9)
+                opt: Any = offcore_torch.OffloadOptimizer(
+                    params, torch.optim.SGD, device=dev, lr=0.1, momentum=0.9, overlap_uploads=True
+                )
             else:
                 opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
             try:
@@ -145,40 +146,6 @@ def test_a_write_between_step_and_the_forward_wins(
                     opt.close()
     for plain, offloaded in zip(*runs, strict=True):
         assert torch.equal(plain, offloaded)
-
-
-def test_gradients_kept_across_a_step_are_told_once(make_fake_device: Any) -> None:
-    """Note [Host gradients are cleared by opt.zero_grad()]: ``model.zero_grad()`` clears no host gradient;
-    the next gradient is added to the last step's (torch's semantics for an uncleared ``.grad``), and
-    the optimizer says so, once; with ``opt.zero_grad()`` it says nothing."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        model = place(MLP.build(0), dev)
-        params = list(model.parameters())
-        opt = offcore_torch.OffloadOptimizer(params, torch.optim.SGD, device=dev, lr=0.1)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # the loop that clears with opt.zero_grad(): silent
-                for step in range(2):
-                    MLP.loss(model, MLP.make_batch(step, CPU)).backward()
-                    opt.step()
-                    opt.zero_grad()
-            MLP.loss(model, MLP.make_batch(2, CPU)).backward()
-            first = [g.clone() for g in opt.host_grads()]
-            opt.step()
-            model.zero_grad()  # clears nothing of the host gradients
-            with pytest.warns(offcore.OffcoreWarning, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
-                MLP.loss(model, MLP.make_batch(3, CPU)).backward()
-            kept = opt.host_grads()
-            assert any(not torch.equal(a, b) for a, b in zip(kept, first, strict=True))
-            opt.step()
-            model.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # said once per optimizer
-                MLP.loss(model, MLP.make_batch(4, CPU)).backward()
-            opt.zero_grad()
-        finally:
-            opt.close()
 
 
 def test_reads_between_step_and_the_forward_see_the_step_after_wait_for_parameters(

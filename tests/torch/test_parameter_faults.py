@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from offcore_torch.models import mlp_workload  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 
 from offcore.errors import OffcoreError  # noqa: E402
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 
 from offcore.errors import CapacityExceededError, ConfigurationError  # noqa: E402
 from offcore.nvme import NvmeSpec  # noqa: E402
@@ -132,7 +132,7 @@ def test_a_full_staging_pool_keeps_the_buffers_of_the_module_being_copied_in(
     H2D copy then read from no buffer at all (a ConfigurationError from the backend about a None source;
     found by tests/torch/test_offload_combinations.py with a shared budget and checkpointed blocks, about
     one run in two). Here the pool reports itself full once, at the second storage of a module."""
-    from offcore_torch.parameters import ParameterOffloadHandle
+    from offcore_torch.parameters.parameters import ParameterOffloadHandle
 
     host_in = ParameterOffloadHandle._host_in
     forced: list[int] = []
@@ -171,7 +171,7 @@ def test_a_stage_taken_by_an_earlier_stages_prefetch_is_skipped(
     every stage in flight (``_reclaim_host(stages=True)``): the poll skips the stage it no longer holds
     (it raised KeyError here, found by tests/torch/test_offload_combinations.py); the scheduler offers it
     again and training stays bit-identical."""
-    from offcore_torch.parameters import ParameterOffloadHandle
+    from offcore_torch.parameters.parameters import ParameterOffloadHandle
 
     poll, execute = ParameterOffloadHandle._poll_stages, ParameterOffloadHandle._execute
     forced: list[int] = []

@@ -52,3 +52,43 @@ def test_scale_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         "params, unlimited link",
         "params, prefetch=asap",
     ]
+
+
+def test_scale_tables_print_as_markdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("scale", None)
+    import scale
+
+    rows = [
+        {"variant": "keep-all", "width": 96, "parameters": 1000, "peak_bytes": 2 << 20, "ratio": 1.0},
+        {
+            "variant": "all kinds (OffloadOptimizer)",
+            "width": 320,
+            "parameters": 11900,
+            "peak_bytes": 3 << 20,
+            "ratio": 11.9,
+        },
+    ]
+    table = scale.scale_table(rows, markdown=True).splitlines()
+    assert table[0] == "" and table[1].startswith("| variant | width |") and table[2].startswith("|---|")
+    assert table[4] == "| all kinds (OffloadOptimizer) | 320 | 11,900 | 11.9 | 3.00 MiB |"
+    assert "|" not in scale.scale_table(rows)  # the default stays fixed-width text
+    timed = [
+        {"variant": "keep-all", "median_s": 0.01, "ratio": 1.0, "paired_ratio": 1.0, "cpu_s": 0.012},
+        {
+            "variant": "params",
+            "median_s": 0.0112,
+            "ratio": 1.12,
+            "paired_ratio": 1.115,
+            "cpu_s": 0.013,
+            "prefetch_hits": 40,
+            "stalls": 0,
+            "unplanned": 1,
+            "exposed_wait_s": 0.0004,
+        },
+    ]
+    lines = scale.time_table(timed, markdown=True).splitlines()
+    assert lines[0] == "" and lines[1].startswith("| variant | step (ms) |")
+    assert lines[3] == "| keep-all | 10.00 | 1.000 | 1.000 | 12.0 | - | - | - | - |"
+    assert lines[4] == "| params | 11.20 | 1.120 | 1.115 | 13.0 | 40 | 0 | 1 | 0.4 |"
+    assert "hits 40 stalls 0 unplanned 1 wait 0.4 ms" in scale.time_table(timed)

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 import offcore_torch  # noqa: E402
 from hf_models import small_causal_lm, transformers  # noqa: E402
 from offcore_torch.models import GPTConfig, TinyGPT, mlp_workload, next_token_loss  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from offload_helpers import BadBatch, backward_raises_after  # noqa: E402
 
 import offcore  # noqa: E402
@@ -170,7 +170,7 @@ def test_public_api_composition_with_host_steps_under_backward(
     parameters on NVMe, about one run in two)."""
     import threading
 
-    import offcore_torch.optimizer as optimizer_module
+    import offcore_torch.optimizer.optimizer as optimizer_module
 
     threads: list[threading.Thread] = []
     copy_up = optimizer_module.OffloadOptimizer._copy_up

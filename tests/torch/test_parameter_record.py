@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
-from offcore_torch.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
 from offcore.residency import ActionKind  # noqa: E402

@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from offcore_torch.compare import CompareSettings, plan_strategies, strategy_plans  # noqa: E402
-from offcore_torch.profiler import StepMeasurement  # noqa: E402
+from offcore_torch.compare.measurement import StepMeasurement  # noqa: E402
+from offcore_torch.compare.settings import CompareSettings  # noqa: E402
+from offcore_torch.compare.strategies import plan_strategies, strategy_plans  # noqa: E402
 
 from offcore.sim import Action, LayerProfile, Plan, StepProfile, simulate  # noqa: E402
 
@@ -82,7 +83,9 @@ def budgets(m: StepMeasurement) -> list[int]:
     return grid + [m.predicted_peak(m.predict(p, microbatch_overhead_s=OVERHEAD)[0]) for p in named]
 
 
-@pytest.mark.parametrize("recompute_factor", [1.0, 1.4, 2.5])
+@pytest.mark.parametrize(  # ~7 s each: one fast, all in the slow env
+    "recompute_factor", [pytest.param(1.0, marks=pytest.mark.slow), 1.4, pytest.param(2.5, marks=pytest.mark.slow)]
+)
 def test_planned_is_never_predicted_slower_than_a_named_strategy_that_fits(recompute_factor: float) -> None:
     m = measurement(recompute_factor=recompute_factor)
     for budget in budgets(m):
@@ -174,7 +177,7 @@ def test_a_headroom_applies_to_accumulate_and_planned_alike() -> None:
 
 def test_a_strategy_that_ran_within_the_budget_is_trusted_over_the_models_peak() -> None:
     """Suspect: offload peaks predicted 1.4-2x too high. Once offload has run within the budget, planned may use it."""
-    from offcore_torch.compare import _replan_with_measured_peaks
+    from offcore_torch.compare.strategies import _replan_with_measured_peaks
 
     from offcore.comparison import Gates, StrategyResult
 

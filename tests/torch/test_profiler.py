@@ -16,9 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from offcore_torch.compare.link import measure_link  # noqa: E402
+from offcore_torch.compare.profiler import LinkMeasurement, measure_step, profile_step  # noqa: E402
 from offcore_torch.layers import find_layers  # noqa: E402
 from offcore_torch.models import GPTConfig, gpt_workload  # noqa: E402
-from offcore_torch.profiler import LinkMeasurement, measure_link, measure_step, profile_step  # noqa: E402
 
 from offcore.errors import ConfigurationError  # noqa: E402
 from offcore.sim import Plan, StepProfile, simulate  # noqa: E402

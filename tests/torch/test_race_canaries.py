@@ -34,9 +34,9 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_cpu.streams import WorkerStream  # noqa: E402
-from offcore_torch.offload import OffloadHandle  # noqa: E402
+from offcore_torch.activations.offload import OffloadHandle  # noqa: E402
+from offcore_torch.activations.storage import release_storage  # noqa: E402
 from offcore_torch.runtime import DeviceRuntime, runtime_for  # noqa: E402
-from offcore_torch.storage import release_storage  # noqa: E402
 from offload_helpers import FixedScheduler, settle  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_test_devices import is_fake_device  # noqa: E402
@@ -182,8 +182,12 @@ def test_canary_compute_not_waiting_for_a_prefetch_reads_poison(
     _step_with_h2d_held(dev, model, x)
     assert has_nan(grads(model)), "backward read reloads that had not landed: it must see poison"
     # believing the reloads done, offcore also let go of their buffers while they were in flight
+    # and backward's operators read the reloads' destinations while the copies were in flight, which the
+    # operator check names (Note [Operators checked against copies in flight])
     found = dev.sanitizer_violations(clear=True)
-    assert {v["kind"] for v in found} == {"released-in-flight", "use-after-free"}, found
+    assert {v["kind"] for v in found} == {"released-in-flight", "use-after-free", "access-in-flight"}, found
+    reads = [v for v in found if v["kind"] == "access-in-flight"]
+    assert all((v["access"], v["side"], v["direction"]) == ("read", "destination", "h2d") for v in reads), reads
 
 
 def test_control_compute_waits_for_an_in_flight_prefetch(dev: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,9 +60,16 @@ def randn(dev: Any, *shape: int, **kwargs: Any) -> Any:
     return torch.randn(*shape, device=dev.torch_device, **kwargs)
 
 
-def global_module_hooks() -> tuple[int, int]:
-    """How many global nn.Module forward (pre-)hooks are registered: a region that failed must leave none."""
-    return len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks)
+def global_module_hooks() -> tuple[int, int, int]:
+    """How many global nn.Module forward (pre-)hooks are registered, and how many regions the one pair offcore
+    keeps for the process calls (Note [One pair of global module hooks]): a region that failed must leave none."""
+    from offcore_torch.activations.policy import _ACTIVE_RULES
+
+    return (
+        len(nn.modules.module._global_forward_pre_hooks),
+        len(nn.modules.module._global_forward_hooks),
+        len(_ACTIVE_RULES),
+    )
 
 
 def assert_same(got: Any, expected: Any) -> None:

@@ -807,7 +807,7 @@ def test_writes_to_parameters_after_a_step_win_and_refresh_the_masters(
 def assert_nothing_left(dev: Any) -> None:
     assert pool_used_bytes(dev) == 0
     hooks = torch.nn.modules.module._global_forward_pre_hooks
-    assert not any("offcore_torch.optimizer" in getattr(h, "__module__", "") for h in hooks.values())
+    assert not any("offcore_torch.optimizer.optimizer" in getattr(h, "__module__", "") for h in hooks.values())
 
 
 @pytest.mark.parametrize("info", [pytest.param(i, id=_name(i)) for i in OPTIM_DB if i.step_requires_closure])

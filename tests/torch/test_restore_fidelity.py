@@ -1,7 +1,7 @@
 """Restore fidelity: a saved tensor comes back from the host copy exactly as forward saved it.
 
 offcore copies a saved tensor's whole storage to the host and rebuilds the tensor as a
-view of the restored storage (``offcore_torch.storage.TensorMeta``). Every case here saves
+view of the restored storage (``offcore_torch.activations.storage.TensorMeta``). Every case here saves
 tensors under ``offload_activations(dev, min_bytes=0)`` (so even a one-byte storage is
 offloaded), lets the copy land and the device storage die, so backward must read the
 host copy, and checks in backward that each unpacked tensor has the dtype, shape, stride,

@@ -17,15 +17,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from offcore_torch.compare import (  # noqa: E402
-    CompareSettings,
-    _optimizer_for,
-    _scaled,
-    build_workload,
-    pcie_like_bandwidths,
-    profile_workload,
-)
-from offcore_torch.executor import PlanExecutor  # noqa: E402
+from offcore_torch.compare.compare import profile_workload  # noqa: E402
+from offcore_torch.compare.executor import PlanExecutor  # noqa: E402
+from offcore_torch.compare.max_batch import _scaled  # noqa: E402
+from offcore_torch.compare.runs import _optimizer_for  # noqa: E402
+from offcore_torch.compare.settings import CompareSettings, build_workload, pcie_like_bandwidths  # noqa: E402
 
 import offcore  # noqa: E402
 from offcore.sim import Action, Plan, PrefetchPolicy, simulate  # noqa: E402

@@ -17,14 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from offcore_torch.compare import (
-    CompareSettings,
-    WorkloadProfiler,
-    bounded_offload_plan,
-    build_workload,
-    predicted_step_series,
-)
-from offcore_torch.executor import PlanExecutor
+from offcore_torch.compare.compare import WorkloadProfiler
+from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.settings import CompareSettings, build_workload
+from offcore_torch.compare.strategies import bounded_offload_plan, predicted_step_series
 
 from offcore.sim import Action, Plan, PrefetchPolicy, simulate
 
@@ -118,7 +114,8 @@ def test_predicted_peaks_of_the_optimizer_and_parameter_strategies_are_within_10
 
     Each strategy runs on its own fake device, with compare's prefetch budget, and is predicted on
     the profile's link (as above)."""
-    from offcore_torch.compare import DTYPES, _optimizer_for
+    from offcore_torch.compare.runs import _optimizer_for
+    from offcore_torch.compare.settings import DTYPES
 
     work = build_workload(SETTINGS)
     profiler_device = make_fake_device(capacity="1GiB", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)

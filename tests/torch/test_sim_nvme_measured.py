@@ -27,10 +27,11 @@ from typing import Any
 
 import pytest
 import torch
-from offcore_torch.compare import CompareSettings, WorkloadProfiler, build_workload, measure_kind_overheads
-from offcore_torch.executor import PlanExecutor
-from offcore_torch.optimizer import OffloadOptimizer
-from offcore_torch.profiler import measure_link
+from offcore_torch.compare.compare import WorkloadProfiler, measure_kind_overheads
+from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.link import measure_link
+from offcore_torch.compare.settings import CompareSettings, build_workload
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 from offcore.bandwidth import measure_nvme_link
 from offcore.kinds import Direction
@@ -42,6 +43,7 @@ PLANS = {tier: Plan.keep_all(4, optimizer="offload", optimizer_tier=tier) for ti
 ROUNDS = 6  # timed steps of each, interleaved; the first two teach the schedulers
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": six timed rounds of real steps (~20 s); the NVMe model: tests/core/test_sim_nvme.py
 def test_an_nvme_optimizer_step_is_predicted(make_fake_device: Any, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     work = build_workload(SETTINGS)

@@ -33,16 +33,12 @@ from typing import Any
 import pytest
 import torch
 from offcore_torch import offload_parameters
-from offcore_torch.compare import (
-    CompareSettings,
-    WorkloadProfiler,
-    _release_optimizer,
-    build_workload,
-    measure_kind_overheads,
-)
-from offcore_torch.executor import PlanExecutor
-from offcore_torch.optimizer import OffloadOptimizer
-from offcore_torch.profiler import measure_link
+from offcore_torch.compare.compare import WorkloadProfiler, measure_kind_overheads
+from offcore_torch.compare.executor import PlanExecutor
+from offcore_torch.compare.link import measure_link
+from offcore_torch.compare.runs import _release_optimizer
+from offcore_torch.compare.settings import CompareSettings, build_workload
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 from offcore.sim import Plan
 
@@ -54,6 +50,7 @@ LINK_FITS = 5  # link measurements; the one with the median H2D bandwidth is tak
 STEPS, WARMUP = 7, 2  # the first steps teach the schedulers
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": timed link-bound steps (~18 s); param-stream's peak: test_sim_memory.py, its model: tests/core/test_sim_kinds.py
 def test_parameter_streaming_step_is_predicted_within_15_percent(make_fake_device: Any) -> None:
     torch.set_num_threads(1)
     work = build_workload(SETTINGS)

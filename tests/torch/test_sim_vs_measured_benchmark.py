@@ -30,6 +30,7 @@ def _load() -> Any:
     return module
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": the benchmark end to end; predicted vs measured max batch: test_sim_memory_default_compare.py
 @pytest.mark.offcore_backend("cpu")
 def test_the_max_batch_is_probed_and_compared_with_the_prediction(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

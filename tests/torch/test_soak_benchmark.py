@@ -22,6 +22,7 @@ def _load() -> Any:
     return module
 
 
+@pytest.mark.slow  # docs/testing.md, "Test budget": the soak end to end (~30 s); its step plan and checks run fast below
 @pytest.mark.offcore_backend("cpu")
 def test_quick_soak_passes_end_to_end() -> None:
     done = subprocess.run(

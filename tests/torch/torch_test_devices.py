@@ -2,9 +2,10 @@
 
 The tests run on every backend the ``backend`` fixture yields. On the CPU fake device
 they also vary the emulated link (bandwidth and latency) and always run with the
-sanitizer on (every fixture asserts it: :func:`assert_sanitized`), so a missing wait or
-a buffer freed while a copy still uses it gives NaNs and a recorded violation, which
-every fixture checks at teardown (:func:`finish_device`). On real accelerators the link
+sanitizer on (every fixture asserts it: :func:`assert_sanitized`), so a missing wait, a
+buffer freed while a copy still uses it, or a torch operator touching bytes of a copy in
+flight (``check_ops``) gives NaNs and a recorded violation, which every fixture checks at
+teardown (:func:`finish_device`). On real accelerators the link
 is the hardware's, so the emulated variants skip with that reason.
 """
 
@@ -43,6 +44,10 @@ def assert_sanitized(device: Any) -> Any:
             f"{device!r}: the PyTorch tests run the fake device with its sanitizer on; without it a missing "
             "wait or an early free passes unnoticed"
         )
+        assert device.options.check_ops, (
+            f"{device!r}: the PyTorch tests check torch operators against the copies in flight (check_ops=True); "
+            "without it an operator reading a copy's destination too early only computes NaN"
+        )
     return device
 
 
@@ -58,6 +63,29 @@ def finish_device(device: Any) -> None:
         close = getattr(device, "close", None)
         if callable(close):
             close()
+
+
+def take_in_place_writes_of_saved_tensors(device: Any) -> list[dict[str, Any]]:
+    """Take (clear and return) the sanitizer's reports of an in-place write to a tensor whose device-to-host
+    copy was still in flight -- and fail on any other violation.
+
+    For tests whose *program* writes a saved tensor in place (forward after saving it, or a custom
+    Function's backward after unpacking it) while offcore's copy of it may still be in flight: on a GPU
+    that copy would read torn bytes, and the sanitizer says so (Note [Operators checked against copies in
+    flight]). Whether the copy is still in flight at that moment is timing (jitter), so the report may or
+    may not be there; offcore never uses such a host copy (the saved tensor's version changed: backward
+    raises SavedTensorModifiedError, or the device original is reused). A no-op off the fake device.
+    """
+    if not is_fake_device(device):
+        return []
+    found = device.sanitizer_violations(clear=True)
+    races = [
+        v
+        for v in found
+        if (v["kind"], v.get("access"), v["side"], v["direction"]) == ("access-in-flight", "write", "source", "d2h")
+    ]
+    assert len(races) == len(found), [v for v in found if v not in races]
+    return races
 
 
 def fake_device(*, capacity: int | str = "4GiB", link: str = "unlimited", **options: Any) -> Any:

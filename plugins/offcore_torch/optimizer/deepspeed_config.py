@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from offcore.errors import ConfigurationError
-from offcore_torch.clip import clip_grad_norm_
-from offcore_torch.optimizer import OffloadGradScaler, OffloadOptimizer
+from offcore_torch.optimizer.clip import clip_grad_norm_
+from offcore_torch.optimizer.optimizer import OffloadGradScaler, OffloadOptimizer
 
 __all__ = ["from_deepspeed_config", "OffloadSetup"]
 

@@ -1,6 +1,6 @@
 """Per-step figures of an activation-offload region.
 
->>> from offcore_torch.stats import OffloadStats
+>>> from offcore_torch.activations.stats import OffloadStats
 >>> s = OffloadStats(offloaded_bytes=4096, reloaded_bytes=4096)
 >>> s.as_dict()["offloaded_bytes"]
 4096

@@ -133,6 +133,58 @@ next forward waiting per parameter on its own event.
 # issued while the caller does something else between ``step()`` and the forward, is little on one
 # interpreter: the issue is Python under the GIL wherever it runs.
 #
+# Note [Parameters read after step() are the stepped ones]
+# torch.optim's contract: once ``step()`` returned, every read of a parameter -- an EMA update
+# (``ema.mul_(0.9).add_(p, alpha=0.1)``), a logged weight norm, ``torch.func.functional_call``, a
+# checkpoint -- sees the stepped value. A forward pre-hook sees only reads through module calls, so by
+# default (``overlap_uploads=False``) ``step()`` ends by issuing every upload of the step (due, or held
+# back by ``upload_budget``: ``_upload_rest``) and making the compute stream wait for each
+# (``_publish_uploads``). On a GPU that is a device-side wait: the host goes on queueing the next
+# forward, whose kernels start once the copies landed; what is lost is only the overlap of the later
+# layers' copies with the first layers' compute. On the fake device compute is the host, so it blocks.
+# ``overlap_uploads=True`` keeps that overlap: the uploads are issued at the first of ``zero_grad()``,
+# a parameter's use ... (Note [Who issues step()'s uploads]) and each module's pre-hook waits for its
+# own parameters; a read outside a module call is then the caller's to order
+# (``opt.wait_for_parameters([p])`` / ``opt.synchronize()``), and the sanitizer reports one that is not
+# (a read of an upload's destination in flight). benchmarks/optimizer_offload.py times both.
+#
+# Note [Gradients are final when backward returns]
+# torch's contract: when ``loss.backward()`` returns, every ``.grad`` is final, and frameworks read them
+# at once (Lightning clips the gradients it finds in ``param_groups``). Here gradients land on the worker
+# thread, which used to set each master's ``.grad`` as its copy landed: after backward returned, 1 to 28 of
+# 28 were present. So the first gradient of each backward (``_send_gradient``: the optimizer's hooks,
+# ``accept_gradient`` from DDP's communication hook or FSDP2's shard hooks) queues an autograd callback
+# for the end of that graph task (``_hook_backward_end``, once per ``torch._C._current_graph_task_id()``),
+# and the callback (``_backward_ended``) waits for everything queued on the worker -- every D2H landed and
+# summed, the host steps under backward (``accumulation_steps``) finished -- and, without
+# ``overlap_uploads``, orders the compute stream after those steps' uploads. From then until the next
+# backward or ``step()``, no thread of offcore writes ``.grad``, ``param_groups``, ``state`` or parameters.
+# A failure on the worker stays queued for ``step()`` to raise, where it was raised before. What it costs:
+# backward returns after the last gradient's copy and sum (a tail of one gradient's D2H on a GPU), which
+# ``step()`` waited for anyway.
+#
+# Note [The host gradient is the device parameter's .grad]
+# Frameworks clear gradients through the model (Trainer: ``model.zero_grad()``; ``p.grad = None``) and clip
+# over ``model.parameters()`` (``max_grad_norm``, ``accelerator.clip_grad_norm_``); both read the device
+# parameters' ``.grad``, which offcore sets to None as each gradient leaves the device. So at the end of
+# each backward (Note [Gradients are final when backward returns]), every parameter whose gradients the
+# optimizer's own hooks take gets a ``_HostGradient`` as ``.grad`` (``_Slot.shown``): a wrapper tensor
+# that claims the parameter's device, dtype and shape, holds no device memory, and runs every torch
+# operator on the host gradient -- ``clip_grad_norm_`` computes torch's norm over the host gradients and
+# its in-place ``mul_`` scales what ``step()`` uses; results go to the parameter's device. Clearing is
+# seen where torch would see it: a tensor hook (``_pre_gradient``) runs before autograd accumulates into
+# ``.grad``: the shown gradient still there means "not cleared" (it is removed, so autograd makes a fresh
+# one, and the host keeps summing: torch adds into a ``.grad`` not cleared); None means cleared (the host
+# gradient starts over: ``_clear_host_gradient``); a tensor of the user's is added into by autograd and
+# copied over as the first gradient. ``step()`` and the host-gradient readers check the same before
+# reading (``_sync_shown``), so a ``model.zero_grad()`` between backward and ``step()`` skips those
+# parameters, as torch's step skips a None ``.grad``. ``zero_grad(set_to_none=False)`` zeroes the host
+# gradient through the wrapper. A ``_HostGradient`` kept past a clear of its parameter (``_Slot.clears``)
+# refuses to be read: the host buffer is the next round's. DDP (``attach_ddp``) and FSDP2 hand gradients
+# over without the optimizer's hooks: their parameters show nothing, and only ``opt.zero_grad()`` clears
+# their host gradients (a gradient after a step with no ``opt.zero_grad()`` since is refused, Note [Host
+# gradients are cleared by opt.zero_grad()]).
+#
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
 # optimizer's own around every ``Optimizer.step`` call. ``OffloadOptimizer.step()`` is the user's
@@ -247,6 +299,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from offcore_layout import describe, plain_tensor_problem
 
 from offcore.errors import (
@@ -264,6 +317,7 @@ from offcore.ledger import Ledger
 from offcore.nvme import NvmeSpec, NvmeTier, pipelined
 from offcore.objects import State
 from offcore.pool import HostBuffer
+from offcore.protocols import Capability
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
@@ -320,6 +374,9 @@ class _Slot:
         "host_param",
         "upload_due",
         "nvme_master",
+        "pre_hook",
+        "shown",
+        "clears",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -354,6 +411,11 @@ class _Slot:
         # Note [One host step at step()]: stepped by step(), its upload not issued yet (sched lock)
         self.upload_due = False
         self.nvme_master = False  # its master lives in its NVMe object between steps (Note [Masters on NVMe])
+        # Note [The host gradient is the device parameter's .grad]: the tensor hook that reads ``param.grad``
+        # before autograd accumulates into it, and the _HostGradient ``param.grad`` was last set to (or None)
+        self.pre_hook: Any = None
+        self.shown: _HostGradient | None = None
+        self.clears = 0  # times its host gradient was cleared: a _HostGradient of an earlier count is stale
 
 
 class _AllOf:
@@ -534,6 +596,77 @@ def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
     return lead, slots[len(lead) :]
 
 
+class _HostGradient(torch.Tensor):
+    """A device parameter's ``.grad`` whose values are the optimizer's host gradient (Note [The host gradient
+    is the device parameter's .grad]): it claims the parameter's device, dtype and shape and holds no device
+    memory; every torch operator on it runs on the host gradient (an in-place one writes what ``step()``
+    uses), and its results go to the parameter's device."""
+
+    _host: torch.Tensor
+    _owner: weakref.ref[OffloadOptimizer]
+    _slot: _Slot
+    _round: int
+
+    @staticmethod
+    def __new__(
+        cls, host: torch.Tensor, dtype: torch.dtype, device: torch.device, owner: weakref.ref[Any], slot: _Slot
+    ) -> _HostGradient:
+        marker = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, host.shape, dtype=dtype, device=device, requires_grad=False
+        )
+        marker._host, marker._owner, marker._slot, marker._round = host, owner, slot, slot.clears
+        return marker
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"HostGradient(shape={tuple(self.shape)}, device={self.device}, host dtype={self._host.dtype})"
+
+    def host(self) -> torch.Tensor:
+        """The host tensor behind this gradient; refused once the round it belongs to was cleared."""
+        owner = self._owner()
+        if owner is None or owner._closed or self._slot.clears != self._round or self._slot.master.grad is None:
+            raise OffcoreError(
+                "this .grad belonged to an OffloadOptimizer's host gradient that was cleared since (opt.zero_grad(), "
+                "model.zero_grad(), or the optimizer was closed): read the parameter's current .grad instead"
+            )
+        return self._host
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        markers: list[_HostGradient] = []
+        in_place = func._schema.is_mutable and func.__name__.split(".")[0].endswith("_")
+        target = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else (args[0] if args else None)
+        # an operator writing a tensor of the user's (``x.copy_(p.grad)``) reads the host values on its device;
+        # every other one runs on the host (a device scalar, clip_grad_norm_'s coefficient, comes over)
+        if "out" in kwargs:
+            target, in_place = kwargs["out"], True
+        on_host = not in_place or isinstance(target, _HostGradient)
+
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, _HostGradient):
+                markers.append(x)
+                return x.host() if on_host else x.host().to(x.device)
+            if on_host and isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                return x.cpu()
+            return x
+
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+        first = markers[0]
+        if "out" in kwargs:
+            return kwargs["out"]
+        if in_place:  # the tensor written (the marker itself, when the host gradient was written)
+            return None if out is None else args[0]
+        if func.is_view:  # a view of the host gradient is a gradient too (``p.grad.detach().mul_(c)``)
+
+            def rewrap(t: Any) -> Any:
+                if isinstance(t, torch.Tensor):
+                    return _HostGradient(t, first.dtype, first.device, first._owner, first._slot)
+                return t
+
+            return pytree.tree_map(rewrap, out)
+        return pytree.tree_map(lambda t: t.to(first.device) if isinstance(t, torch.Tensor) else t, out)
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """Run ``optimizer_class`` on the host over host copies of ``params`` (see the module doc).
 
@@ -550,9 +683,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
       ``"host"``: accumulation and steps) and the forward's waits for parameters (``"wait"``).
     - ``pin_memory`` (True) and ``host_budget`` (default: what masters and gradients need plus
       staging room): the host pool holding masters, gradients and staging buffers.
-    - ``upload_budget`` (None: unbounded): bytes of updated parameters uploaded ahead of their use
-      in the next forward; the rest is uploaded at the forward's triggers, in the core's need
-      order (Note [The optimizer's moves go through the core]).
+    - ``upload_budget`` (None: unbounded): with ``overlap_uploads=True``, bytes of updated parameters
+      uploaded ahead of their use in the next forward; the rest is uploaded at the forward's triggers,
+      in the core's need order (Note [The optimizer's moves go through the core]). Without it,
+      ``step()`` issues every upload before it returns.
     - ``max_inflight_gradients`` (None: the larger of 64 MiB and twice the largest gradient):
       bytes of device gradients whose D2H has not landed; past it, backward waits for the
       oldest copy's event before going on (Note [In-flight gradients are capped]). One gradient
@@ -570,9 +704,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
       device's shared tier set by :func:`offcore_torch.nvme_tier`.
     - ``nvme_masters`` (None: on with ``tier="nvme"``): the fp32 masters of bf16/fp16 parameters
       (``master_weights=True``) live on disk with their states (Note [Masters on NVMe]).
+    - ``overlap_uploads`` (False): when ``step()`` returns, every updated parameter's upload is issued
+      and the compute stream waits for them (a device-side wait on a GPU), so any later read of a
+      parameter, by any torch op, sees the stepped value. True keeps the uploads in flight past
+      ``step()``, overlapping the next forward, which waits per parameter in its module's pre-hook;
+      a parameter read outside a module call then needs :meth:`wait_for_parameters` (or
+      :meth:`synchronize`) first (Note [Parameters read after step() are the stepped ones]).
 
     ``param_groups`` and ``state`` are the host optimizer's own (LR schedulers work; the state is
-    keyed by the host masters); ``state_dict()`` is in torch's format.
+    keyed by the host masters); ``state_dict()`` is in torch's format. When ``backward()`` returns,
+    every gradient is final on the host, and each parameter's ``.grad`` shows its host gradient (torch
+    operators on it run on the host: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips
+    what ``step()`` uses; ``model.zero_grad()`` clears it: Note [The host gradient is the device
+    parameter's .grad]).
 
         >>> opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-3)  # doctest: +SKIP
     """
@@ -598,6 +742,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         verify: bool | None = None,
         trace: TraceRecorder | None = None,
         params_on_host: Any = None,
+        overlap_uploads: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         check_device(device, "OffloadOptimizer")
@@ -668,6 +813,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         _check_params(groups)
 
         self._device = device
+        # Note [Host work the worker does is declared to the sanitizer]
+        self._host_writes: Callable[..., Any] | None = (
+            device.host_writes if Capability.SANITIZER in getattr(device, "capabilities", ()) else None
+        )
         self._runtime = runtime_for(device)
         self._master_weights = master_weights
         # Note [Masters on NVMe]: default on with tier="nvme" (it applies to masters of another dtype)
@@ -675,6 +824,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._params_handle = self._find_handle(groups, params_on_host)
         self._offload_gradients = offload_gradients
         self._accumulation_steps = accumulation_steps
+        if not isinstance(overlap_uploads, bool):
+            raise ConfigurationError(f"overlap_uploads must be True or False, got {overlap_uploads!r}")
+        self._overlap_uploads = overlap_uploads  # Note [Parameters read after step() are the stepped ones]
         self._pin_memory = pin_memory
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = dict(optimizer_kwargs)
@@ -698,8 +850,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # host once per round]); _taken_stepped: that round's step() ran
         self._taken: dict[int, tuple[weakref.ref[torch.Tensor], int] | None] | None = None
         self._taken_stepped = False
-        self._warned_kept_gradients = False
         self._last_micro = False
+        # Note [Gradients are final when backward returns]: the autograd graph task whose end is hooked
+        self._backward_task = -1
         # the core scheduler (Note [The optimizer's moves go through the core])
         self._predictor = Scheduler(margin=0.0)
         self._upload_budget = 1 << 62 if upload_budget is None else parse_size(upload_budget, what="upload_budget")
@@ -907,6 +1060,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._release_group([slot])
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+                slot.pre_hook = param.register_hook(_pre_grad_hook(self, slot))
             elif self._offload_gradients:  # Note [Parameters unfrozen after construction]
                 self._frozen.add(slot.index)
             # named parameters: the host group gets (name, master), so torch writes "param_names" as for its own
@@ -1039,6 +1193,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 continue
             self._frozen.discard(index)
             slot.hook = slot.param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+            slot.pre_hook = slot.param.register_hook(_pre_grad_hook(self, slot))
             self._on_gradient(slot)
 
     def remove_gradient_hooks(self) -> None:
@@ -1048,6 +1203,85 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot.hook is not None:
                 slot.hook.remove()
                 slot.hook = None
+            if slot.pre_hook is not None:
+                slot.pre_hook.remove()
+                slot.pre_hook = None
+            if slot.shown is not None and slot.param.grad is slot.shown:
+                slot.param.grad = None
+            slot.shown = None
+
+    # -- torch's gradient contract (Note [Gradients are final when backward returns], Note [The host gradient
+    # is the device parameter's .grad]) ------------------------------------------------------------------
+    def _hook_backward_end(self) -> None:
+        """Inside a backward: have :meth:`_backward_ended` run when it ends (once per autograd graph task)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._backward_task:
+            return
+        self._backward_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(_backward_end_callback(self))
+
+    def _backward_ended(self) -> None:
+        """The backward that sent gradients returns now: every one of them landed and was summed on the host,
+        the host steps it started finished, and each device parameter's ``.grad`` shows its host gradient."""
+        self._backward_task = -1
+        if self._closed:
+            return
+        self._settle_worker()
+        self._sync_shown()
+        for slot in self._slots:
+            if slot.hook is not None and slot.param.grad is None and slot.master.grad is not None:
+                slot.param.grad = slot.shown = self._show(slot)
+        if not self._overlap_uploads:  # host steps under backward uploaded: later reads see the step
+            with self._lock:
+                pending = list(self._pending_h2d.values())
+            for slot in pending:
+                self._wait_parameter(slot, traced=False)
+
+    def _settle_worker(self) -> None:
+        """Wait for everything queued on the worker; a failure stays queued for ``step()`` / ``_drain`` to raise."""
+        with self._lock:
+            futures = list(self._futures)
+        concurrent.futures.wait(futures)
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
+        self._release_landed()
+
+    def _show(self, slot: _Slot) -> _HostGradient:
+        param = slot.param
+        return _HostGradient(slot.grad, param.dtype, param.device, weakref.ref(self), slot)
+
+    def _pre_gradient(self, slot: _Slot) -> None:
+        """A gradient of ``slot`` is about to be accumulated into ``param.grad`` (tensor hook, inside backward)."""
+        shown, slot.shown = slot.shown, None
+        if shown is None:
+            return
+        if slot.param.grad is shown:  # not cleared: the host sum goes on (torch adds to a .grad not cleared)
+            slot.param.grad = None
+        else:  # cleared (None), or a tensor of the user's that autograd adds into and the hook copies over
+            self._clear_host_gradient(slot)
+
+    def _clear_host_gradient(self, slot: _Slot) -> None:
+        slot.clears += 1
+        slot.accumulated = False
+        slot.master.grad = None
+        if not slot.stepped:
+            slot.arrivals = 0
+
+    def _sync_shown(self) -> None:
+        """``model.zero_grad()`` / ``p.grad = None`` / ``p.grad = t`` since the host gradients were shown: the
+        host gradient follows (cleared, or ``t`` copied over and shown instead). Main thread, worker idle."""
+        for slot in self._slots:
+            shown = slot.shown
+            if shown is None or slot.param.grad is shown:
+                continue
+            grad, slot.shown = slot.param.grad, None
+            self._clear_host_gradient(slot)
+            if grad is not None:
+                value = grad.host() if isinstance(grad, _HostGradient) else grad.detach()
+                slot.grad.copy_(value)
+                slot.master.grad = slot.grad
+                slot.accumulated = True
+                slot.param.grad = slot.shown = self._show(slot)
 
     def _watch_state_dict(self, module: torch.nn.Module) -> None:
         """Make ``module.state_dict()`` wait for its parameters' uploads (Note [A checkpoint reads landed
@@ -1080,8 +1314,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "of this round ran; call opt.step() before the next backward, or raise accumulation_steps "
                 "(Note [Host step rounds])"
             )
-        if slot.accumulated and self._stepped_since_zero_grad and not self._warned_kept_gradients:
-            self._warn_kept_gradients()
+        if slot.accumulated and slot.hook is None and self._stepped_since_zero_grad:
+            self._refuse_kept_gradient(slot)
+        self._hook_backward_end()
         self._cap_in_flight(grad.numel() * grad.element_size())
         dev, rt = self._device, self._runtime
         produced = dev.new_event()
@@ -1125,7 +1360,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if run_step:
             slot.stepped = True
             self._check_fresh(slot)
-        self._submit(self._land, slot, done, entry, staging, target, accumulate, run_step)
+        self._submit(self._landing(slot, staging, run_step), slot, done, entry, staging, target, accumulate, run_step)
         self._release_landed()
         return done
 
@@ -1204,6 +1439,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 assert action.kind is ActionKind.FREE, action
             holder.clear()
         self.ledger.remove(Tier.DEVICE, Kind.GRADIENT, nbytes)
+
+    # Note [Host work the worker does is declared to the sanitizer]
+    # After backward returned, the worker may still sum a gradient into its host gradient (the staging
+    # path) and run a host step (accumulation_steps, last_micro_step) writing the master: host work on
+    # another thread, not a copy. A sanitizing backend (Capability.SANITIZER: ``host_writes``) is told
+    # when it is queued and when it is done, so a program reading those tensors meanwhile (the optimizer's
+    # param_groups' grads or params) is reported as for a copy in flight, not only racing.
+    def _landing(self, slot: _Slot, staging: HostBuffer | None, run_step: bool) -> Callable[..., None]:
+        """``_land``, its host writes declared to a sanitizing backend (Note above)."""
+        writes = ([slot.grad] if staging is not None else []) + ([slot.master] if run_step else [])
+        if self._host_writes is None or not writes:
+            return self._land
+        finish = self._host_writes(writes, what=f"OffloadOptimizer's worker landing parameter {slot.index}'s gradient")
+
+        def land(*args: Any) -> None:
+            try:
+                self._land(*args)
+            finally:
+                finish()
+
+        return land
 
     def _land(
         self,
@@ -1524,7 +1780,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rs.consumed(key)
             self._execute(rs, rs.used(key, now, managed_key=key))
 
-    def _wait_parameter(self, slot: _Slot) -> None:
+    def _wait_parameter(self, slot: _Slot, *, traced: bool = True) -> None:
         """Make the compute stream wait for ``slot``'s H2D (a forward pre-hook); the host observes it."""
         with self._lock:
             if self._pending_h2d.pop(id(slot.param), None) is None:
@@ -1547,10 +1803,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "host master holds the stepped value: fix the cause and call opt.synchronize()"
                 ) from again
             self._recovered(f"the upload of parameter {slot.index}", exc)
-        if self.trace is not None:
+        if self.trace is not None and traced:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
-        if event.query():
-            self._mark_synced(slot)
+        # the compute stream is ordered after the upload now: everything it does later (a write of the
+        # user's) comes after the copy, so the version the copy left is the synced one. On the fake device
+        # the copy landed (its compute is the host); on CUDA the copy bumped the version when issued
+        # (h2d_versions), and querying would leave a copy not landed yet unsynced, and its master refreshed
+        # from the device (the fp32 master rounded to bf16) before the next step.
+        self._mark_synced(slot)
 
     def _observe(self, slot: _Slot) -> bool:
         """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
@@ -1660,6 +1920,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._drain()
+        self._sync_shown()
         if self._lost is not None:
             raise CopyFailedError(
                 f"OffloadOptimizer.step(): not applied, a gradient of this round was lost ({self._lost}); "
@@ -1705,7 +1966,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
             raise
         self._stepped_since_zero_grad = True
+        if not self._overlap_uploads:
+            self._publish_uploads()
         return loss
+
+    def _publish_uploads(self) -> None:
+        """Note [Parameters read after step() are the stepped ones]: issue every upload of this step (due,
+        or held back by ``upload_budget``) and make the compute stream wait for all of them: a device-side
+        wait on a GPU (the host does not block), a block on the fake device, whose compute is the host."""
+        began = time.perf_counter()
+        with self._sched_lock:
+            if self._rs is not None:
+                self._upload_rest(self._rs)
+        with self._lock:
+            pending = list(self._pending_h2d.values())
+        for slot in pending:
+            self._wait_parameter(slot, traced=False)
+        if self.trace is not None and pending:
+            self.trace.span("wait", f"step()'s {len(pending)} uploads", began, time.perf_counter() - began)
 
     # -- optimizer states on NVMe (Note [Optimizer states on NVMe]) --------------------------
     def _groups(self, slots: list[_Slot]) -> list[list[_Slot]]:
@@ -1957,6 +2235,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._gradients_from_device()
             self._taken, self._taken_stepped = taken, False
         self._drain()
+        self._sync_shown()
 
     def _device_grads(self) -> dict[int, tuple[weakref.ref[torch.Tensor], int] | None]:
         """Each parameter's device gradient (weakly: the record must not keep it alive) and its version."""
@@ -2012,22 +2291,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slot.accumulated = True
             self._submit(self._land, slot, done, None, staging, target, False, False)  # p.grad keeps the source
 
-    def _warn_kept_gradients(self) -> None:
+    def _refuse_kept_gradient(self, slot: _Slot) -> None:
         # Note [Host gradients are cleared by opt.zero_grad()]
-        # With offloaded gradients the sum of a round's gradients lives on the host, not in
-        # ``param.grad`` (None once each D2H started). ``model.zero_grad()`` or ``p.grad = None``
-        # therefore clear nothing of it: a gradient of the next backward is *added* to the host
-        # gradient the last step used — what torch does when ``.grad`` is not cleared between two
-        # steps, but silently different from what a loop that clears gradients that way expects.
-        # Only ``opt.zero_grad()`` clears the host gradients. The case is told once per optimizer.
-        self._warned_kept_gradients = True
-        warnings.warn(
-            "OffloadOptimizer: a gradient arrived after step() with no opt.zero_grad() since: it is added to the "
-            "host gradient that step used (as torch adds to a .grad that was not cleared). model.zero_grad() and "
-            "p.grad = None do not clear the optimizer's host gradients: call opt.zero_grad() after opt.step() "
-            "(this is said once per optimizer)",
-            OffcoreWarning,
-            stacklevel=4,
+        # Parameters whose gradients come through ``accept_gradient`` (DDP's communication hook, FSDP2's
+        # shard hooks) show no host gradient as ``.grad`` (Note [The host gradient is the device
+        # parameter's .grad]): the sum of their round lives on the host only, so ``model.zero_grad()``
+        # or ``p.grad = None`` cannot clear it. A gradient arriving after ``step()`` with no
+        # ``opt.zero_grad()`` since would be *added* to the sum the last step used: torch's behaviour for
+        # a ``.grad`` nobody cleared, but what a loop clearing through the model gets without knowing it
+        # (Trainer calls ``model.zero_grad()``). Which of the two it is cannot be told here, so it is
+        # refused, before the gradient's copy starts, naming the fix -- never trained on silently.
+        raise OffcoreError(
+            f"OffloadOptimizer: parameter {slot.index} ({tuple(slot.param.shape)}) got a gradient after step() with "
+            "no opt.zero_grad() since. Its gradients reach the optimizer through DDP / FSDP2 (attach_ddp, "
+            "FSDPOffloadOptimizer), so model.zero_grad() and p.grad = None cannot clear the host gradients: call "
+            "opt.zero_grad() after opt.step() (a framework: use its integration, e.g. "
+            "offcore_torch.integrations.transformers / .accelerate / .lightning)"
         )
 
     def _count_state(self) -> None:
@@ -2056,6 +2335,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._taken = None
         for slot in self._slots:
             grad = slot.param.grad
+            if set_to_none:
+                slot.clears += 1
+                slot.shown = None
             if grad is not None:
                 if set_to_none:
                     slot.param.grad = None
@@ -2292,6 +2574,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot.hook is not None:
                 slot.hook.remove()
                 slot.hook = None
+            if slot.pre_hook is not None:
+                slot.pre_hook.remove()
+                slot.pre_hook = None
+            if slot.shown is not None and slot.param.grad is slot.shown:
+                slot.param.grad = None  # the host gradient goes with the optimizer's host memory
+            slot.shown = None
             if slot.h2d is not None:
                 with contextlib.suppress(Exception):
                     slot.h2d.synchronize()
@@ -2376,13 +2664,47 @@ def _grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], N
     return hook
 
 
+def _pre_grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(opt)
+
+    def hook(grad: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None and not optimizer._closed:
+            optimizer._pre_gradient(slot)
+
+    return hook
+
+
+def _backward_end_callback(opt: OffloadOptimizer) -> Callable[[], None]:
+    ref = weakref.ref(opt)
+
+    def callback() -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._backward_ended()
+
+    return callback
+
+
+# Note [The forward pre-hook under torch.compile]
+# The hook is global (every module's call runs it), so dynamo traces it inside a compiled module's
+# ``_call_impl``: it would break the graph (it sets attributes, records events, registers hooks). Under
+# tracing it returns at once (``torch.compiler.is_compiling()`` is a constant there, so no graph break), and
+# the waits happen eagerly, one call earlier: at ``torch.compile(module)``'s wrapper (an ``OptimizedModule``,
+# whose own call runs the hook outside the compiled frame), for every parameter of the wrapped module — the
+# whole model, or one block when each block is compiled (``model.layers[i] = torch.compile(block)``). Each
+# parameter is then current before the compiled code reads it (tests/integrations/test_compile.py).
+def _compiled_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose parameters this (eager) call of ``module`` must make current for compiled code."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return [module._orig_mod]
+    return []
+
+
 def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
     ref = weakref.ref(opt)
 
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        optimizer = ref()
-        if optimizer is None:
-            return
+    def use(optimizer: OffloadOptimizer, module: torch.nn.Module) -> None:
         by_param = optimizer._device_params
         mine = False
         for param in module._parameters.values():
@@ -2394,6 +2716,17 @@ def _forward_pre_hook(opt: OffloadOptimizer) -> Callable[..., None]:
                 optimizer._on_use(slot)
         if mine and id(module) not in optimizer._state_dict_hooked:
             optimizer._watch_state_dict(module)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # Note [The forward pre-hook under torch.compile]
+            return
+        optimizer = ref()
+        if optimizer is None:
+            return
+        use(optimizer, module)
+        for compiled in _compiled_inside(module):
+            for sub in compiled.modules():
+                use(optimizer, sub)
 
     return hook
 

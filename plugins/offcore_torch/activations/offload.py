@@ -52,14 +52,14 @@ How a saved tensor travels (every step uses the Backend protocol only):
 
 # Note [Batched bookkeeping]
 # pack and unpack run once per saved tensor on the thread that launches kernels, so they do
-# per tensor only what cannot wait: decide (offcore_torch.policy.PackRules), submit the
+# per tensor only what cannot wait: decide (offcore_torch.activations.policy.PackRules), submit the
 # copy, and tell the scheduler. Figures are batched: copies are counted in plain integers
 # and added to the region's Ledger at the region's exit, at the end of backward and in
 # stats(); copy timings are a sample read in batches (runtime.py Note [Timings are read in
 # batches]); host bytes go to the ledger per buffer (O(1)). Nothing grows with history:
 # an entry lives as long as autograd's records of its storage, a landing or a deferred
 # release as long as its copy is in flight. What autograd holds per saved tensor is one
-# small record (offcore_torch.records), one entry per offloaded storage, and the
+# small record (offcore_torch.activations.records), one entry per offloaded storage, and the
 # scheduler's ManagedObject; the entry's lifecycle is an EntryState, not flags.
 
 # Note [Ordering events are recorded again]
@@ -105,11 +105,18 @@ from offcore.residency import NO_ACTIONS, Action, ActionKind, ResidencyScheduler
 from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes
-from offcore_torch.activation_nvme import ActivationSpill
+from offcore_torch.activations.nvme import ActivationSpill
+from offcore_torch.activations.policy import OffloadPolicy, PackRules, no_offload
+from offcore_torch.activations.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
+from offcore_torch.activations.stats import OffloadStats
+from offcore_torch.activations.storage import (
+    MARK_ATTRIBUTE,
+    TensorMeta,
+    dispatch_modes,
+    internal_ops,
+)
 from offcore_torch.budget import shared_budget_for
 from offcore_torch.nvme import open_nvme
-from offcore_torch.policy import OffloadPolicy, PackRules, no_offload
-from offcore_torch.records import DeviceFate, Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
 from offcore_torch.runtime import (
     _SAMPLE_EVERY,
     _SAMPLE_FIRST,
@@ -118,13 +125,6 @@ from offcore_torch.runtime import (
     check_device,
     runtime_for,
     runtime_of,
-)
-from offcore_torch.stats import OffloadStats
-from offcore_torch.storage import (
-    MARK_ATTRIBUTE,
-    TensorMeta,
-    dispatch_modes,
-    internal_ops,
 )
 
 __all__ = ["offload_activations", "OffloadHandle", "no_offload", "mark", "synchronize", "poll"]
@@ -381,7 +381,7 @@ class OffloadHandle:
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
         self._d2h_copies = self._d2h_bytes = self._h2d_copies = self._h2d_bytes = 0
         self._flushed = (0, 0, 0, 0)
-        # the NVMe hop (tier="nvme" / nvme=...): host copies spilled to disk and read back (activation_nvme.py)
+        # the NVMe hop (tier="nvme" / nvme=...): host copies spilled to disk and read back (activations/nvme.py)
         self._spill: ActivationSpill | None = None
         if policy.tier == "nvme":
             tier, owned = open_nvme(device, policy.nvme)
@@ -1232,7 +1232,7 @@ class OffloadHandle:
                     self._start_prefetch(entry)
                 elif action.kind is ActionKind.EVICT and entry is not None:
                     self._evict(entry)
-                elif action.kind is ActionKind.STAGE and entry is not None:  # NVMe -> host (activation_nvme.py)
+                elif action.kind is ActionKind.STAGE and entry is not None:  # NVMe -> host (activations/nvme.py)
                     if self._spill is not None and self._spill.stage(entry):
                         self._sched.stage_started(action.key)
                     else:
@@ -1484,7 +1484,7 @@ def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
     - ``nvme`` (None): a directory (or an :class:`offcore.nvme.NvmeSpec`: a path and a byte
       budget) for a tier of this region's own: host copies go on to disk once their
       device-to-host copy landed and come back (NVMe -> host -> device) before backward
-      needs them (:mod:`offcore_torch.activation_nvme`); ``tier="nvme"`` without ``nvme=``
+      needs them (:mod:`offcore_torch.activations.nvme`); ``tier="nvme"`` without ``nvme=``
       uses the device's tier (:func:`offcore_torch.nvme_tier`). ``nvme_read_ahead``
       (``"256MiB"``): bytes read back from disk ahead of use at once.
 

@@ -4,7 +4,7 @@ All knobs are validated up front, so a typo fails at ``offload_activations(...)`
 a :class:`~offcore.ConfigurationError` instead of mid-step; an unknown keyword is
 refused with the list of known ones (:data:`KNOWN_OPTIONS`).
 
-    >>> from offcore_torch.policy import OffloadPolicy
+    >>> from offcore_torch.activations.policy import OffloadPolicy
     >>> policy = OffloadPolicy.parse(min_bytes="64KiB", watermark=0.3)
     >>> policy.min_bytes, policy.watermark, policy.prefetch
     (65536, 0.3, 'deadline')
@@ -35,7 +35,7 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
-from offcore_torch.storage import is_parameter_like
+from offcore_torch.activations.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
@@ -225,6 +225,55 @@ class OffloadPolicy:
 KNOWN_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(OffloadPolicy))
 
 
+# Note [One pair of global module hooks]
+# Every region needs the running module (its name for each saved tensor). Registering a pair of global
+# module hooks per region would change torch's global hook dictionaries at every step, and dynamo guards
+# on them: a compiled model would recompile at every step, up to the recompile limit, then run eagerly.
+# So one pair is registered once per process and calls the regions active now (installed ones, in order);
+# a region's "handle" removes it from that list only.
+_ACTIVE_RULES: list[PackRules] = []
+_GLOBAL_HOOKS: list[Any] = []
+_GLOBAL_LOCK = threading.Lock()
+
+
+class _ActiveHandle:
+    __slots__ = ("rules",)
+
+    def __init__(self, rules: PackRules) -> None:
+        self.rules = rules
+
+    def remove(self) -> None:
+        with _GLOBAL_LOCK:
+            for i, rules in enumerate(_ACTIVE_RULES):
+                if rules is self.rules:
+                    del _ACTIVE_RULES[i]
+                    break
+
+
+def _enter_all(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():  # Note [The module stack under torch.compile]
+        return
+    for rules in tuple(_ACTIVE_RULES):
+        rules._on_module_enter(module, args)
+
+
+def _exit_all(module: nn.Module, args: Any, out: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for rules in tuple(_ACTIVE_RULES):
+        rules._on_module_exit(module, args, out)
+
+
+def _track_modules(rules: PackRules) -> _ActiveHandle:
+    """Make ``rules`` see every module call until the returned handle is removed."""
+    with _GLOBAL_LOCK:
+        if not _GLOBAL_HOOKS:
+            _GLOBAL_HOOKS.append(nn.modules.module.register_module_forward_pre_hook(_enter_all))
+            _GLOBAL_HOOKS.append(nn.modules.module.register_module_forward_hook(_exit_all, always_call=True))
+        _ACTIVE_RULES.append(rules)
+    return _ActiveHandle(rules)
+
+
 class PackRules:
     """The pack decisions of one region: which saved tensors it offloads, and why the others stay.
 
@@ -355,8 +404,7 @@ class PackRules:
         try:
             for module in (policy.modules or ()) + (policy.exclude or ()):
                 self.note_module(module)
-            handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_enter))
-            handles.append(nn.modules.module.register_module_forward_hook(self._on_module_exit, always_call=True))
+            handles.append(_track_modules(self))  # Note [One pair of global module hooks]
             for module in policy.modules or ():
                 handles.append(module.register_forward_pre_hook(self._enter_scope))
                 handles.append(module.register_forward_hook(self._exit_scope, always_call=True))
@@ -412,6 +460,8 @@ class PackRules:
                         keys.add(tensor.untyped_storage()._cdata)  # storage_key, inlined
 
     def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # Note [The module stack under torch.compile]
+            return
         if threading.get_ident() != self.thread:  # saved-tensor hooks are this thread's: nothing of it is ours
             self.foreign_thread = threading.current_thread().name
             return
@@ -422,5 +472,12 @@ class PackRules:
         self.module_stack.append(name)
 
     def _on_module_exit(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        # Note [The module stack under torch.compile]
+        # These global hooks run inside every module call, so dynamo would trace them into a compiled
+        # module's call (mutating a list, reading a weak dictionary of modules: a graph break or a failed
+        # trace). Under tracing both return at once (a constant branch for dynamo); the saved tensors of
+        # compiled code are packed when its graph runs, named after the eager module around it.
+        if torch.compiler.is_compiling():
+            return
         if self.module_stack and threading.get_ident() == self.thread:
             self.module_stack.pop()

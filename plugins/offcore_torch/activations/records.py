@@ -21,17 +21,44 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from offcore.objects import ManagedObject
-from offcore_torch.storage import TensorMeta, dispatch_modes, internal_ops, is_offloadable_kind
+from offcore_torch.activations.storage import TensorMeta, dispatch_modes, internal_ops, is_offloadable_kind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offcore_torch.offload import OffloadHandle
+    from offcore.kinds import Tier
+    from offcore.ledger import Ledger
+    from offcore.residency import ResidencyScheduler
 
-__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry"]
+__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry", "Region"]
+
+
+class Region(Protocol):
+    """What the records and the NVMe hop (activations/nvme.py) ask of the region that made them.
+
+    The region is :class:`~offcore_torch.OffloadHandle` (activations/offload.py); they know it
+    through this protocol alone, so the dependency runs one way: offload imports records and
+    nvme, neither imports offload.
+    """
+
+    device: Any
+    _sched: ResidencyScheduler
+    _by_key: dict[int, Entry]
+    _ledger: Ledger
+    _host_tier: Tier
+
+    def _pool(self) -> Any: ...
+
+    def _execute(self, actions: Any) -> None: ...
+
+    def _on_landed(self, entry: Entry, failure: Exception | None) -> None: ...
+
+    def _storage_died(self, entry: Entry) -> None: ...
+
+    def _item_died(self, entry: Entry) -> None: ...
 
 
 class EntryState(enum.Enum):
@@ -137,7 +164,7 @@ class Entry:
         "__weakref__",
     )
 
-    def __init__(self, region: OffloadHandle, key: int, where: str, meta: TensorMeta, nbytes: int, skey: int) -> None:
+    def __init__(self, region: Region, key: int, where: str, meta: TensorMeta, nbytes: int, skey: int) -> None:
         self.region = region
         self.key = key
         self.where = where
@@ -166,7 +193,7 @@ class Entry:
         self.keepers_pointed = False
         # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
         self.alive_elsewhere = False
-        # where its host copy is on the NVMe tier (offcore_torch.activation_nvme): None (never spilled), or
+        # where its host copy is on the NVMe tier (offcore_torch.activations.nvme): None (never spilled), or
         # "writing", "disk", "both", "reading"
         self.nvme: str | None = None
 

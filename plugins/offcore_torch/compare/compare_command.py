@@ -148,7 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Gates]:
             f"--backend {args.backend!r} is not a registered backend; choose one of {', '.join(known)}"
         )
     try:
-        from offcore_torch.compare import CompareSettings
+        from offcore_torch.compare.compare import CompareSettings
     except ImportError as exc:  # torch missing
         raise ConfigurationError(
             f"offcore compare runs PyTorch training steps and needs torch ({exc}); install it: pip install 'offcore[torch]'"
@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table and decisions, write the reports."""
     settings, gates = settings_from_args(args)
     prepare_out(args.out)  # a bad --out fails now, not after the whole comparison ran
-    from offcore_torch.compare import run_compare
+    from offcore_torch.compare.compare import run_compare
 
     total = settings.total_steps
     progress = _Progress(total, bool(args.quiet))

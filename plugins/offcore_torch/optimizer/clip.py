@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from offcore.errors import ConfigurationError
-from offcore_torch.optimizer import OffloadOptimizer
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
 
 __all__ = ["clip_grad_norm_"]
 
@@ -45,8 +45,18 @@ def clip_grad_norm_(
     """Clip the host gradients of ``optimizer`` to a global norm of ``max_norm`` (torch's semantics).
 
     Returns the total norm (a host tensor), as ``torch.nn.utils.clip_grad_norm_`` does. Call it
-    between the last backward and ``optimizer.step()``.
+    between the last backward and ``optimizer.step()``. A stack's wrapper around the optimizer
+    (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is taken too.
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the same norm and clips the same gradients (each parameter's ``.grad`` shows its host gradient).
     """
+    if type(optimizer).__name__ == "FSDPOffloadOptimizer":
+        raise ConfigurationError(
+            "offcore_torch.clip_grad_norm_ clips one process's host gradients; an FSDPOffloadOptimizer's are "
+            "shards of a global norm: use opt.clip_grad_norm_(max_norm) or offcore_torch.distributed.clip_grad_norm_"
+        )
+    from offcore_torch.integrations import offload_optimizer_of
+
+    optimizer = offload_optimizer_of(optimizer) or optimizer  # accelerate's / Lightning's wrappers
     if not isinstance(optimizer, OffloadOptimizer):
         raise ConfigurationError(
             f"offcore_torch.clip_grad_norm_ takes an OffloadOptimizer, got {type(optimizer).__name__}; "

@@ -8,7 +8,7 @@ storage whose host copy is in the region's pinned pool::
     device --D2H--> pinned host --write--> NVMe      (forward: after the D2H landed)
     NVMe --read--> pinned host --H2D--> device       (backward: reads start ahead, by need)
 
-What it does, per offloaded storage (an :class:`offcore_torch.records.Entry`; its ``nvme``
+What it does, per offloaded storage (an :class:`offcore_torch.activations.records.Entry`; its ``nvme``
 field is the spill state below):
 
 - **spill** (``writing``): once the D2H copy landed and the device copy was let go, the host
@@ -62,8 +62,7 @@ from offcore.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from offcore.nvme.tier import IOHandle, NvmeTier
-    from offcore_torch.offload import OffloadHandle
-    from offcore_torch.records import Entry
+    from offcore_torch.activations.records import Entry, Region
 
 __all__ = ["ActivationSpill", "WRITING", "DISK", "BOTH", "READING"]
 
@@ -94,7 +93,7 @@ _REGIONS = itertools.count()
 class ActivationSpill:
     """The NVMe hop of one activation-offload region (see the module docstring)."""
 
-    def __init__(self, region: OffloadHandle, tier: NvmeTier, *, owned: bool, read_ahead: int) -> None:
+    def __init__(self, region: Region, tier: NvmeTier, *, owned: bool, read_ahead: int) -> None:
         self.tier = tier
         self.owned = owned
         self.read_ahead_bytes = read_ahead

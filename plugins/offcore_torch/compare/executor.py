@@ -15,7 +15,7 @@ Per layer, in forward order:
 ``plan.optimizer`` and ``plan.parameters`` (optimizer offload, parameter streaming) are not
 the executor's: they decide how the model's optimizer and parameters are set up before it
 runs (``offcore compare`` builds them with ``OffloadOptimizer`` / ``offload_parameters``,
-``offcore_torch.compare._optimizer_for``); the executor applies the per-layer actions.
+``offcore_torch.compare.runs._optimizer_for``); the executor applies the per-layer actions.
 
 With ``plan.microbatches = m > 1`` the batch is split along its first dimension into
 ``m`` micro-batches; each runs forward and backward (its loss weighted by its share of
@@ -23,7 +23,7 @@ the batch) and the gradients accumulate (gradient accumulation).
 
     >>> import offcore, torch
     >>> from offcore.sim import Plan
-    >>> from offcore_torch.executor import PlanExecutor
+    >>> from offcore_torch.compare.executor import PlanExecutor
     >>> dev = offcore.device("cpu", capacity="1GiB")
     >>> with dev:
     ...     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)])
@@ -36,7 +36,7 @@ the batch) and the gradients accumulate (gradient accumulation).
 
 # Note [Bit-identical plans]
 # keep / offload / recompute never change a number: offloading restores storages
-# exactly (offcore_torch.offload), and checkpoint reruns the layer with the RNG state of
+# exactly (offcore_torch.activations.offload), and checkpoint reruns the layer with the RNG state of
 # its first forward (preserve_rng_state=True). With one micro-batch the executor calls
 # exactly `loss_fn(model, batch).backward()`, as a plain training loop does, so any
 # such plan is bit-identical to the keep-everything baseline. With m > 1 micro-batches
@@ -61,9 +61,9 @@ from torch.utils.checkpoint import checkpoint
 from offcore.errors import ConfigurationError
 from offcore.scheduler import Scheduler
 from offcore.sim import Action, Plan
+from offcore_torch.activations.offload import OffloadHandle, offload_activations, poll
+from offcore_torch.activations.policy import KNOWN_OPTIONS, OffloadPolicy
 from offcore_torch.layers import resolve_layers
-from offcore_torch.offload import OffloadHandle, offload_activations, poll
-from offcore_torch.policy import KNOWN_OPTIONS, OffloadPolicy
 from offcore_torch.runtime import runtime_of
 
 __all__ = ["PlanExecutor", "StepOutcome", "split_batch"]

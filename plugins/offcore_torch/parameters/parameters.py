@@ -203,6 +203,9 @@ def _offcore_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
     """Fetch offloaded parameters that an operator reads outside their module's announced use."""
+    if torch.compiler.is_compiling():  # Note [Compiled blocks are units]: fetched at the block's eager call
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
     name = getattr(func, "__name__", "")
     if not kwargs and name not in _NOT_PLAIN:
         # Note [An operator inside a module's use]: every offloaded argument is on the device and
@@ -573,25 +576,43 @@ class ParameterOffloadHandle:
         return slot
 
     def _collect(self, model: torch.nn.Module) -> None:
+        # Note [Compiled blocks are units]
+        # A block compiled with ``torch.compile(block)`` (an ``OptimizedModule``; FSDP2's per-block recipe) is
+        # one unit: every parameter of its tree is fetched by the wrapper's own hooks, which run eagerly at the
+        # block's boundary, and released after it (backward: the output's hook fetches them again). Hooks and
+        # ``__torch_function__`` traced inside the compiled code return at once (``is_compiling()`` is a
+        # constant for dynamo): no graph break, and nothing of offcore's state guarded, so no recompile.
+        compiled: list[str] = []
         for mod_name, module in model.named_modules():
+            if any(mod_name.startswith(prefix) for prefix in compiled):
+                continue
+            members = [("", module)]
+            if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+                compiled.append(f"{mod_name}." if mod_name else "")
+                members = list(module.named_modules())
             slots: list[_Slot] = []
-            for pname, param in module._parameters.items():
-                if param is None:
-                    continue
-                slot = self._slot_for(param, f"{mod_name}.{pname}".lstrip("."), False)
-                if slot is not None and slot not in slots:
-                    slots.append(slot)
-            if self.buffers:
-                for bname, buf in module._buffers.items():
-                    if buf is None:
-                        continue
-                    slot = self._slot_for(buf, f"{mod_name}.{bname}".lstrip("."), True)
-                    if slot is not None and slot not in slots:
-                        slots.append(slot)
+            for sub_name, sub in members:
+                self._collect_own(sub, ".".join(n for n in (mod_name, sub_name) if n), slots)
             if slots:
                 unit = _Unit(len(self._units), mod_name or type(module).__name__, slots, sum(s.nbytes for s in slots))
                 self._units.append(unit)
                 self._module_unit[id(module)] = unit
+
+    def _collect_own(self, module: torch.nn.Module, mod_name: str, slots: list[_Slot]) -> None:
+        """Add the slots of ``module``'s own parameters (and buffers) to ``slots``."""
+        for pname, param in module._parameters.items():
+            if param is None:
+                continue
+            slot = self._slot_for(param, f"{mod_name}.{pname}".lstrip("."), False)
+            if slot is not None and slot not in slots:
+                slots.append(slot)
+        if self.buffers:
+            for bname, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                slot = self._slot_for(buf, f"{mod_name}.{bname}".lstrip("."), True)
+                if slot is not None and slot not in slots:
+                    slots.append(slot)
 
     def _offload_all(self) -> None:
         dev, rt = self.device, self.runtime
@@ -1322,6 +1343,8 @@ class ParameterOffloadHandle:
         return True
 
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # Note [Compiled blocks are units]
+            return
         if self._frames and module is self.model and self._frames_are_stale():
             self._abort()  # Note [Forwards ended by a BaseException]
         unit = self._module_unit.get(id(module))
@@ -1351,6 +1374,8 @@ class ParameterOffloadHandle:
                 slot.dirty = True
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if not self._frames:
             return
         unit, pinned, in_backward = self._frames.pop()
