@@ -21,6 +21,9 @@ faster) vs states in host memory (the floor: compute alone).
 Part 3: the CPU time per object of the tier next to a bare thread pool's ``pwritev`` /
 ``preadv`` (4 KiB objects, buffered, in memory): what each object costs beyond its bytes.
 
+The tier runs with ``verify=False`` here (the raw baselines checksum nothing);
+``benchmarks/nvme_checksum.py`` measures what the default ``verify=True`` adds.
+
 Say where it ran: the filesystem type of ``--dir`` is printed (use a disk-backed directory;
 /tmp may be tmpfs, i.e. memory).
 
@@ -152,7 +155,9 @@ class Tier:
         self, directory: str, block: int, count: int, direct: bool, threads: int, chunk: int, label: str = ""
     ) -> None:
         self.name = "offcore tier" + label
-        self.tier = NvmeTier(directory, budget=block * count + MiB, direct=direct, threads=threads, chunk_size=chunk)
+        self.tier = NvmeTier(
+            directory, budget=block * count + MiB, direct=direct, threads=threads, chunk_size=chunk, verify=False
+        )
         self.bufs = _arena(block, count)
 
     def write(self) -> None:
@@ -406,7 +411,7 @@ def optimizer_step(args: argparse.Namespace, direct: bool) -> dict[str, Any]:
     budget = args.groups * 2 * n * 4 + MiB
 
     def open_tier() -> NvmeTier:
-        return NvmeTier(work, budget=budget, direct=direct, threads=args.threads, chunk_size=args.chunk)
+        return NvmeTier(work, budget=budget, direct=direct, threads=args.threads, chunk_size=args.chunk, verify=False)
 
     deep = args.lookahead
     with open_tier() as t1, open_tier() as t2, open_tier() as t3, open_tier() as t4:
@@ -488,7 +493,7 @@ def per_object_cost(args: argparse.Namespace) -> dict[str, float]:
     bufs = _arena(block, count)
     out: dict[str, float] = {}
     try:
-        with NvmeTier(work, budget=2 * count * block, direct=False, threads=args.threads) as tier:
+        with NvmeTier(work, budget=2 * count * block, direct=False, threads=args.threads, verify=False) as tier:
             pool = ThreadPoolExecutor(args.threads)
             fd = os.open(os.path.join(work, "raw"), os.O_RDWR | os.O_CREAT, 0o600)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 __all__ = [
     "OffcoreError",
     "ConfigurationError",
+    "SavedTensorHooksDisabledError",
     "BackendUnavailableError",
     "CapacityExceededError",
     "IllegalTransitionError",
@@ -38,6 +39,16 @@ class OffcoreError(Exception):
 
 class ConfigurationError(OffcoreError, ValueError):
     """An argument or setting is malformed or out of range (a size of ``-1``, an unknown policy)."""
+
+
+class SavedTensorHooksDisabledError(ConfigurationError, RuntimeError):
+    """An activation-offloading region was entered where saved-tensor hooks are disabled
+    (``torch.autograd.graph.disable_saved_tensors_hooks(msg)`` is in force).
+
+    It is a :class:`RuntimeError` whose message starts with the framework's own message, as
+    the framework raises for its own ``save_on_cpu``, so code written for that keeps working;
+    and a :class:`ConfigurationError`, the offcore class for "it cannot run here".
+    """
 
 
 class BackendUnavailableError(OffcoreError, RuntimeError):

@@ -643,6 +643,12 @@ class TorchAcceleratorDevice:
             raise ConfigurationError(
                 f"the {self.name} backend copies torch tensors; {role} is a {type(tensor).__name__}"
             )
+        problem = layout.plain_tensor_problem(tensor)
+        if problem is not None:  # Note [Raw pointers see checked tensors only]
+            raise ConfigurationError(
+                f"the {self.name} backend cannot copy {role} ({layout.describe(tensor)}): {problem}. Copy plain dense "
+                "tensors (a DTensor's to_local() shard)"
+            )
         if self._resident(tensor):
             return "device"
         if tensor.device.type == "cpu":

@@ -168,6 +168,22 @@ class FakeDevice:
 
             self._op_check = _OpCheckHold(op_check) if op_check.acquire(at_creation=True) else None
         self._finalizer = weakref.finalize(self, _close_streams, self._streams, self._op_check)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: copies and new streams are refused (Note [A closed device says so])."""
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        # Note [A closed device says so]: a copy on a closed device failed in its stream's submit, naming the
+        # binding's internal stream ("create a new one with dev.new_stream()"), after the sanitizer had
+        # recorded it (a record per copy that never went away)
+        if self._closed:
+            raise ConfigurationError(
+                f"{what} on fake device {self._label}, which is closed (dev.close() ran): make a new device with "
+                "offcore.device('cpu', ...) and new bindings on it"
+            )
 
     # -- registry ------------------------------------------------------------------------
     @classmethod
@@ -252,6 +268,7 @@ class FakeDevice:
 
     def new_stream(self, priority: int = 0, *, name: str | None = None) -> WorkerStream:
         """A new copy stream: an in-order queue served by its own worker thread (started lazily)."""
+        self._check_open("new_stream()")
         stream = WorkerStream(self._compute, name=name, priority=priority)
         self._streams.add(stream)
         return stream
@@ -272,7 +289,9 @@ class FakeDevice:
             raise errors[0]
 
     def close(self) -> None:
-        """Open every gate, finish queued work and stop every stream's worker thread."""
+        """Open every gate, finish queued work and stop every stream's worker thread; copies are refused from
+        then on."""
+        self._closed = True
         self._gates.open_all()
         self._finalizer()
 
@@ -547,6 +566,7 @@ class FakeDevice:
         stream it runs on the calling thread before returning. An injected fault makes one
         call fail (Note [Injected copy faults]).
         """
+        self._check_open("copy_")
         ops = ops_for(dst)
         if ops is None or ops is not ops_for(src):
             raise ConfigurationError(
@@ -606,7 +626,11 @@ class FakeDevice:
             sanitizer.start(flight)
             del dst, src  # the work item must not keep the caller's buffers alive
             run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter(), started)
-            return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+            try:
+                return stream.run_and_record(run, FakeEvent(compute, enable_timing=True))
+            except BaseException:  # not enqueued (a closed stream): no flight to wait for
+                sanitizer.finish(flight)
+                raise
         if inline:
             # Note [Inline copies on an idle stream]
             event = stream.try_inline(
@@ -650,6 +674,7 @@ class FakeDevice:
 
             >>> done = dev.copy_many([(weight, host_w), (bias, host_b)], stream=h2d)   # doctest: +SKIP
         """
+        self._check_open("copy_many")
         if not pairs:
             raise ConfigurationError("copy_many needs at least one (dst, src) pair")
         compute = self._compute

@@ -13,7 +13,7 @@ import ctypes
 import sys
 
 import torch
-from offcore_layout import TORCH, flat_tensor, match_layout
+from offcore_layout import TORCH, flat_tensor, match_layout, plain_tensor_problem
 
 __all__ = ["TorchBuffers", "TORCH_OPS"]
 
@@ -36,12 +36,17 @@ class TorchBuffers:
         return int(owner.nbytes())
 
     def nbytes(self, buffer: torch.Tensor) -> int:
+        """The bytes of a copy's side; refuses what is not a plain tensor (every copy asks this first:
+        Note [Raw pointers see checked tensors only])."""
+        _check_plain(buffer, "a copy's buffer")
         return buffer.numel() * buffer.element_size()
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        _check_plain(dst, "the copy's destination")
+        _check_plain(src, "the copy's source")
         _check_live(dst, "destination")
         _check_live(src, "source")
         if dst.requires_grad or src.requires_grad:
@@ -53,9 +58,12 @@ class TorchBuffers:
     def copy_plain(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """A small copy between plain contiguous buffers, as one ``memmove`` (Note [Small copies keep the GIL]):
         no torch operator runs, so the device need not suspend its accounting around it (True: copied)."""
+        _check_plain(dst, "the copy's destination")
+        _check_plain(src, "the copy's source")
         nbytes = dst.numel() * dst.element_size()
         if (
             nbytes <= _GIL_HELD_COPY_LIMIT
+            and nbytes == src.numel() * src.element_size()
             and dst.is_contiguous()
             and src.is_contiguous()
             and not (src.is_conj() or src.is_neg())
@@ -70,6 +78,7 @@ class TorchBuffers:
         nbytes = dst.numel() * dst.element_size()
         if (
             nbytes <= _GIL_HELD_COPY_LIMIT
+            and nbytes == src.numel() * src.element_size()
             and dst.is_contiguous()
             and src.is_contiguous()
             and not (src.is_conj() or src.is_neg())  # lazy conj/neg views need copy_ to resolve them
@@ -156,6 +165,19 @@ def _bytes_needed_and_held(tensor: torch.Tensor) -> tuple[int, int]:
         reach = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
         extent = tensor.storage_offset() + 1 + reach
     return extent * tensor.element_size(), tensor.untyped_storage().nbytes()
+
+
+def _check_plain(tensor: torch.Tensor, side: str) -> None:
+    """Refuse, before any ``data_ptr``, a tensor whose address and size are not its own bytes (a DTensor, a
+    wrapper subclass, a nested or meta tensor): Note [Raw pointers see checked tensors only]."""
+    problem = plain_tensor_problem(tensor)
+    if problem is not None:
+        from offcore.errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"the fake device cannot copy {side}: {problem}. Copy plain dense tensors (a DTensor's to_local() "
+            "shard; for FSDP2 models offcore_torch.distributed.FSDPOffloadOptimizer)"
+        )
 
 
 def _check_live(tensor: torch.Tensor, side: str) -> None:

@@ -27,7 +27,16 @@ from typing import Any, Protocol
 
 from offcore.errors import ConfigurationError
 
-__all__ = ["Family", "NUMPY", "TORCH", "describe", "match_layout", "flat_tensor", "typed_prefix"]
+__all__ = [
+    "Family",
+    "NUMPY",
+    "TORCH",
+    "describe",
+    "match_layout",
+    "flat_tensor",
+    "typed_prefix",
+    "plain_tensor_problem",
+]
 
 
 class Family(Protocol):
@@ -76,7 +85,10 @@ TORCH: Family = _Torch()
 
 def describe(buffer: Any) -> str:
     """A short description for error messages (``torch float32[4, 8]``, ``numpy uint8[64]``)."""
-    shape = list(getattr(buffer, "shape", ()))
+    try:
+        shape: Any = list(getattr(buffer, "shape", ()))
+    except Exception:  # a nested tensor has no one shape
+        shape = "[nested]"
     dtype = str(getattr(buffer, "dtype", type(buffer).__name__)).replace("torch.", "")
     return f"{type(buffer).__module__.split('.')[0]} {dtype}{shape}"
 
@@ -124,3 +136,58 @@ def typed_prefix(raw: Any, dtype: Any, shape: Any) -> Any:
     """The first bytes of a contiguous raw ``uint8`` tensor viewed as ``dtype`` of ``shape``."""
     nbytes = dtype.itemsize * math.prod(shape)
     return TORCH.reinterpret(flat_tensor(raw)[:nbytes], dtype, shape)
+
+
+# Note [Raw pointers see checked tensors only]
+# A path that moves bytes by address (a ``memmove`` through ctypes, a pool slice made with
+# ``data_ptr()``, an NVMe read or write of a tensor's memory) trusts two things: that the
+# address is the tensor's own memory, and that the byte count is what that memory holds.
+# Neither holds for every ``torch.Tensor``: a wrapper subclass (DTensor, a user
+# ``__torch_dispatch__`` class, torchao's, FakeTensor) reports the *logical* size of data
+# that lives elsewhere (a DTensor's ``numel()`` is the global size; ``data_ptr()`` is 0 or the
+# local shard's), a nested tensor's bytes are not ``numel * element_size`` in one run, a meta
+# tensor has no memory at all. So every copy entry (the fake device's ``copy_`` and
+# ``copy_many``, through ``TorchBuffers.nbytes``, and its memmove paths again; the
+# torch-accelerator base's ``copy_``) and the torch binding's entry points (OffloadOptimizer,
+# offload_parameters) first ask :func:`plain_tensor_problem` and refuse with a
+# ConfigurationError naming the tensor and why. The byte count is then checked against the
+# tensor's own storage before the memmove (``_check_live`` in offcore_cpu.torch_buffers: a
+# storage freed or shrunk after the copy was enqueued). The NVMe tier takes numpy arrays and
+# buffer-protocol objects only (``_as_bytes`` in offcore.nvme.tier), which no tensor is.
+# tests/torch/test_tensor_subclass_fuzz.py passes each kind into each entry point.
+
+
+def _torch() -> Any:
+    """The torch module (only ever needed with a tensor in hand, so torch is imported already)."""
+    import sys
+
+    return sys.modules["torch"]
+
+
+def plain_tensor_problem(tensor: Any) -> str | None:
+    """Why ``tensor`` cannot be moved by address (None: it can; Note [Raw pointers see checked tensors only]).
+
+    A plain tensor is a ``torch.Tensor`` (or ``nn.Parameter``, or a subclass that overrides
+    ``__torch_function__`` only) that is strided, not nested, not quantized, not a functional or
+    functorch wrapper, on a device with memory (not ``meta``).
+    """
+    torch = _torch()
+    kind = type(tensor)
+    if not isinstance(tensor, torch.Tensor):
+        return f"it is a {kind.__name__}, not a torch.Tensor"
+    if kind is not torch.Tensor and getattr(kind, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        return (
+            f"it is a {kind.__module__}.{kind.__qualname__}, a tensor subclass with its own __torch_dispatch__ "
+            "(its data lives elsewhere: a DTensor's local shard, a wrapper's inner tensors)"
+        )
+    if tensor.layout is not torch.strided:
+        return f"its layout is {tensor.layout} (only dense strided tensors are moved)"
+    if tensor.is_nested:
+        return "it is a nested tensor"
+    if tensor.is_quantized:
+        return "it is a quantized tensor"
+    if tensor.is_meta:
+        return "it is a meta tensor (it has no memory)"
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor) or torch._is_functional_tensor(tensor):
+        return "it is a functional or functorch-wrapped tensor (torch.compile / torch.func tracing)"
+    return None

@@ -104,6 +104,8 @@ def _describe(info: Any, options: dict[str, Any], args: argparse.Namespace) -> d
         "plugin": info.plugin,
     }
     if not status.available:
+        if args.probe and args.backend:  # asked by name to measure it: an empty table is no answer
+            entry["probe_error"] = f"not available, nothing measured: {status.reason}"
         return entry
     try:
         device = offcore.device(info.name, **options)

@@ -36,8 +36,8 @@ __all__ = ["NvmeSpec", "as_spec"]
 class NvmeSpec:
     """A directory on the NVMe disk (offcore makes a private 0700 directory under it) and a byte budget.
 
-    ``budget`` None means the free space of that filesystem when the tier opens; ``verify`` adds
-    per-block checksums checked on every read.
+    ``budget`` None means the free space of that filesystem when the tier opens; ``verify`` (default
+    True) keeps per-block checksums checked on every read.
 
         >>> NvmeSpec("/mnt/nvme", budget="64GiB").budget
         '64GiB'
@@ -45,9 +45,11 @@ class NvmeSpec:
 
     path: str
     budget: int | str | None = None
-    verify: bool = False
+    verify: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.verify, bool):
+            raise ConfigurationError(f"NvmeSpec verify must be True or False, got {self.verify!r}")
         if not isinstance(self.path, str) or not self.path:
             raise ConfigurationError(f"an NVMe tier needs a directory path, got {self.path!r}")
         if self.budget is not None:

@@ -112,8 +112,9 @@ class NvmeTier:
       (:attr:`removed_stale`).
     - ``budget``: bytes on disk (``"64GiB"``), files padded to 4 KiB under ``O_DIRECT``;
       a write beyond it raises :class:`~offcore.CapacityExceededError` before any I/O.
-    - ``verify``: keep a CRC-32 per chunk and check it on every read
-      (:class:`~offcore.ChecksumMismatchError`).
+    - ``verify`` (default True): keep a CRC-32 per chunk and check it on every read
+      (:class:`~offcore.ChecksumMismatchError`), so a block changed on disk behind the tier's
+      back is never read back as data (Note [Reads are verified by default]).
     - ``direct``: ``None`` uses ``O_DIRECT`` where the filesystem takes it (probed once),
       ``True`` requires it, ``False`` never uses it.
     - ``chunk_size``, ``threads``: each object moves as ``chunk_size`` requests, with up to
@@ -131,7 +132,7 @@ class NvmeTier:
         path: str | os.PathLike[str],
         *,
         budget: int | str,
-        verify: bool = False,
+        verify: bool = True,
         direct: bool | None = None,
         chunk_size: int | str = "4MiB",
         threads: int = 8,
@@ -148,7 +149,9 @@ class NvmeTier:
         if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 0:
             raise ConfigurationError(f"max_open_files must be a non-negative integer, got {max_open_files!r}")
         self.max_open_files = max_open_files
-        self.verify = bool(verify)
+        if not isinstance(verify, bool):
+            raise ConfigurationError(f"NVMe verify must be True or False, got {verify!r}")
+        self.verify = verify
         self.ledger = ledger
         self.trace = trace
         """A :class:`~offcore.trace.TraceRecorder` that gets one span per completed transfer (tracks ``n2h`` / ``h2n``)."""
@@ -287,6 +290,14 @@ class NvmeTier:
             self._writers.submit(self._run, handle, self._write_chunk, transfer, piece, offset, i, crcs)
         return handle
 
+    # Note [Reads are verified by default]
+    # A block changed on disk after it was written (another process, a cleaner, the disk) used to be
+    # read back as data when verify was off, which was the default: training went on with wrong
+    # numbers and nothing said so. The CRC-32 per chunk is computed on the I/O threads (zlib releases
+    # the GIL, so it overlaps the other chunks' transfers) and costs a pass over bytes that were just
+    # read; benchmarks/nvme_checksum.py measures it against the read. Wrong numbers are the worse
+    # failure, so verify defaults to True; verify=False is the opt-out where a measured read rate matters
+    # more than detecting corruption.
     def _write_chunk(self, t: _Transfer, src: np.ndarray, offset: int, index: int, crcs: list[int] | None) -> None:
         if crcs is not None:
             crcs[index] = zlib.crc32(src)

@@ -32,6 +32,7 @@ from typing import Any
 from offcore.budget import DeviceBudget
 from offcore.errors import ConfigurationError
 from offcore.units import parse_size
+from offcore_torch.runtime import check_device
 
 __all__ = ["device_budget", "shared_budget_for"]
 
@@ -55,6 +56,7 @@ def device_budget(device: Any, budget: int | str | float | None) -> DeviceBudget
 
         >>> budget = device_budget(dev, 0.25)                # doctest: +SKIP
     """
+    check_device(device, "device_budget", methods=False)
     key = id(device)
     with _LOCK:
         if budget is None:

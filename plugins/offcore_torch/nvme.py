@@ -23,6 +23,7 @@ from typing import Any
 from offcore.ledger import Ledger
 from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.nvme.tier import NvmeTier
+from offcore_torch.runtime import check_bool, check_device
 
 __all__ = ["nvme_tier", "nvme_tier_for", "open_nvme"]
 
@@ -42,7 +43,7 @@ def nvme_tier(
     path: NvmeSpec | str | os.PathLike[str] | None,
     *,
     budget: int | str | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> NvmeTier | None:
     """Set the NVMe tier every binding on ``device`` shares (None closes and removes it).
 
@@ -52,14 +53,19 @@ def nvme_tier(
 
         >>> tier = nvme_tier(dev, "/mnt/nvme", budget="200GiB")        # doctest: +SKIP
     """
+    check_device(device, "nvme_tier", methods=False)
+    if verify is not None:
+        check_bool(verify, "verify", "nvme_tier")
     key = id(device)
     if path is None:
         _drop(key)
         return None
     spec = as_spec(path)
     assert spec is not None
-    if budget is not None or verify:
-        spec = NvmeSpec(spec.path, budget if budget is not None else spec.budget, verify or spec.verify)
+    if budget is not None or verify is not None:
+        spec = NvmeSpec(
+            spec.path, budget if budget is not None else spec.budget, spec.verify if verify is None else verify
+        )
     tier = spec.open(ledger=Ledger())
     with _LOCK:
         old = _TIERS.pop(key, None)

@@ -68,7 +68,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from offcore.errors import OffcoreWarning
+from offcore.errors import ConfigurationError, OffcoreWarning
 from offcore.kinds import Direction
 from offcore.ledger import Ledger
 from offcore.pool import HostBufferPool
@@ -76,7 +76,7 @@ from offcore.protocols import Capability
 from offcore.scheduler import BandwidthEstimator, Scheduler
 from offcore.trace import TraceRecorder
 
-__all__ = ["DeviceRuntime", "runtime_for", "runtime_of"]
+__all__ = ["DeviceRuntime", "runtime_for", "runtime_of", "check_device", "check_bool"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _TIMING_BATCH = 32  # pending timing brackets a poll lets accumulate (Note [Timings are read in batches])
@@ -465,3 +465,44 @@ def runtime_of(device: Any) -> DeviceRuntime | None:
         except TypeError:
             runtime = _fallback_by_id.get(id(device))
     return runtime
+
+
+_DEVICE_METHODS = (
+    "current_stream",
+    "new_stream",
+    "new_event",
+    "allocate",
+    "holds",
+    "copy_",
+    "memory_stats",
+    "host_pool",
+)
+
+
+def check_device(device: Any, who: str, *, methods: bool = True) -> None:
+    """Refuse what is not an offcore backend device before anything uses it (a name such as ``"cpu"``,
+    None, a ``torch.device``): a ConfigurationError saying how to make one. ``methods=False`` refuses
+    only names and None (for settings keyed by the device object, whatever it is)."""
+    if isinstance(device, str) or device is None or type(device).__name__ == "device":
+        shown = f"the string {device!r}" if isinstance(device, str) else repr(device)
+        name = device if isinstance(device, str) else "cpu' | 'cuda' | 'npu"
+        raise ConfigurationError(
+            f"{who} needs an offcore device object, not {shown}: create it with offcore.device('{name}', ...) "
+            "and pass that"
+        )
+    if not methods:
+        return
+    missing = [name for name in _DEVICE_METHODS if not callable(getattr(device, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"{who}: {type(device).__name__} is not an offcore backend device (missing {', '.join(missing)}); "
+            "create one with offcore.device('cpu' | 'cuda' | 'npu', ...)"
+        )
+
+
+def check_bool(value: Any, name: str, who: str) -> bool:
+    """``value`` when it is a bool; a ConfigurationError otherwise (``"no"`` is truthy: accepting it would
+    silently do the opposite of what was meant)."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{who}: {name} must be True or False, got {value!r}")
+    return value

@@ -361,6 +361,27 @@ def test_device_close_finishes_queued_work(ndev: FakeDevice) -> None:
     assert stream.closed
 
 
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_a_closed_device_refuses_copies_and_streams_saying_it_is_closed(sanitize: bool) -> None:
+    """Note [A closed device says so]: a copy on a closed (sanitized) device failed naming an internal stream
+    ("create a new one with dev.new_stream()") and left a sanitizer record per copy behind."""
+    dev = offcore.device("cpu", capacity="1MiB", sanitize=sanitize, buffers="numpy")
+    stream = dev.new_stream()
+    src, dst = dev.allocate(64, Tier.DEVICE), dev.allocate(64, Tier.PINNED)
+    dev.copy_(dst, src, stream=stream).synchronize()
+    dev.close()
+    assert dev.closed
+    for call in (
+        lambda: dev.copy_(dst, src, stream=stream),
+        lambda: dev.copy_(dst, src, stream=dev.current_stream()),
+        lambda: dev.copy_many([(dst, src), (dst, src)], stream=stream),
+        dev.new_stream,
+    ):
+        with pytest.raises(ConfigurationError, match=r"fake device cpu:0, which is closed \(dev.close\(\) ran\)"):
+            call()
+    assert dev.copies_in_flight == 0
+
+
 def test_streams_accept_only_fake_events(ndev: FakeDevice) -> None:
     with pytest.raises(ConfigurationError, match="fake-device events"):
         ndev.new_stream().wait_event(object())

@@ -194,6 +194,25 @@ def test_a_device_that_cannot_be_created_fails_the_command(
     assert "creating the device failed: the driver went away" in capsys.readouterr().out
 
 
+def test_probing_a_backend_asked_for_by_name_that_cannot_run_fails_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``offcore backends --probe -b cuda`` without a GPU measured nothing: exit 1 and say why (it exited 0 with
+    an empty table); listing it without --probe, or probing every backend, still exits 0."""
+    gone = types.SimpleNamespace(
+        name="gone",
+        availability=lambda: offcore.Availability(False, "no device here"),
+        description="an accelerator that is not here",
+        plugin="test",
+    )
+    monkeypatch.setattr(offcore, "backends", lambda: [gone])
+    assert main(["backends", "--probe", "-b", "gone"]) == 1
+    out = capsys.readouterr().out
+    assert "gone: probe failed: not available, nothing measured: no device here" in out
+    assert main(["backends", "-b", "gone"]) == 0
+    assert main(["backends", "--probe"]) == 0
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

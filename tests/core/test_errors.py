@@ -39,6 +39,8 @@ def test_every_error_derives_from_offcore_error_and_is_exported() -> None:
         (offcore.IllegalTransitionError, RuntimeError),
         (offcore.SavedTensorModifiedError, RuntimeError),
         (offcore.CopyFailedError, RuntimeError),
+        (offcore.SavedTensorHooksDisabledError, RuntimeError),
+        (offcore.SavedTensorHooksDisabledError, ValueError),
     ],
 )
 def test_errors_are_also_the_builtin_callers_expect(cls: type[Exception], builtin: type[Exception]) -> None:

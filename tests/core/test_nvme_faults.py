@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import offcore
-from offcore.nvme import ALIGNMENT, NvmeTier
+from offcore.nvme import ALIGNMENT, NvmeSpec, NvmeTier
 from offcore.nvme.files import OWNER_FILE
 
 
@@ -225,6 +225,28 @@ def test_checksum_catches_a_flipped_byte(tmp_path: Path) -> None:
         out = np.empty_like(original)
         tier.read("s", out).synchronize()
         assert (out == original).all()
+
+
+def test_a_block_changed_on_disk_is_caught_by_default(tmp_path: Path) -> None:
+    """No verify= given: a byte changed in the file is a ChecksumMismatchError, not data (it was read back
+    silently while verify defaulted to False); verify=False still opts out."""
+    for verify in (None, False):
+        options = {} if verify is None else {"verify": verify}
+        with NvmeTier(tmp_path / str(verify), budget="1MiB", chunk_size=CHUNK, **options) as tier:
+            original = _data()
+            tier.write("s", original).synchronize()
+            with open(_file_of(tier), "r+b") as f:
+                f.seek(CHUNK + 5)
+                f.write(b"\x7f")
+            out = np.empty_like(original)
+            if verify is None:
+                assert tier.verify
+                with pytest.raises(offcore.ChecksumMismatchError):
+                    tier.read("s", out).synchronize()
+            else:
+                tier.read("s", out).synchronize()
+                assert not (out == original).all()
+    assert NvmeSpec(str(tmp_path)).verify
 
 
 def test_a_full_filesystem_via_a_file_size_limit(tmp_path: Path) -> None:

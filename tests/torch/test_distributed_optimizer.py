@@ -221,3 +221,31 @@ def test_fsdp_checkpoint_resumes_bit_identically(backend_name: str, tmp_path_fac
         assert_same(again["losses"], full["losses"][SAVE_AFTER:], f"rank {rank} losses after resume")
         assert_same(again["state"], full["state"], f"rank {rank} optimizer state")
         assert again["params"] == full["params"], f"rank {rank}: parameters after resume differ"
+
+
+def _plain_optimizer_over_fsdp(ctx: RankContext) -> str:
+    """A plain OffloadOptimizer over FSDP2's DTensor parameters: the error it raises (it once killed the rank)."""
+    import offcore_torch
+
+    import offcore
+
+    device = ctx.make_device()
+    model, _, _ = tinygpt(checkpoint=False)
+    with device:
+        model = wrap(ctx, ctx.place(model, device), "fsdp")
+        try:
+            offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=device, **ADAMW)
+        except offcore.ConfigurationError as exc:
+            return str(exc)
+    return "constructed"
+
+
+@pytest.mark.slow
+def test_a_plain_offload_optimizer_over_fsdp_names_fsdp_offload_optimizer(backend_name: str) -> None:
+    """Each rank gets a ConfigurationError naming FSDPOffloadOptimizer (the fake device's copy of a DTensor was
+    a memmove of the global size from the shard's address: SIGSEGV in the constructor)."""
+    reason = skip_reason(backend_name)
+    if reason is not None:
+        pytest.skip(reason)
+    for rank, said in enumerate(run_ranks(_plain_optimizer_over_fsdp, backend_name=backend_name)):
+        assert "FSDPOffloadOptimizer" in said, f"rank {rank}: {said}"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -147,6 +150,58 @@ def test_modules_restricts_offloading_to_their_forward(dev: Any) -> None:
     stats = handle.stats()
     assert stats.kept["outside_modules"] >= 1  # tanh's output in `first`
     assert stats.offloaded_storages >= 1  # second's input h and its tanh output
+
+
+def test_a_region_whose_tensors_all_live_elsewhere_warns_once_with_the_fix(backend: Any, make_fake_device: Any) -> None:
+    """A forward outside ``with dev:`` (or under another device) offloaded nothing and said nothing (0 bytes in
+    its stats): Note [A region whose tensors live elsewhere says so]."""
+    if not is_fake_device(backend):
+        pytest.skip("tensors outside the device's memory in a forward exist only on the fake device")
+    dev = sanitized_device(backend, make_fake_device)
+    other = make_fake_device()
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))  # host memory, not the device's
+    x = torch.randn(16, 64)
+
+    def forward(active: Any) -> Any:
+        with active, offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+            loss = model(x).sum()
+        loss.backward()
+        return handle.stats()
+
+    with pytest.warns(offcore.OffcoreWarning, match=r"offloaded nothing: \d+ saved tensor\(s\) were not in") as caught:
+        stats = forward(contextlib.nullcontext())
+    assert "with dev:" in str(caught[0].message) and stats.offloaded_tensors == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per device
+        forward(other)
+        with dev:  # on the device: offloaded, no warning
+            adopted = dev.adopt(nn.Linear(64, 64))
+            with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+                loss = adopted(torch.randn(16, 64)).exp().sum()
+            loss.backward()
+        assert handle.stats().offloaded_tensors > 0
+    settle(dev)
+
+
+def test_a_region_whose_forward_runs_on_another_thread_warns(dev: Any) -> None:
+    """Saved-tensor hooks belong to the thread that entered the region: a forward on a worker thread offloaded
+    nothing, silently."""
+    with dev:
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(dev.torch_device)
+    out: dict[str, Any] = {}
+
+    def forward() -> None:
+        with dev:
+            out["loss"] = model(torch.randn(8, 64, device=dev.torch_device)).sum()
+
+    with pytest.warns(offcore.OffcoreWarning, match="the forward ran on thread 'worker'"):
+        with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+            worker = threading.Thread(target=forward, name="worker")
+            worker.start()
+            worker.join()
+    out.pop("loss").backward()
+    assert handle.stats().offloaded_tensors == 0
+    settle(dev)
 
 
 def test_tensors_not_on_the_device_are_kept(backend: Any, make_fake_device: Any) -> None:

@@ -80,3 +80,42 @@ def test_a_failed_parameter_copy_is_recovered_bit_identically(
         assert got["raised"] == [] and got["stats"].copy_failures >= 1
     else:  # refused at submission: the step raised once and was run again, or a write-back copied again
         assert len(got["raised"]) + got["stats"].copy_failures == 1, (got["raised"], got["stats"].copy_failures)
+
+
+@pytest.mark.parametrize("where", ["pre_hook", "hook", "global_hook"])
+def test_a_keyboard_interrupt_in_forward_leaves_a_removable_handle(make_fake_device: Any, where: str) -> None:
+    """torch runs ``always_call`` forward hooks on an ``Exception`` only: a KeyboardInterrupt in a user's hook
+    left the handle inside forward forever (``remove()`` refused every later try, its pinned copies held;
+    Note [Forwards ended by a BaseException]). The next forward is bit-identical, remove() works and gives
+    the pinned memory back."""
+    dev = make_fake_device(link="slow")
+    torch.manual_seed(0)
+    with dev:
+        model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))).to(dev.torch_device)
+        x = torch.randn(2, 64, device=dev.torch_device)
+        want = model(x)
+    pinned = dev.memory_stats()["pinned_bytes"]
+    handle = offload_parameters(model, dev)
+
+    def interrupt(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    if where == "pre_hook":
+        hook = model[1].register_forward_pre_hook(interrupt)
+    elif where == "hook":
+        hook = model[1].register_forward_hook(interrupt)
+    else:
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: interrupt() if module is model[1] else None
+        )
+    try:
+        with pytest.raises(KeyboardInterrupt), dev:
+            model(x)
+    finally:
+        hook.remove()
+    with dev:
+        assert torch.equal(model(x), want)
+    handle.remove()
+    assert dev.memory_stats()["pinned_bytes"] == pinned
+    with dev:
+        assert torch.equal(model(x), want)

@@ -19,10 +19,11 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from hf_models import small_causal_lm, transformers  # noqa: E402
-from offcore_torch.models import GPTConfig, TinyGPT, next_token_loss  # noqa: E402
+from offcore_torch.models import GPTConfig, TinyGPT, mlp_workload, next_token_loss  # noqa: E402
 from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from offload_helpers import BadBatch, backward_raises_after  # noqa: E402
 
+import offcore  # noqa: E402
 from offcore.errors import ConfigurationError  # noqa: E402
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -310,3 +311,44 @@ def test_two_offload_optimizers_over_one_model(make_fake_device: Any, handle: bo
             return out
 
     _same(train(make_fake_device(link="slow"), True), train(make_fake_device(), False))
+
+
+def _adam_steps(opt: Any) -> list[int]:
+    return [int(opt.state[m]["step"]) if m in opt.state else 0 for g in opt.param_groups for m in g["params"]]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::offcore.errors.OffcoreWarning")  # a recovered prefetch says so
+def test_a_copy_refused_during_step_means_the_step_was_not_applied(make_fake_device: Any) -> None:
+    """Each copy step() issues is refused at submission in turn. step() either succeeds, or raises having
+    applied nothing (a retry is then the one update). It raised the next round's parameter prefetch, which
+    step() starts once the update was applied, so a retry updated twice (Note [A prefetch refused at
+    submission is not an error of the caller's])."""
+    for nth in range(1, 40):
+        dev = make_fake_device(link="slow")
+        work = mlp_workload(d_in=16, width=32, depth=2, d_out=8, batch_size=4)
+        with dev:
+            model = dev.adopt(work.build(0))
+            handle = offload_parameters(model, dev)
+            opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, lr=1e-2)
+            for step in range(2):
+                work.loss(model, work.make_batch(step, torch.device("cpu"))).backward()
+                if step == 1:
+                    dev.inject_copy_fault(nth, mode="submit")
+                before = _adam_steps(opt)
+                try:
+                    opt.step()
+                except offcore.OffcoreError:
+                    assert _adam_steps(opt) == before, f"copy {nth} of step(): raised after applying the update"
+                    opt.step()  # the retry applies it once
+                assert _adam_steps(opt) == [s + 1 for s in before]
+                opt.zero_grad()
+            armed = dev.copy_fault_armed
+            dev.inject_copy_fault(None)
+            opt.close()
+            handle.remove()
+        if armed:  # step() issued fewer copies than nth: every one of them was tried
+            break
+    else:
+        pytest.fail("step() issued more copies than the test tried")
+    assert nth > 2, "step() issued no copy to refuse"

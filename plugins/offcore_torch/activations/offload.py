@@ -93,6 +93,7 @@ from offcore.errors import (
     ConfigurationError,
     CopyFailedError,
     OffcoreWarning,
+    SavedTensorHooksDisabledError,
     SavedTensorModifiedError,
 )
 from offcore.inflight import must_wait
@@ -121,6 +122,7 @@ from offcore_torch.runtime import (
     _SAMPLE_FIRST,
     _TIMING_BATCH,
     DeviceRuntime,
+    check_device,
     runtime_for,
     runtime_of,
 )
@@ -356,6 +358,7 @@ class OffloadHandle:
         self._trace = TraceRecorder(process_name="offcore_torch") if policy.trace else None
         self._stats = OffloadStats()
         self._kept: collections.Counter[str] = collections.Counter()
+        self._elsewhere: str | None = None  # a saved tensor not in the device's memory (Note [A region whose ...])
         self._peak_samples = 0
         self._peak_baseline = 0
         self._peak_final: int | None = None
@@ -428,6 +431,11 @@ class OffloadHandle:
                 "an OffloadHandle is entered once: call offload_activations(...) again for the next step"
             )
         self._entered = True
+        if getattr(self.device, "closed", False) is True:  # Note [A closed device says so] (offcore_cpu)
+            raise ConfigurationError(
+                f"offload_activations on {self.device!r}, which is closed (dev.close() ran): make a new device and "
+                "enter the region on it"
+            )
         poll(self.runtime)
         self.runtime.resolve_timings()  # the last step's copy timings, before this one runs
         if _inside_checkpoint():
@@ -444,9 +452,10 @@ class OffloadHandle:
         try:
             hooks.__enter__()
         except RuntimeError as exc:  # torch.autograd.graph.disable_saved_tensors_hooks is in force
-            raise ConfigurationError(
-                "offload_activations cannot run here: saved-tensor hooks are disabled on this thread "
-                f"(torch says: {str(exc).strip()}). Enter it outside torch.autograd.graph.disable_saved_tensors_hooks."
+            # torch's own message first: code written for save_on_cpu matches it (a RuntimeError too)
+            raise SavedTensorHooksDisabledError(
+                f"{str(exc).strip()}\n(offload_activations cannot run here: saved-tensor hooks are disabled on this "
+                "thread. Enter it outside torch.autograd.graph.disable_saved_tensors_hooks.)"
             ) from exc
         try:
             self._rules.install()
@@ -483,6 +492,7 @@ class OffloadHandle:
                 self.runtime.resolve_timings()  # Note [Timings are read in batches] (runtime.py)
             self._flush_copies()
         if exc_type is None:
+            self._warn_if_all_elsewhere()  # Note [A region whose tensors live elsewhere says so]
             # Note [Prefetch from the end of forward]: what backward needs first was saved
             # last; starting the plan now keeps (or starts reloading) it before backward's
             # first use instead of stalling on it.
@@ -497,7 +507,46 @@ class OffloadHandle:
     # -- pack ----------------------------------------------------------------------------
     def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> Kept:
         self._kept[reason] += 1
+        if reason == "not_on_device" and self._elsewhere is None:
+            self._elsewhere = f"{tensor.device} ({tuple(tensor.shape)} {tensor.dtype})"
         return Kept(tensor, key)
+
+    # Note [A region whose tensors live elsewhere says so]
+    # The region offloads what is in its device's memory (``device.holds``). A forward whose tensors are
+    # made elsewhere -- outside ``with dev:`` on the fake device, while another device is active, on a
+    # model not moved to the device -- saves them all as "not_on_device": nothing is offloaded, the
+    # stats say 0 bytes, and nothing else told the user the region did nothing. At the end of a forward
+    # that offloaded nothing while some of its saved tensors were elsewhere, the region warns, once per
+    # device, with the fix. A forward on another thread never reaches the (thread-local) pack hook; the
+    # rules' global module hooks see its modules (PackRules.foreign_thread), and the region says that.
+    def _warn_if_all_elsewhere(self) -> None:
+        elsewhere = self._kept.get("not_on_device", 0)
+        thread = self._rules.foreign_thread
+        if (
+            not (elsewhere or thread)
+            or self._stats.offloaded_tensors
+            or getattr(self.runtime, "warned_elsewhere", False)
+        ):
+            return
+        self.runtime.warned_elsewhere = True  # type: ignore[attr-defined]
+        if not elsewhere:  # a module ran on another thread while the region was active, nothing was saved here
+            warnings.warn(
+                f"offcore: offload_activations on {self.device!r} offloaded nothing: the forward ran on thread "
+                f"{thread!r}, but the region was entered on {threading.current_thread().name!r} and saved-tensor "
+                "hooks belong to one thread. Enter the region on the thread that runs the forward",
+                OffcoreWarning,
+                stacklevel=3,
+            )
+            return
+        warnings.warn(
+            f"offcore: offload_activations on {self.device!r} offloaded nothing: {elsewhere} saved tensor(s) were "
+            f"not in that device's memory (e.g. on {self._elsewhere}). Run the forward with its tensors on the "
+            f"region's device: inside `with dev:` for the fake device (the model adopted or built there, the "
+            f"inputs made there), or moved to {getattr(self.device, 'torch_device', 'the device')}; on the thread "
+            "that entered the region",
+            OffcoreWarning,
+            stacklevel=3,
+        )
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         # Once per saved tensor: the decisions are PackRules' (policy.py), asked in their order.
@@ -1398,30 +1447,7 @@ def _release_buffers(
 
 
 def _check_device(device: Any) -> None:
-    if isinstance(device, str):
-        raise ConfigurationError(
-            f"offload_activations needs a device object, not the string {device!r}: "
-            f"create it with offcore.device({device!r}, ...) and pass that"
-        )
-    missing = [
-        name
-        for name in (
-            "current_stream",
-            "new_stream",
-            "new_event",
-            "allocate",
-            "holds",
-            "copy_",
-            "memory_stats",
-            "host_pool",
-        )
-        if not callable(getattr(device, name, None))
-    ]
-    if missing:
-        raise ConfigurationError(
-            f"{type(device).__name__} is not an offcore backend device (missing {', '.join(missing)}); "
-            "create one with offcore.device('cpu' | 'cuda' | 'npu', ...)"
-        )
+    check_device(device, "offload_activations")
     capabilities = frozenset(getattr(device, "capabilities", ()))
     if capabilities and Capability.TORCH not in capabilities:
         raise ConfigurationError(

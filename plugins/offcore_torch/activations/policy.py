@@ -310,6 +310,8 @@ class PackRules:
         "exclude_depth",
         "watermark",
         "capacity",
+        "thread",
+        "foreign_thread",
         "_handles",
     )
 
@@ -327,6 +329,8 @@ class PackRules:
             Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
         )
         self.capacity = 0
+        self.thread = 0  # the thread the region was entered on (install)
+        self.foreign_thread: str | None = None  # a module called on another thread meanwhile (its name)
         self._handles: list[Any] = []
 
     # -- the decisions (once per saved tensor) -------------------------------------------
@@ -396,6 +400,7 @@ class PackRules:
     def install(self) -> None:
         """Register the module hooks the rules need (removed by :meth:`remove`, also after a failure)."""
         policy, handles = self.policy, self._handles
+        self.thread, self.foreign_thread = threading.get_ident(), None
         try:
             for module in (policy.modules or ()) + (policy.exclude or ()):
                 self.note_module(module)
@@ -457,6 +462,9 @@ class PackRules:
     def _on_module_enter(self, module: nn.Module, _args: Any) -> None:
         if torch.compiler.is_compiling():  # Note [The module stack under torch.compile]
             return
+        if threading.get_ident() != self.thread:  # saved-tensor hooks are this thread's: nothing of it is ours
+            self.foreign_thread = threading.current_thread().name
+            return
         name = self.module_names.get(id(module))
         if name is None:
             self.note_module(module)
@@ -471,5 +479,5 @@ class PackRules:
         # compiled code are packed when its graph runs, named after the eager module around it.
         if torch.compiler.is_compiling():
             return
-        if self.module_stack:
+        if self.module_stack and threading.get_ident() == self.thread:
             self.module_stack.pop()

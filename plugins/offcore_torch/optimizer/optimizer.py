@@ -290,20 +290,25 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from offcore_layout import describe, plain_tensor_problem
 
 from offcore.errors import (
     CapacityExceededError,
     ConfigurationError,
     CopyFailedError,
+    IllegalTransitionError,
     OffcoreError,
+    OffcoreWarning,
     StorageError,
 )
 from offcore.inflight import must_wait
@@ -318,7 +323,7 @@ from offcore.scheduler import Scheduler
 from offcore.trace import TraceRecorder
 from offcore.units import format_bytes, parse_size
 from offcore_torch.nvme import nvme_tier_for, open_nvme
-from offcore_torch.runtime import runtime_for
+from offcore_torch.runtime import check_bool, check_device, runtime_for
 
 __all__ = ["OffloadOptimizer", "OffloadGradScaler", "MASTER_WEIGHTS_KEY"]
 
@@ -453,12 +458,82 @@ def _check_params(groups: list[Any]) -> None:
                 raise ConfigurationError(
                     f"OffloadOptimizer params must be tensors or (name, tensor) pairs, got {type(param).__name__}"
                 )
+            name = f" {named[0]!r}" if isinstance(named, tuple) else ""
+            if _is_dtensor(param):
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) is a DTensor (sharded with "
+                    "fully_shard / FSDP2): its bytes are the local shard, not the global shape. Use "
+                    "offcore_torch.distributed.FSDPOffloadOptimizer(model, optimizer_class, device=...), which steps "
+                    "each rank's shard on the host"
+                )
+            problem = plain_tensor_problem(param)
+            if problem is not None and param.layout is torch.strided:
+                # Note [Raw pointers see checked tensors only]: the device copies only plain tensors
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) cannot be offloaded: {problem}. "
+                    "Offload plain dense parameters"
+                )
+            if not param.is_leaf:
+                raise ConfigurationError(
+                    f"OffloadOptimizer: parameter{name} ({describe(param)}) is not a leaf tensor (it was computed "
+                    f"by {type(param.grad_fn).__name__}); optimizers step leaves: pass the nn.Parameter, or "
+                    "tensor.detach().requires_grad_()"
+                )
             if param.layout is not torch.strided:
-                name = f" {named[0]!r}" if isinstance(named, tuple) else ""
                 raise ConfigurationError(
                     f"OffloadOptimizer: parameter{name} ({tuple(param.shape)}) is sparse ({param.layout}); sparse "
                     "parameters are not supported (the host copies are dense): make it a dense parameter"
                 )
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed when unused)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+# Note [One OffloadOptimizer per parameter]
+# Each OffloadOptimizer takes its parameters' gradients off the device in their post-accumulate-grad
+# hooks and clears ``param.grad``. Two of them over one parameter (torch steps both of two plain
+# optimizers) would race for the gradient: the one whose hook runs second finds ``grad`` None and
+# never steps, silently. So an open optimizer claims its parameters, and a second one is refused until
+# the first is closed (or collected). The claims live in a registry keyed by ``id(param)``, each a
+# weak reference to the parameter and to its optimizer, held alive by the optimizer (``_claims``): the
+# parameter carries nothing (an attribute would be pickled with ``torch.save(model)`` and copied by
+# ``copy.deepcopy``), a claim goes with its optimizer, and an id reused by another tensor does not match.
+class _Claim:
+    __slots__ = ("param", "opt", "__weakref__")
+
+    def __init__(self, param: torch.Tensor, opt: OffloadOptimizer) -> None:
+        self.param = weakref.ref(param)
+        self.opt = weakref.ref(opt)
+
+
+_CLAIMS: weakref.WeakValueDictionary[int, _Claim] = weakref.WeakValueDictionary()
+
+
+def _claim(param: torch.Tensor, opt: OffloadOptimizer) -> None:
+    claim = _CLAIMS.get(id(param))
+    other = claim.opt() if claim is not None and claim.param() is param else None
+    if other is not None and other is not opt and not other._closed:
+        raise ConfigurationError(
+            f"OffloadOptimizer: a parameter ({describe(param)}) is already optimized by another open "
+            "OffloadOptimizer; each takes its parameters' gradients off the device, so the second would never "
+            "see one. Close the first (opt.close(), or use it as a context manager), or give each optimizer "
+            "its own parameters"
+        )
+    claim = _Claim(param, opt)
+    opt._claims.append(claim)
+    _CLAIMS[id(param)] = claim
+
+
+def _unclaim(opt: OffloadOptimizer) -> None:
+    for claim in opt._claims:
+        param = claim.param()
+        if param is not None and _CLAIMS.get(id(param)) is claim:
+            del _CLAIMS[id(param)]
+    opt._claims.clear()
 
 
 def _check_dense_gradient(slot: _Slot, grad: torch.Tensor) -> None:
@@ -664,12 +739,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nvme_masters: bool | None = None,
         nvme_path: str | None = None,
         nvme_budget: int | str | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
         trace: TraceRecorder | None = None,
         params_on_host: Any = None,
         overlap_uploads: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
+        check_device(device, "OffloadOptimizer")
+        for flag, value in (
+            ("master_weights", master_weights),
+            ("offload_gradients", offload_gradients),
+            ("pin_memory", pin_memory),
+            ("verify", False if verify is None else verify),
+        ):
+            check_bool(value, flag, "OffloadOptimizer")
+        if trace is not None and not callable(getattr(trace, "span", None)):
+            raise ConfigurationError(
+                f"OffloadOptimizer: trace must be an offcore.trace.TraceRecorder (or None), got {trace!r}"
+            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigurationError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
@@ -696,7 +783,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigurationError(
                 "give the NVMe tier once: nvme= (a path or an offcore.nvme.NvmeSpec) or nvme_path="
             )
-        if tier == "nvme" and nvme is None and nvme_path is None and (nvme_budget is not None or verify):
+        if tier == "nvme" and nvme is None and nvme_path is None and (nvme_budget is not None or verify is not None):
             raise ConfigurationError(
                 "nvme_budget= / verify= set up a tier of this optimizer's own: give its directory with nvme= or "
                 "nvme_path= (the device's shared tier, offcore_torch.nvme_tier, has its own budget and verify)"
@@ -746,6 +833,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.ledger = Ledger()
         self.trace = trace
         self._slots: list[_Slot] = []
+        self._frozen: set[int] = set()  # slots frozen when made: no gradient hook (Note [Parameters unfrozen ...])
+        self._claims: list[_Claim] = []  # Note [One OffloadOptimizer per parameter]
         self._by_param: dict[int, _Slot] = {}
         self._device_params: dict[int, _Slot] = {}  # the forward pre-hook's: parameters not on the host
         self._lock = threading.Lock()
@@ -778,6 +867,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
         self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
         self._lost: str | None = None  # a gradient of this round was lost (Note [Failed copies in the optimizer])
+        self.copy_failures = 0
+        """Copies that failed and were made again, recovered (each also an OffcoreWarning)."""
         self._state_bytes = 0
         self._closed = False
         self._host_tier = Tier.PINNED if pin_memory else Tier.PAGEABLE
@@ -809,11 +900,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._nvme_base = id(self)  # keys (id, index): unique in a tier shared by the device's bindings
         if tier == "nvme":
             if nvme_path is not None:
-                nvme = NvmeSpec(nvme_path, nvme_budget, verify)
-            elif nvme_budget is not None or verify:
+                nvme = NvmeSpec(nvme_path, nvme_budget, True if verify is None else verify)
+            elif nvme_budget is not None or verify is not None:
                 spec = NvmeSpec(os.fspath(nvme), nvme_budget, verify) if not isinstance(nvme, NvmeSpec) else nvme
                 nvme = NvmeSpec(
-                    spec.path, nvme_budget if nvme_budget is not None else spec.budget, verify or spec.verify
+                    spec.path,
+                    nvme_budget if nvme_budget is not None else spec.budget,
+                    spec.verify if verify is None else verify,
                 )
             self._nvme, self._nvme_owned = open_nvme(device, nvme, ledger=self.ledger)
             # bounce buffers: three groups live in the pipeline (read i+1, step i, write i-1), each of
@@ -838,6 +931,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             host_groups = [self._make_slots(g) for g in groups]
             self._host = optimizer_class(host_groups, **optimizer_kwargs)
         except BaseException:
+            self._closed = True  # claims nothing (Note [One OffloadOptimizer per parameter])
             self._release_everything()
             raise
         self._regroup()
@@ -922,6 +1016,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             param = _tensor_of(named)
             if id(param) in self._by_param:
                 raise ConfigurationError("some parameters appear in more than one parameter group")
+            _claim(param, self)
             if not param.is_floating_point():
                 raise ConfigurationError(f"OffloadOptimizer optimizes floating-point parameters, got {param.dtype}")
             slot = _Slot(len(self._slots), param, group)
@@ -966,6 +1061,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._offload_gradients and param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
                 slot.pre_hook = param.register_hook(_pre_grad_hook(self, slot))
+            elif self._offload_gradients:  # Note [Parameters unfrozen after construction]
+                self._frozen.add(slot.index)
             # named parameters: the host group gets (name, master), so torch writes "param_names" as for its own
             masters.append((named[0], slot.master) if isinstance(named, tuple) else slot.master)
         return {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
@@ -1046,6 +1143,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of device parameters (their host copies are made now)."""
+        self._check_open("add_param_group()")
         if self._host is None:  # Optimizer.__init__ path, unused: groups are built in __init__
             raise OffcoreError("OffloadOptimizer is not initialised")
         self._drain()
@@ -1075,12 +1173,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
             >>> opt.accept_gradient(param, reduced_grad)          # doctest: +SKIP
         """
+        self._check_open("accept_gradient()")
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
         return self._send_gradient(self._slot(param), grad, clear=False)
 
+    # Note [Parameters unfrozen after construction]
+    # Gradients reach the host through each parameter's post-accumulate-grad hook, and torch refuses
+    # that hook on a tensor that does not require grad. A parameter frozen when the optimizer was made
+    # and unfrozen later (gradual unfreezing) therefore had no hook: its gradient stayed on the device
+    # and it never moved, silently, where torch's optimizers step it. So such slots are remembered
+    # (``_frozen``) and ``step()`` adopts the ones that require grad now: their hook is registered for
+    # the next rounds, and a gradient already accumulated on the device is taken now, as the hook would
+    # have taken it. (Not after remove_gradient_hooks(): then the caller hands the gradients over.)
+    def _adopt_unfrozen(self) -> None:
+        for index in sorted(self._frozen):
+            slot = self._slots[index]
+            if not slot.param.requires_grad:
+                continue
+            self._frozen.discard(index)
+            slot.hook = slot.param.register_post_accumulate_grad_hook(_grad_hook(self, slot))
+            slot.pre_hook = slot.param.register_hook(_pre_grad_hook(self, slot))
+            self._on_gradient(slot)
+
     def remove_gradient_hooks(self) -> None:
         """Stop taking gradients from post-accumulate-grad hooks (they come through :meth:`accept_gradient`)."""
+        self._frozen.clear()
         for slot in self._slots:
             if slot.hook is not None:
                 slot.hook.remove()
@@ -1368,6 +1486,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     with self._sched_lock:  # the core sees the first copy fail and the second start
                         entry[4].offload_failed(entry[3])
                         entry[4].offload_started(entry[3], again, self._host_tier)
+                    self._recovered(f"the D2H copy of parameter {slot.index}'s gradient", exc)
                 except Exception:
                     if entry is not None:
                         self._free_gradient(entry, failed=True)
@@ -1480,11 +1599,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except Exception as first:
             self._runtime.recover(stream)
             try:
-                return self._device.copy_(dst, src, stream=stream)
+                event = self._device.copy_(dst, src, stream=stream)
+                self._recovered(f"the copy of {what or 'a tensor'} (refused at submission)", first)
+                return event
             except Exception as exc:
                 raise CopyFailedError(
                     f"OffloadOptimizer: the copy of {what or 'a tensor'} failed twice ({first}; {exc})"
                 ) from exc
+
+    def _recovered(self, what: str, exc: BaseException) -> None:
+        """A failed copy was made again and landed (Note [Failed copies in the optimizer]): counted in
+        ``copy_failures`` and said, as the other bindings say theirs; the numbers are unchanged."""
+        with self._lock:
+            self.copy_failures += 1
+        warnings.warn(
+            f"offcore: {what} failed ({exc}); copied again, recovered without changing a number "
+            "(see OffloadOptimizer.copy_failures)",
+            OffcoreWarning,
+            stacklevel=3,
+        )
 
     def _copy_up(self, slot: _Slot, *, force: bool = False) -> Any:
         """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event.
@@ -1669,6 +1802,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
                     "host master holds the stepped value: fix the cause and call opt.synchronize()"
                 ) from again
+            self._recovered(f"the upload of parameter {slot.index}", exc)
         if self.trace is not None and traced:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         # the compute stream is ordered after the upload now: everything it does later (a write of the
@@ -1778,6 +1912,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Returns when the host steps finished (Note [One host step at step()]); the uploads are issued
         in need order from there, and the next forward waits per parameter for its copy.
         """
+        self._check_open("step()")
+        if self._frozen:
+            self._adopt_unfrozen()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1820,7 +1957,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._end_round()
             raise
-        self._end_round()
+        try:
+            self._end_round()
+        except BaseException as exc:  # an error must say what happened: here, the update did
+            exc.add_note(
+                "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
+                "the round (from what step() starts for the next one); do not call step() again for this round"
+            )
+            raise
         self._stepped_since_zero_grad = True
         if not self._overlap_uploads:
             self._publish_uploads()
@@ -2264,6 +2408,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from the device parameters' dtype (:data:`MASTER_WEIGHTS_KEY`); states and masters on NVMe are
         read from disk. The hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``
         run as torch runs them (a post hook may return a new state dict)."""
+        self._check_open("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         sd = self._state_dict()
@@ -2345,6 +2490,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         (which may return the state dict to load) and ``register_load_state_dict_post_hook`` run as
         torch runs them.
         """
+        self._check_open("load_state_dict()")
+        if not isinstance(state_dict, dict):
+            raise ConfigurationError(
+                f"OffloadOptimizer.load_state_dict() takes a state dict (a dict from state_dict()), got "
+                f"{type(state_dict).__name__}"
+            )
         state_dict = dict(state_dict)  # torch's shallow copy: a pre hook may change it
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -2398,6 +2549,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._count_state()
 
     # -- lifecycle --------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        """Refuse ``what`` on a closed optimizer: its host copies are gone, so it would step nothing."""
+        if self._closed:
+            raise IllegalTransitionError(
+                f"OffloadOptimizer.{what} after close(): the optimizer gave its host memory back and steps "
+                "nothing; make a new OffloadOptimizer (load its state_dict(), saved before close(), to go on)"
+            )
+
     def close(self) -> None:
         """Wait for work in flight, remove the hooks, give the host memory back."""
         if self._closed:
@@ -2451,10 +2610,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._state_pool.trim()
             _drop_nvme(self._nvme, self._nvme_owned, self._nvme_base)
         self.ledger = Ledger()
+        _unclaim(self)  # Note [One OffloadOptimizer per parameter]
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty
             slot.stage = slot.h2d_dst = None
+            slot.group = {**slot.group, "params": []}  # the host group listed the masters (pinned views)
         self._host = None
         self._pending_h2d.clear()
         self._rs = None

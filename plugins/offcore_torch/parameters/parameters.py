@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from offcore_layout import describe, plain_tensor_problem
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from offcore.errors import CapacityExceededError, ConfigurationError, CopyFailedError, OffcoreError, OffcoreWarning
@@ -71,13 +72,15 @@ from offcore.scheduler import Scheduler
 from offcore.units import parse_size
 from offcore_torch.budget import shared_budget_for
 from offcore_torch.nvme import nvme_tier_for, open_nvme
-from offcore_torch.runtime import DeviceRuntime, runtime_for
+from offcore_torch.runtime import DeviceRuntime, check_bool, check_device, runtime_for
 
 __all__ = ["offload_parameters", "ParameterOffloadHandle", "ParameterOffloadStats"]
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 _SEARCH = 64  # how far ahead of the cursor a use is looked up in the predicted sequence
 _UNIT_SECONDS = 1e-3  # the first step's predicted spacing of uses (seconds), before anything was measured
+
+_CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__  # Note [Forwards ended by a BaseException]
 
 # functions that read no tensor data: a parameter whose storage is empty may pass through them
 _METADATA = frozenset(
@@ -523,7 +526,16 @@ class ParameterOffloadHandle:
 
     # -- setup -----------------------------------------------------------------------
     def _slot_for(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> _Slot | None:
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        problem = None if tensor.is_meta else plain_tensor_problem(tensor)  # meta: "on meta", below
+        if problem is not None:  # Note [Raw pointers see checked tensors only]: checked before any storage use
+            raise ConfigurationError(
+                f"offload_parameters: {name} ({describe(tensor)}) cannot be offloaded: {problem}. Offload plain "
+                "dense parameters (FSDP2 shards its parameters itself: offload its optimizer with "
+                "offcore_torch.distributed.FSDPOffloadOptimizer)"
+            )
+        if tensor.numel() == 0:
             return None
         storage = tensor.untyped_storage()
         slot = self._by_storage.get(id(storage))
@@ -978,6 +990,16 @@ class ParameterOffloadHandle:
                 if slot.host is not None and slot.resident:
                     self._release_host(slot)
 
+    # Note [A prefetch refused at submission is not an error of the caller's]
+    # Prefetches are issued from wherever a trigger lands: a module's hooks, and also the end of an
+    # OffloadOptimizer's step() (host_updated starts the next round early, Note [The next step starts
+    # early]). A prefetch copy that the device refuses at submission (``copy_`` raising) left
+    # _copy_in's storages not resident, their host copies intact; raising it out of step() told the
+    # caller the step failed *after* the update was applied, so a retry applied it twice. A prefetch is
+    # only ahead of time: its failure is a warning and a counted copy failure, the prefetch is refused
+    # for this trigger, and the use copies the storages in (raising there, where nothing else happened,
+    # if that copy fails too). Out-of-memory refusals stay what they were (no more prefetches).
+
     # Note [A parameter copy that failed is copied again]
     # A host-to-device copy of a parameter can fail on its stream (the event raises when waited for,
     # as an asynchronous CUDA error does; the fake device's injected faults do). The host copy is
@@ -1212,11 +1234,21 @@ class ParameterOffloadHandle:
                 unit = self._units[step.sequence[key][0]]
                 try:
                     event = self._copy_in(unit.slots)
-                except BaseException as exc:
-                    if not _is_oom(exc):
-                        raise
-                    self._counters["refused"] += 1
-                    rs.refused(key, "oom")
+                except Exception as exc:
+                    if _is_oom(exc):
+                        self._counters["refused"] += 1
+                        rs.refused(key, "oom")
+                        continue
+                    # Note [A prefetch refused at submission is not an error of the caller's]
+                    self._counters["copy_failures"] += 1
+                    warnings.warn(
+                        f"offcore: the prefetch of {unit.name}'s parameters failed at submission ({exc}); they are "
+                        "copied in when used (Note [A prefetch refused at submission is not an error of the "
+                        "caller's])",
+                        OffcoreWarning,
+                        stacklevel=2,
+                    )
+                    rs.refused(key, "failed")
                     continue
                 for slot in unit.slots:
                     slot.holds += 1
@@ -1290,9 +1322,31 @@ class ParameterOffloadHandle:
                 slot.pins -= 1
 
     # -- hooks -------------------------------------------------------------------------
+    # Note [Forwards ended by a BaseException]
+    # The post hook that pops a module's frame is registered with ``always_call=True``, but torch calls
+    # those hooks only when forward raised an ``Exception``: a ``KeyboardInterrupt`` (or ``SystemExit``,
+    # ``GeneratorExit``) raised in forward or in a user's hook leaves every frame of that forward behind,
+    # and the handle believed it was inside forward from then on: ``remove()`` refused forever and the
+    # step never ended (its pins and pinned buffers held). A frame is stale when no call of a module this
+    # handle hooks is on the stack of the handle's thread: the root model's pre hook finding frames checks
+    # that (a root model is not called inside its own forward), so does ``remove()``; stale frames are
+    # dropped as a failed forward's are (``_abort``).
+    def _frames_are_stale(self) -> bool:
+        if threading.current_thread() is not self._thread:
+            return False  # a forward may be running on the handle's thread
+        hooked = {id(self.model), *self._module_unit}
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in hooked:
+                return False
+            frame = frame.f_back
+        return True
+
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # Note [Compiled blocks are units]
             return
+        if self._frames and module is self.model and self._frames_are_stale():
+            self._abort()  # Note [Forwards ended by a BaseException]
         unit = self._module_unit.get(id(module))
         in_backward = _graph_task_id() >= 0
         frame: tuple[_Unit | None, list[_Slot], bool] = (unit, [], in_backward)
@@ -1650,8 +1704,10 @@ class ParameterOffloadHandle:
         """Bring every parameter and buffer back to the device (bit-identical) and remove every hook."""
         if self._removed:
             return
-        if self._frames:
+        if self._frames and not self._frames_are_stale():
             raise OffcoreError("handle.remove() inside the model's forward")
+        if self._frames:  # Note [Forwards ended by a BaseException]
+            self._abort()
         self._end_step()
         for slot in self._slots:
             slot.outside = False
@@ -1786,6 +1842,9 @@ def offload_parameters(
 
         >>> handle = offload_parameters(model, dev, budget="32MiB")   # doctest: +SKIP
     """
+    check_device(device, "offload_parameters")
+    check_bool(buffers, "buffers", "offload_parameters")
+    check_bool(pinned, "pinned", "offload_parameters")
     if prefetch not in ("deadline", "asap", "on_demand"):
         raise ConfigurationError(f"prefetch must be 'deadline', 'asap' or 'on_demand', got {prefetch!r}")
     if not pinned:
