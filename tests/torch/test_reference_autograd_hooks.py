@@ -37,9 +37,9 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offload_helpers import pool_used_bytes, sanitized_device, settle  # noqa: E402
-from torch_test_devices import take_in_place_writes_of_saved_tensors  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
+from torch_test_devices import take_in_place_writes_of_saved_tensors  # noqa: E402
 
 import offcore  # noqa: E402
 from offcore.errors import SavedTensorModifiedError  # noqa: E402
