@@ -138,6 +138,9 @@ class ManagedObject:
             )
         self.state = State.OFFLOADED  # OFFLOADING -> OFFLOADED, checked above (Note [Transitions checked inline])
         self.tier = self.host_tier or Tier.PINNED
+        # the landed copy's event is not asked again (only an OFFLOADING object's is): let it go now rather
+        # than keep an event (and a backend's marker) alive per saved tensor until backward
+        self.d2h_event = None
 
     def cancel_offload(self) -> None:
         """Keep the device copy after all (e.g. the host pool refused); the host copy is dropped."""

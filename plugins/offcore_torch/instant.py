@@ -107,6 +107,8 @@ class InstantDevice:
         self._peak = 0
         self._lock = threading.Lock()
         self._host: set[int] = set()  # the storages of host buffers (everything else is device memory)
+        self._host_refs: dict[weakref.ref[Any], int] = {}
+        self._device: dict[weakref.ref[Any], int] = {}  # the live device buffers' storages, and their bytes
         self._stream = InstantStream()
 
     @classmethod
@@ -125,26 +127,33 @@ class InstantDevice:
     def new_event(self, *, enable_timing: bool = False) -> InstantEvent:
         return InstantEvent(enable_timing)
 
-    def _freed(self, nbytes: int) -> None:
+    # Each buffer's storage is watched by one weak reference (torch keeps one Python object per
+    # storage while any tensor uses it): its callback returns the bytes (device) or forgets the
+    # storage (host). A plain weakref, not weakref.finalize (four objects for the garbage collector).
+    def _device_freed(self, ref: weakref.ref[Any]) -> None:
         with self._lock:
-            self._allocated -= nbytes
+            self._allocated -= self._device.pop(ref, 0)
 
-    def _host_freed(self, key: int) -> None:
+    def _host_freed(self, ref: weakref.ref[Any]) -> None:
         with self._lock:
-            self._host.discard(key)
+            key = self._host_refs.pop(ref, None)
+            if key is not None:
+                self._host.discard(key)
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
-        key = _storage_key(buffer)
+        storage = buffer.untyped_storage()
+        key = storage._cdata
         with self._lock:
             self._host.add(key)
-        weakref.finalize(buffer.untyped_storage(), self._host_freed, key)
+            self._host_refs[weakref.ref(storage, self._host_freed)] = key
         return buffer
 
     def allocate(self, nbytes: int, tier: Tier) -> torch.Tensor:
         """A 1-D uint8 buffer of ``nbytes`` in ``tier`` (device buffers count against ``capacity``)."""
         if tier is not Tier.DEVICE:
             return self._host_buffer(nbytes)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
             if self._allocated + nbytes > self.capacity:
                 raise CapacityExceededError(
@@ -154,8 +163,7 @@ class InstantDevice:
             self._allocated += nbytes
             if self._allocated > self._peak:
                 self._peak = self._allocated
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        weakref.finalize(buffer.untyped_storage(), self._freed, nbytes)
+            self._device[weakref.ref(buffer.untyped_storage(), self._device_freed)] = nbytes
         return buffer
 
     def holds(self, buffer: Any) -> bool:
