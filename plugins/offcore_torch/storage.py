@@ -141,7 +141,9 @@ class TensorMeta:
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
         return TensorMeta(
-            tensor.shape,  # a torch.Size: an immutable tuple already
+            # a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of ints at its
+            # first pass, a torch.Size (a subclass) it walks at every full collection until backward
+            tuple(tensor.shape),
             tensor.stride(),  # a tuple
             tensor.storage_offset(),
             tensor.dtype,
