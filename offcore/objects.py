@@ -95,7 +95,7 @@ class ManagedObject:
     version: int = 0
     next_use: float | None = None
     name: str = ""
-    id: int = field(default_factory=lambda: next(_ids))
+    id: int = field(default_factory=_ids.__next__)  # a C call: no Python frame per object
     d2h_event: Any = None
     h2d_event: Any = None
     host_tier: Tier | None = None
@@ -138,6 +138,9 @@ class ManagedObject:
             )
         self.state = State.OFFLOADED  # OFFLOADING -> OFFLOADED, checked above (Note [Transitions checked inline])
         self.tier = self.host_tier or Tier.PINNED
+        # the landed copy's event is not asked again (only an OFFLOADING object's is): let it go now rather
+        # than keep an event (and a backend's marker) alive per saved tensor until backward
+        self.d2h_event = None
 
     def cancel_offload(self) -> None:
         """Keep the device copy after all (e.g. the host pool refused); the host copy is dropped."""

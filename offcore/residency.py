@@ -440,8 +440,11 @@ class ResidencyScheduler:
         objects = self.objects
         if key in objects:
             raise IllegalTransitionError(f"object key {key} is registered already")
-        obj = objects[key] = ManagedObject(kind=kind, nbytes=nbytes, name=name)
-        obj.start_offload(event, host_tier)
+        # a new object is RESIDENT, and RESIDENT -> OFFLOADING is allowed: start_offload's transition,
+        # made by the constructor (one call per saved tensor less)
+        obj = objects[key] = ManagedObject(
+            kind=kind, nbytes=nbytes, state=State.OFFLOADING, name=name, d2h_event=event, host_tier=host_tier
+        )
         return obj
 
     def offload_started(self, key: int, event: Any, host_tier: Tier = Tier.PINNED) -> None:

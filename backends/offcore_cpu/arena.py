@@ -200,6 +200,13 @@ class MemoryArena:
     # -- queries --------------------------------------------------------------------------
     def tier_of(self, owner: Any) -> Tier | None:
         """The tier ``owner`` is counted on, or None when the arena does not know it."""
+        # read without the lock (a copy asks this of both its buffers): one dict lookup is atomic, and
+        # the weak reference tells a live registration from a stale one whose id was reused
+        allocation = self._allocations.get(id(owner))
+        if allocation is not None and allocation.ref() is owner:
+            return allocation.tier
+        if self._hooked(owner):  # the hook counts only device memory (holds() asks it without the lock too)
+            return Tier.DEVICE
         with self._lock:
             allocation = self._allocations.get(id(owner))
             if allocation is None or allocation.ref() is not owner:

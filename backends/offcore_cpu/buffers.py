@@ -167,6 +167,9 @@ def ops_for(buffer: Any) -> BufferOps | None:
     torch is never imported here: a tensor can only exist once torch has been imported.
     """
     global _torch_tensor, _torch_ops
+    tensor = _torch_tensor
+    if tensor is not None and isinstance(buffer, tensor):  # the torch binding's case first (a few per copy)
+        return _torch_ops
     if isinstance(buffer, np.ndarray):
         return NUMPY_OPS
     if _torch_tensor is None:

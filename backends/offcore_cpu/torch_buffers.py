@@ -68,8 +68,15 @@ class TorchBuffers:
             and src.is_contiguous()
             and not (src.is_conj() or src.is_neg())
         ):
-            _check_live(dst, "destination")
-            _check_live(src, "source")
+            # _check_live of both sides, inlined for contiguous buffers (once per copy): each reaches
+            # offset + nbytes bytes of its storage (copy_ checked both hold nbytes); a side whose
+            # storage holds fewer is checked again by _check_live, which raises
+            if nbytes and (
+                dst.storage_offset() * dst.element_size() + nbytes > dst.untyped_storage().nbytes()
+                or src.storage_offset() * src.element_size() + nbytes > src.untyped_storage().nbytes()
+            ):
+                _check_live(dst, "destination")
+                _check_live(src, "source")
             _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
             return True
         return False

@@ -50,6 +50,8 @@ def test_device_copy_cannot_be_freed_while_the_d2h_copy_is_pending() -> None:
     event.done = True
     obj.release_device_copy()
     assert obj.state is State.OFFLOADED and obj.tier is Tier.PINNED
+    # the landed copy's event is let go (one backend event per saved tensor is not kept until backward)
+    assert obj.d2h_event is None
 
 
 def test_dropping_a_restored_copy_is_no_back_door_around_the_pending_d2h() -> None:

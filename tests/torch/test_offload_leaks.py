@@ -172,3 +172,26 @@ def test_fallback_buffers_are_returned_too(backend: Any, make_fake_device: Any) 
             settle(dev)
             assert levels(dev) == before
             assert_moved(dev, copies, reloads=None)
+
+
+def test_pack_makes_no_python_object_of_autograd_nodes(dev: Any) -> None:
+    """Deciding whether a saved tensor is a parameter must not read ``grad_fn`` (it would make each node's
+    Python object, alive until backward: one more object per saved tensor for the garbage collector)."""
+    import gc
+
+    def live_nodes() -> int:
+        return sum(1 for o in gc.get_objects() if type(o).__name__.endswith("Backward0"))
+
+    with dev:
+        x = torch.randn(256, device=dev.torch_device, requires_grad=True)
+        gc.collect()
+        before = live_nodes()
+        with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+            y = x * 1.0
+            for _ in range(16):
+                y = torch.sin(y)
+            loss = y.sum()
+        assert handle.stats().offloaded_storages >= 16  # the tensors went through pack's decisions
+        assert live_nodes() - before == 0
+        loss.backward()
+        offcore_torch.synchronize(dev)

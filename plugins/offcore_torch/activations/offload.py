@@ -645,7 +645,7 @@ class OffloadHandle:
             # modified in place since the copy was taken: the copy is stale for this tensor.
             # (The earlier saves of this storage will fail their own version check.)
             return self._keep(tensor, key, "modified_after_save")
-        entry.keys.append(key)
+        entry.keys = (*entry.keys, key)
         return self._record(entry, tensor, key, TensorMeta.of(tensor))
 
     def _under_pressure(self) -> bool:
@@ -914,7 +914,9 @@ class OffloadHandle:
     def _readers(self) -> dict[int, list[int]]:
         """Every save key reading each offloaded storage (an object is needed at the first of their uses)."""
         # a storage read by its own save only is the plan's default: only shared storages are listed
-        return {e.key: e.keys for e in self._by_key.values() if len(e.keys) > 1 and e.state is not EntryState.DISPOSED}
+        return {
+            e.key: list(e.keys) for e in self._by_key.values() if len(e.keys) > 1 and e.state is not EntryState.DISPOSED
+        }
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""

@@ -93,7 +93,7 @@ class Kept:
     def __init__(self, tensor: torch.Tensor, key: int) -> None:
         # detach(): a saved *output* holding its own grad_fn would form a reference cycle
         # autograd cannot collect. The alias shares the version counter.
-        if tensor.grad_fn is None:
+        if tensor.is_leaf:  # grad_fn is None (storage.py Note [is_leaf, not grad_fn])
             self.tensor = tensor  # a leaf: holding it forms no cycle
         elif dispatch_modes() and is_offloadable_kind(tensor):  # no mode active (the common case): one C call
             with internal_ops():
@@ -187,7 +187,9 @@ class Entry:
         self.fate = DeviceFate.UNKNOWN
         self.used = False  # unpacked at least once (in any round, or read by hand outside backward)
         self.used_round = -1  # the last backward round that unpacked it
-        self.keys: list[int] = [key]  # pack keys of every record that reads this storage
+        # pack keys of every record that reads this storage: a tuple of ints, which the cyclic garbage
+        # collector stops tracking at its first pass (a list it would traverse at every full collection)
+        self.keys: tuple[int, ...] = (key,)
         self.modified_in_flight = False
         # the records' version keepers point at ``restored`` (storage.py Note [Restore through the version keeper])
         self.keepers_pointed = False

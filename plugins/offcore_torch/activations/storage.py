@@ -141,7 +141,9 @@ class TensorMeta:
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
         return TensorMeta(
-            tensor.shape,  # a torch.Size: an immutable tuple already
+            # a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of ints at its
+            # first pass, a torch.Size (a subclass) it walks at every full collection until backward
+            tuple(tensor.shape),
             tensor.stride(),  # a tuple
             tensor.storage_offset(),
             tensor.dtype,
@@ -217,9 +219,12 @@ def is_offloadable_kind(tensor: torch.Tensor) -> bool:
 
 def is_parameter_like(tensor: torch.Tensor) -> bool:
     """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear)."""
+    # Note [is_leaf, not grad_fn]: ``is_leaf`` is ``grad_fn is None`` asked in C++; reading ``grad_fn``
+    # makes the node's Python object, which then lives as long as the node (one more object for
+    # the cyclic garbage collector per saved tensor, until backward)
     base: Any = tensor._base
     if base is not None:
         # judged by the base: a view made with grad mode off (in a custom Function's forward)
         # requires grad and has no grad_fn, yet views an activation
-        return bool(base.requires_grad and base.grad_fn is None)
-    return tensor.requires_grad and tensor.grad_fn is None
+        return bool(base.requires_grad and base.is_leaf)
+    return tensor.requires_grad and tensor.is_leaf

@@ -1,0 +1,76 @@
+"""benchmarks/hook_overhead.py's objects report: its worker measures every variant, the report covers every row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "hook_overhead.py"
+
+pytestmark = [pytest.mark.torch, pytest.mark.offcore_backend("cpu")]
+
+
+def _load() -> Any:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("hook_overhead_benchmark", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+@pytest.mark.slow  # two devices, an optimizer and nine steps: a few seconds
+def test_the_worker_runs_every_variant_on_both_backends() -> None:
+    bench = _load()
+    worker = bench._Worker()
+    for backend in bench.BACKENDS:
+        for variant in bench.SAVE_VARIANTS:
+            assert worker.save_step(backend, variant, 4, 1024) >= 0.0
+    answer = worker.param_step("instant", 3)
+    assert set(answer) == {"bare", "user"}
+
+
+def test_arguments() -> None:
+    bench = _load()
+    args = bench.parse_args([])
+    assert args.objects == [100, 400, 1600, 12800] and args.size_bytes == 16 << 10 and not args.sizes
+    assert bench.parse_args(["--sizes", "16KiB", "64KiB"]).size_bytes == [16 << 10, 64 << 10]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compare-with", str(ROOT / "docs")])  # not a checkout of offcore
+
+
+@pytest.mark.slow
+def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load()
+    out = tmp_path / "objects.json"
+    argv = ["--objects", "4", "8", "--size", "1KiB", "--rounds", "1", "--warmup", "1", "--params", "3"]
+    assert bench.main([*argv, "--compare-with", str(ROOT), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["trees"] == ["after (this tree)", "before (--compare-with)"]
+    assert {(row["tree"], row["objects"]) for row in result["saves"]} == {
+        (tree, n) for tree in result["trees"] for n in (4, 8)
+    }
+    assert set(result["saves"][0]["us_per_save"]) == {
+        "offcore (fake)",
+        "save_on_cpu hooks (fake)",
+        "copies only (fake)",
+        "offcore (instant)",
+        "copies only (instant)",
+        "fake device's emulation",
+    }
+    assert {(row["tree"], row["backend"]) for row in result["params"]} == {
+        (tree, backend) for tree in result["trees"] for backend in ("fake", "instant")
+    }
+    assert "after / before" in capsys.readouterr().out

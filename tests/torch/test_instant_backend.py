@@ -1,0 +1,78 @@
+"""The instant backend (offcore_torch.instant): the conformance suite, and activation offload bit-exact on it.
+
+``benchmarks/hook_overhead.py`` measures offcore's own cost per object on this backend;
+these tests keep it a correct backend (every conformance test) on which offload
+restores every saved tensor bit for bit, so what the benchmark times is real work.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import offcore_torch  # noqa: E402
+from offcore_torch.instant import InstantDevice, register_instant  # noqa: E402
+
+import offcore  # noqa: E402
+
+register_instant()
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.torch
+
+
+SUITE = """
+from offcore_torch.instant import register_instant
+from offcore.testing import BackendConformance
+
+register_instant()
+
+class TestInstant(BackendConformance):
+    backend_spec = "instant"
+    backend_options = {"capacity": "256MiB"}
+    hypothesis_examples = 15
+"""
+
+
+@pytest.mark.slow
+def test_conformance_suite_passes(pytester: pytest.Pytester) -> None:
+    """The whole suite, in a subprocess that selects every registered backend (the "instant" one included)."""
+    pytester.makepyfile(test_instant_suite=SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) >= 40, result.stdout.str()
+    assert not outcomes.get("failed") and not outcomes.get("errors"), result.stdout.str()
+
+
+def test_registered_and_constructed_by_name() -> None:
+    register_instant()  # a second call does nothing
+    dev = offcore.device("instant", capacity="1MiB")
+    assert isinstance(dev, InstantDevice)
+    host = dev.allocate(64, offcore.Tier.PINNED)
+    device = dev.allocate(64, offcore.Tier.DEVICE)
+    assert not dev.holds(host) and dev.holds(device)
+    assert dev.memory_stats().allocated_bytes == 64
+    with pytest.raises(offcore.CapacityExceededError):
+        dev.allocate(2 << 20, offcore.Tier.DEVICE)
+
+
+def test_offload_on_the_instant_backend_is_bit_exact() -> None:
+    dev = offcore.device("instant")
+
+    def step(offload: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+        w = torch.randn(256, 256, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        with offcore_torch.offload_activations(dev, min_bytes=0) if offload else torch.enable_grad() as handle:
+            y = x
+            for _ in range(6):
+                y = torch.tanh(y @ w)
+            loss = y.square().sum()
+        loss.backward()
+        if offload:
+            assert handle.stats().offloaded_storages >= 6
+        return x.grad, w.grad
+
+    kept, offloaded = step(False), step(True)
+    for a, b in zip(kept, offloaded, strict=True):
+        assert torch.equal(a, b)
