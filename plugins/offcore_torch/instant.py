@@ -108,7 +108,7 @@ class InstantDevice:
         self._lock = threading.Lock()
         self._host: set[int] = set()  # the storages of host buffers (everything else is device memory)
         self._host_refs: dict[weakref.ref[Any], int] = {}
-        self._device: dict[weakref.ref[Any], int] = {}  # the live device buffers' storages, and their bytes
+        self._device_bytes: dict[weakref.ref[Any], int] = {}  # the live device buffers' storages, and their bytes
         self._stream = InstantStream()
 
     @classmethod
@@ -132,7 +132,7 @@ class InstantDevice:
     # storage (host). A plain weakref, not weakref.finalize (four objects for the garbage collector).
     def _device_freed(self, ref: weakref.ref[Any]) -> None:
         with self._lock:
-            self._allocated -= self._device.pop(ref, 0)
+            self._allocated -= self._device_bytes.pop(ref, 0)
 
     def _host_freed(self, ref: weakref.ref[Any]) -> None:
         with self._lock:
@@ -163,7 +163,7 @@ class InstantDevice:
             self._allocated += nbytes
             if self._allocated > self._peak:
                 self._peak = self._allocated
-            self._device[weakref.ref(buffer.untyped_storage(), self._device_freed)] = nbytes
+            self._device_bytes[weakref.ref(buffer.untyped_storage(), self._device_freed)] = nbytes
         return buffer
 
     def holds(self, buffer: Any) -> bool:
