@@ -77,6 +77,22 @@ and the device's room are judged on what really happened.
 # semantics]), and the first copy is still always allowed while nothing is outstanding or
 # reserved.
 
+# Note [A copy taken over at its use leaves the budget first]
+# A use is a trigger, and the use of an object's last record is also where backward takes its
+# device copy over (``consumed``: it leaves the budget, Note [Budget semantics]). A binding that
+# knows at the use that it is the last record reports ``consumed`` before it runs the offer
+# ``used`` returned: the offer is lazy, so the budget is judged then, without the copy backward
+# now owns. The other order kept a prefetched or held copy in the count for the offer of its own
+# use, with no trigger between that take-over and the next use: a later-needed reload that the
+# freed budget admits was not started under this use's compute but reloaded on demand at its
+# own use -- while a copy reloaded on demand at that use (never counted) let it start. Holding a
+# copy on landing then made a step slower than freeing it and reloading it (the simulator's
+# property test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound found it:
+# tests/core/test_sim_simulator.py). offcore_torch's activations (``_restore``), parameters and
+# optimizer and the simulator (offcore/sim/step.py, ``use_group``) all consume first. A binding
+# that consumes later (examples/numpy_mlp.py, after the compute) only keeps the copy in the count
+# a little longer: a smaller, never a larger, prefetch than the budget allows.
+
 # Note [Objects produced on the host]
 # An optimizer's host step produces a parameter's new value on the host; the device copy
 # is stale until it is uploaded, and it is needed on the device at its next use (the
@@ -649,7 +665,9 @@ class ResidencyScheduler:
         """Backward read save ``key`` at ``t``: a trigger. Returns the actions due now (lazily).
 
         ``managed_key`` is the managed object the save belongs to (None for a save that
-        was not offloaded); it needs no more planning.
+        was not offloaded); it needs no more planning. When this use is the object's last
+        record, call :meth:`consumed` before running the returned actions (Note [A copy taken
+        over at its use leaves the budget first]).
         """
         record = self.record
         if record:

@@ -148,7 +148,11 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # of tensors it does not count, after each save's use and before the layer's next save's) says
 # where these triggers are; after a group whose saves have any, the simulator feeds the scheduler
 # one ``used`` of a key outside the saves' (a kept read) once the group was consumed. Without
-# ``reads_after`` (a profile from shapes, an older profile) nothing changes.
+# ``reads_after`` (a profile from shapes, an older profile) nothing changes. Since the runtime and the
+# simulator consume a save at its use, before the offer of that trigger runs (Note [A copy taken over
+# at its use leaves the budget first] in offcore/residency.py), the save's own use already offers into
+# the room it leaves (the case above: the second save is prefetched at the first one's use); a kept
+# read after it offers what the plan's clock made due by then, or what a refusal left for later.
 
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -1032,14 +1032,14 @@ class _Step:
                 continue
             state = sched.objects[key].state
             if state is State.RESTORED or (state is State.PREFETCHING and obj.h2d_end > -math.inf):
-                self.execute(sched.used(key, t0, managed_key=key))
+                actions = sched.used(key, t0, managed_key=key)
                 sched.awaited(key)
                 ready[0] = max(ready[0], obj.h2d_end)
             elif state is State.OFFLOADING and (obj.held or self.profile.reuse_in_flight):
                 # Note [Reuse of device copies still in flight]: the device copy is still there
                 obj.in_place = not obj.held
                 sched.reused(key)
-                self.execute(sched.used(key, t0, managed_key=key))
+                actions = sched.used(key, t0, managed_key=key)
             elif state is State.OFFLOADED and obj.on_nvme:  # two hops on demand: stage, then reload
                 pending[0] += 1
                 reload_staged = reload_when_landed(obj)
@@ -1047,15 +1047,19 @@ class _Step:
                     self.staging[key] = reload_staged
                 else:
                     self.stage(obj, reload_staged)
-                self.execute(sched.used(key, t0, managed_key=key))
+                actions = sched.used(key, t0, managed_key=key)
             elif state is State.OFFLOADED:
                 end = self.reload(obj)
-                self.execute(sched.used(key, t0, managed_key=key))
+                actions = sched.used(key, t0, managed_key=key)
                 ready[0] = max(ready[0], end)
             else:  # its D2H (or an evicted prefetch) is in flight: reload once it landed
                 pending[0] += 1
                 self._waiting_for[key] = reload_when_landed(obj)
-                self.execute(sched.used(key, t0, managed_key=key))
+                actions = sched.used(key, t0, managed_key=key)
+            # each save is its object's one record: backward takes the copy over at this use, before the
+            # offer of its trigger runs (Note [A copy taken over at its use leaves the budget first])
+            sched.consumed(key)
+            self.execute(actions)
         if pending[0] == 0:
             go()
 
@@ -1066,8 +1070,7 @@ class _Step:
         offset, group = groups[g]
         for obj in group:
             if obj.managed:
-                self.sched.consumed(obj.key)
-                obj.used = True
+                obj.used = True  # consumed by the scheduler at its use (use_group)
         if self.reads_after[i][g]:  # Note [Reads of kept tensors are triggers]
             self.execute(self.sched.used(self.read_key, self.now))
             self.read_key += 1
