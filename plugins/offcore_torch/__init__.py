@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from offcore_torch.nvme import nvme_tier, nvme_tier_for
     from offcore_torch.optimizer.clip import clip_grad_norm_
     from offcore_torch.optimizer.deepspeed_config import from_deepspeed_config
-    from offcore_torch.optimizer.optimizer import OffloadGradScaler, OffloadOptimizer
+    from offcore_torch.optimizer.optimizer import OffloadOptimizer
+    from offcore_torch.optimizer.scaler import OffloadGradScaler
     from offcore_torch.parameters.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
 
 __all__ = [
@@ -72,7 +73,7 @@ _EXPORTS = {
     "synchronize": "offcore_torch.activations.offload",
     "Scheduler": "offcore.scheduler",
     "OffloadOptimizer": "offcore_torch.optimizer.optimizer",
-    "OffloadGradScaler": "offcore_torch.optimizer.optimizer",
+    "OffloadGradScaler": "offcore_torch.optimizer.scaler",
     "clip_grad_norm_": "offcore_torch.optimizer.clip",
     "from_deepspeed_config": "offcore_torch.optimizer.deepspeed_config",
     "attach_ddp": "offcore_torch.distributed",
