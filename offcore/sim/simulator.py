@@ -232,7 +232,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [Backward's first parameters stay after forward in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The runtime keeps the storages backward uses first (up to its budget) on the device after their
-# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters/parameters.py):
+# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters/steps.py):
 # the plan's prefetch for their backward use finds them there and no copy is made at the turn. The
 # simulator does the same per layer: backward's first layers whose parameters add up to at most the
 # round's budget are not freed after their forward (``p_turn``), and their first use in backward

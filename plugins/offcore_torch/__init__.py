@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from offcore_torch.optimizer.deepspeed_config import from_deepspeed_config
     from offcore_torch.optimizer.optimizer import OffloadOptimizer
     from offcore_torch.optimizer.scaler import OffloadGradScaler
-    from offcore_torch.parameters.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
+    from offcore_torch.parameters.parameters import ParameterOffloadHandle, offload_parameters
+    from offcore_torch.parameters.state import ParameterOffloadStats
 
 __all__ = [
     "FSDPOffloadOptimizer",
@@ -83,7 +84,7 @@ _EXPORTS = {
     "nvme_tier": "offcore_torch.nvme",
     "nvme_tier_for": "offcore_torch.nvme",
     "ParameterOffloadHandle": "offcore_torch.parameters.parameters",
-    "ParameterOffloadStats": "offcore_torch.parameters.parameters",
+    "ParameterOffloadStats": "offcore_torch.parameters.state",
 }
 
 
