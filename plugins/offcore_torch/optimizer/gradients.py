@@ -55,15 +55,6 @@ class _Gradients:
             raise OffcoreError("OffloadOptimizer is closed")
         return self._send_gradient(self._slot(param), grad, clear=False)
 
-    # Note [Parameters unfrozen after construction]
-    # Gradients reach the host through each parameter's post-accumulate-grad hook, and torch refuses
-    # that hook on a tensor that does not require grad. A parameter frozen when the optimizer was made
-    # and unfrozen later (gradual unfreezing) therefore had no hook: its gradient stayed on the device
-    # and it never moved, silently, where torch's optimizers step it. So such slots are remembered
-    # (``_frozen``) and ``step()`` adopts the ones that require grad now: their hook is registered for
-    # the next rounds, and a gradient already accumulated on the device is taken now, as the hook would
-    # have taken it. (Not after remove_gradient_hooks(): then the caller hands the gradients over.)
-
     def remove_gradient_hooks(self) -> None:
         """Stop taking gradients from post-accumulate-grad hooks (they come through :meth:`accept_gradient`)."""
         self._frozen.clear()
