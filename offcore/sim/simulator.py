@@ -218,7 +218,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # margin 0.5 ms, prefetch "deadline", the device's capacity and the simulated level as its room.
 # The predictor has observed this step's ideal timeline of uses once (steady state). The round's
 # first copies (offered at its start) are made at the end of the previous step, after its host
-# step (Note [The next step starts early] in parameters.py): they are on the device at t = 0, and
+# step (Note [The next step starts early] in parameters/hooks.py): they are on the device at t = 0, and
 # this step issues the same copies (steady state: the same plan offers the same) from the later of
 # compute's end and the host worker's, and ends when they landed. Simplifications: the recompute
 # uses come just before the segment's last backward use (the runtime sees that backward use

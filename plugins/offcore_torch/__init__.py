@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
-    from offcore_torch.activations.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
-    from offcore_torch.activations.policy import OffloadPolicy
+    from offcore_torch.activations.copies import synchronize
+    from offcore_torch.activations.offload import OffloadHandle, mark, offload_activations
+    from offcore_torch.activations.policy import OffloadPolicy, no_offload
     from offcore_torch.activations.stats import OffloadStats
     from offcore_torch.budget import device_budget
     from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
@@ -71,7 +72,7 @@ _EXPORTS = {
     "mark": "offcore_torch.activations.offload",
     "OffloadPolicy": "offcore_torch.activations.policy",
     "OffloadStats": "offcore_torch.activations.stats",
-    "synchronize": "offcore_torch.activations.offload",
+    "synchronize": "offcore_torch.activations.copies",
     "Scheduler": "offcore.scheduler",
     "OffloadOptimizer": "offcore_torch.optimizer.optimizer",
     "OffloadGradScaler": "offcore_torch.optimizer.scaler",

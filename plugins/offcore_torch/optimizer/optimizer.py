@@ -231,7 +231,7 @@ next forward waiting per parameter on its own event.
 # and the next forward streams the new values in by deadline. The handle ignores these optimizers'
 # step hooks (they are not foreign steps that wrote device copies), keeps nothing at the end of
 # backward for the next forward (the values change in the step), and begins the next step's round
-# in ``host_updated`` instead (Note [The next step starts early] in parameters.py): its first copies
+# in ``host_updated`` instead (Note [The next step starts early] in parameters/hooks.py): its first copies
 # are of the new values. Gradients still leave the device by the optimizer's hooks, as before.
 #
 # Note [Failed copies in the optimizer]
