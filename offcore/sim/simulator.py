@@ -317,7 +317,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
 # 3.5 MiB run to run in tests/torch/test_sim_memory.py's offload plan, against 1.6 unsanitized).
 # ``Plan.drain_offloads``: PlanExecutor ends each offloaded layer's forward by waiting on the D2H
-# stream and handing the landings to the regions (offcore_torch.activations.offload.poll), so their device
+# stream and handing the landings to the regions (offcore_torch.activations.copies.poll), so their device
 # copies are freed before the next layer runs; the simulator's compute stream waits for the
 # layer's last D2H the same way. Forward then holds at most the running layer's copies, the
 # turn starts with every copy landed, and backward's level is set by the prefetch budget alone
