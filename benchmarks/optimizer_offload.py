@@ -616,7 +616,7 @@ def _sequential(
 
 
 def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> list[dict[str, Any]]:
-    import offcore_torch.optimizer.optimizer as optimizer_module
+    import offcore_torch.optimizer.nvme_states as nvme_states_module
 
     parent = args.nvme_dir or "/var/tmp"
     directory = tempfile.mkdtemp(prefix="offcore-bench-", dir=parent)
@@ -653,16 +653,16 @@ def scenario_nvme(args: argparse.Namespace, work: Any, out: dict[str, Any]) -> l
                 batch = tuple(b.to(dtype) for b in work.make_batch(step, torch.device("cpu")))
                 work.loss(model, batch).backward()
                 opt.run_on_host(lambda: None)  # the gradients landed: only the step is timed
-                real = optimizer_module.pipelined
+                real = nvme_states_module.pipelined
                 if run["sequential"]:
-                    optimizer_module.pipelined = _sequential  # type: ignore[assignment]
+                    nvme_states_module.pipelined = _sequential  # type: ignore[assignment]
                 try:
                     began = time.perf_counter()
                     opt.step()
                     opt.synchronize()
                     elapsed = time.perf_counter() - began
                 finally:
-                    optimizer_module.pipelined = real
+                    nvme_states_module.pipelined = real
                 opt.zero_grad()
             if r >= args.warmup:
                 run["times"].append(elapsed)

@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_MAX_INFLIGHT", "copies_to_land", "must_wait"]
 # max(cap, the largest copy). Waiting before the copy costs no overlap: on an in-order stream it
 # would queue behind the oldest anyway. The rule is this module's; who applies it:
 # - saved activations: ``offload_activations(max_inflight=)``, the device's copies of every region
-#   together (Note [Activation copies in flight are capped] in plugins/offcore_torch/activations/offload.py);
+#   together (Note [Activation copies in flight are capped] in plugins/offcore_torch/activations/copies.py);
 # - gradients: ``OffloadOptimizer(max_inflight_gradients=)`` (Note [In-flight gradients are capped]
 #   in plugins/offcore_torch/optimizer/optimizer.py);
 # - the simulator: ``Plan.max_inflight`` stalls a simulated forward at a save the same way (Note

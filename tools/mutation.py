@@ -74,7 +74,7 @@ MUTATIONS: list[Mutation] = [
         "offloading disabled: every saved tensor is kept on the device",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/pack.py",
                 "        reason = rules.before_storage(tensor)\n",
                 '        return self._keep(tensor, key, "mutation: offload is a no-op")\n',
             )
@@ -85,7 +85,7 @@ MUTATIONS: list[Mutation] = [
         "bytes counted as offloaded, nothing moved: the tensor stays on the device but the stats say offloaded",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/pack.py",
                 "        meta = TensorMeta.of(tensor)\n        try:\n            entry = self._offload(storage, nbytes, skey, tensor, key, meta)\n",
                 "        meta = TensorMeta.of(tensor)\n        self._stats.offloaded_bytes += nbytes\n"
                 "        self._stats.offloaded_storages += 1\n"
@@ -99,12 +99,12 @@ MUTATIONS: list[Mutation] = [
         "saved-tensor version checks off (offloaded and kept)",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/unpack.py",
                 "        if current != packed.version:\n",
                 "        if False:\n",
             ),
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/unpack.py",
                 "            if packed.tensor._version != packed.version:\n",
                 "            if False:\n",
             ),
@@ -154,7 +154,7 @@ MUTATIONS: list[Mutation] = [
         "compute not waiting for a prefetched H2D copy",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/unpack.py",
                 "                    compute.wait_event(event)\n",
                 "                    pass\n",
             ),
@@ -170,7 +170,7 @@ MUTATIONS: list[Mutation] = [
         "a dropped graph returns its host buffers while their prefetch is still in flight",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/landings.py",
                 "        if state is not State.PREFETCHING and state is not State.OFFLOADING:\n",
                 "        if state is not State.OFFLOADING:\n",
             )
@@ -181,12 +181,12 @@ MUTATIONS: list[Mutation] = [
         "offcore's copy streams no longer wait for the compute stream before a copy",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/pack.py",
                 "            stream.wait_event(device.current_stream().record_event())\n",
                 "            pass\n",
             ),
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/pack.py",
                 "            stream.wait_event(device.current_stream().record_event(order))\n",
                 "            pass\n",
             ),

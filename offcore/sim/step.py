@@ -84,7 +84,7 @@ _PARAMETER_MARGIN_S = 0.5e-3
 _PARAMETER_BUDGET_MODULES = 2
 _PARAMETER_UNIT_S = 1e-3
 
-# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer/optimizer.py):
+# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer/nvme_states.py):
 # a group is one parameter or consecutive small ones up to this many master bytes
 _NVME_GROUP_BYTES = 4 * 1024**2
 _NVME_LOOKAHEAD = 2  # OffloadOptimizer's pipelined(lookahead=): groups read ahead of the one stepped

@@ -28,16 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offcore.scheduler import Scheduler
-    from offcore_torch.activations.offload import OffloadHandle, mark, no_offload, offload_activations, synchronize
-    from offcore_torch.activations.policy import OffloadPolicy
+    from offcore_torch.activations.copies import synchronize
+    from offcore_torch.activations.offload import OffloadHandle, mark, offload_activations
+    from offcore_torch.activations.policy import OffloadPolicy, no_offload
     from offcore_torch.activations.stats import OffloadStats
     from offcore_torch.budget import device_budget
     from offcore_torch.distributed import FSDPOffloadOptimizer, attach_ddp
     from offcore_torch.nvme import nvme_tier, nvme_tier_for
     from offcore_torch.optimizer.clip import clip_grad_norm_
     from offcore_torch.optimizer.deepspeed_config import from_deepspeed_config
-    from offcore_torch.optimizer.optimizer import OffloadGradScaler, OffloadOptimizer
-    from offcore_torch.parameters.parameters import ParameterOffloadHandle, ParameterOffloadStats, offload_parameters
+    from offcore_torch.optimizer.optimizer import OffloadOptimizer
+    from offcore_torch.optimizer.scaler import OffloadGradScaler
+    from offcore_torch.parameters.parameters import ParameterOffloadHandle, offload_parameters
+    from offcore_torch.parameters.state import ParameterOffloadStats
 
 __all__ = [
     "FSDPOffloadOptimizer",
@@ -69,10 +72,10 @@ _EXPORTS = {
     "mark": "offcore_torch.activations.offload",
     "OffloadPolicy": "offcore_torch.activations.policy",
     "OffloadStats": "offcore_torch.activations.stats",
-    "synchronize": "offcore_torch.activations.offload",
+    "synchronize": "offcore_torch.activations.copies",
     "Scheduler": "offcore.scheduler",
     "OffloadOptimizer": "offcore_torch.optimizer.optimizer",
-    "OffloadGradScaler": "offcore_torch.optimizer.optimizer",
+    "OffloadGradScaler": "offcore_torch.optimizer.scaler",
     "clip_grad_norm_": "offcore_torch.optimizer.clip",
     "from_deepspeed_config": "offcore_torch.optimizer.deepspeed_config",
     "attach_ddp": "offcore_torch.distributed",
@@ -82,7 +85,7 @@ _EXPORTS = {
     "nvme_tier": "offcore_torch.nvme",
     "nvme_tier_for": "offcore_torch.nvme",
     "ParameterOffloadHandle": "offcore_torch.parameters.parameters",
-    "ParameterOffloadStats": "offcore_torch.parameters.parameters",
+    "ParameterOffloadStats": "offcore_torch.parameters.state",
 }
 
 

@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from offcore.errors import ConfigurationError, OffcoreError
 from offcore_torch.optimizer.clip import clip_grad_norm_ as _clip_replicated
-from offcore_torch.optimizer.optimizer import MASTER_WEIGHTS_KEY, OffloadOptimizer, _unhooked_step
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
+from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
 

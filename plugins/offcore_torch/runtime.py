@@ -35,7 +35,7 @@ unchanged on the fake device, CUDA and NPU.
 # in submission order) with an opaque token from its owner. A poll moves the copies that
 # completed (or failed) into the runtime's landed queue; it never calls back into the
 # region that started them. The binding takes them with :meth:`DeviceRuntime.take_landed`
-# and hands each to its owner (offcore_torch.activations.offload.poll). So a finished region a caller
+# and hands each to its owner (offcore_torch.activations.copies.poll). So a finished region a caller
 # keeps for its stats costs nothing per poll, and anyone may poll (a test, synchronize)
 # without losing a landing: it waits in the queue until the binding takes it.
 

@@ -33,7 +33,7 @@ import offcore_torch  # noqa: E402
 from hypothesis import assume, given  # noqa: E402
 from hypothesis_draws import choices_strategy, covering, derandomized  # noqa: E402
 from offcore_torch.models import GPTConfig, Workload, cnn_workload, gpt_workload, mlp_workload  # noqa: E402
-from offcore_torch.optimizer.optimizer import MASTER_WEIGHTS_KEY  # noqa: E402
+from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY  # noqa: E402
 from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
 from optimizer_offload_helpers import HostReference, assert_same, offload_optimizer_of_kind  # noqa: E402
 from torch_test_devices import fake_device, finish_device  # noqa: E402

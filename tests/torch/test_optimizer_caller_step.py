@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 import offcore_torch.optimizer.optimizer as optimizer_module  # noqa: E402
+import offcore_torch.optimizer.rounds as rounds_module  # noqa: E402
+import offcore_torch.optimizer.slots as slots_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import place  # noqa: E402
 
@@ -33,17 +35,17 @@ MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 def test_the_host_step_runs_on_the_caller_when_the_worker_is_idle(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, offload_gradients: bool, on_caller: bool
 ) -> None:
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead too
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)  # a lead too
     monkeypatch.setattr(optimizer_module, "_STEP_ON_CALLER", on_caller)
     dev = make_fake_device()
     threads: list[threading.Thread] = []
-    host_step = optimizer_module._unhooked_step
+    host_step = rounds_module._unhooked_step
 
     def spy(host: Any) -> None:
         threads.append(threading.current_thread())
         host_step(host)
 
-    monkeypatch.setattr(optimizer_module, "_unhooked_step", spy)
+    monkeypatch.setattr(rounds_module, "_unhooked_step", spy)
     with dev:
         model = place(MLP.build(0), dev)
         opt = offcore_torch.OffloadOptimizer(

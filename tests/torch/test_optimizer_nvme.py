@@ -127,7 +127,7 @@ def test_io_error_in_the_step_loses_nothing(
 ) -> None:
     """Step 2 meets an I/O error; the fault goes; step() again; the run ends as an uninterrupted one."""
     if groups == "per_parameter":  # several groups: the error comes part way through the pipeline
-        monkeypatch.setattr(offcore_torch.optimizer.optimizer, "_NVME_GROUP_BYTES", 1)
+        monkeypatch.setattr(offcore_torch.optimizer.nvme_states, "_NVME_GROUP_BYTES", 1)
     want = run(MLP, device=make_fake_device(), offload=False, steps=4)
     dev = make_fake_device()
     losses, grads = [], []

@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
-import offcore_torch.optimizer.optimizer as optimizer_module  # noqa: E402
+import offcore_torch.optimizer.rounds as rounds_module  # noqa: E402
+import offcore_torch.optimizer.slots as slots_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import assert_equivalent, place, run  # noqa: E402
 
@@ -27,7 +28,7 @@ MLP = mlp_workload(d_in=16, width=64, depth=3, d_out=8, batch_size=8)
 @pytest.fixture
 def always_lead(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lead even for the small test model (the default needs more than 1 MiB of masters)."""
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)
 
 
 def test_step_makes_two_optimizer_calls(
@@ -38,13 +39,13 @@ def test_step_makes_two_optimizer_calls(
         model = place(MLP.build(0), dev)
         opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=dev, fused=True)
         calls: list[int] = []
-        host_step = optimizer_module._unhooked_step  # the host optimizer's step, without torch's step hooks
+        host_step = rounds_module._unhooked_step  # the host optimizer's step, without torch's step hooks
 
         def counting(host: Any) -> None:
             calls.append(sum(len(g["params"]) for g in host.param_groups))
             host_step(host)
 
-        monkeypatch.setattr(optimizer_module, "_unhooked_step", counting)
+        monkeypatch.setattr(rounds_module, "_unhooked_step", counting)
         issued: list[int] = []
         copy_up = opt._copy_up
 

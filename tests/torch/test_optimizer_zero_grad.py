@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 import offcore_torch.optimizer.optimizer as optimizer_module  # noqa: E402
+import offcore_torch.optimizer.slots as slots_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import place  # noqa: E402
 
@@ -57,7 +58,7 @@ def _spy_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, threading.T
 def test_zero_grad_issues_the_due_uploads_on_its_thread_in_need_order(
     make_fake_device: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)  # a lead, and a rest whose uploads are due
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)  # a lead, and a rest whose uploads are due
     flushes = _spy_flushes(monkeypatch)
     with _adamw(make_fake_device(sanitize=True)) as (model, params, opt):
         for step in range(3):
@@ -77,7 +78,7 @@ def test_zero_grad_issues_the_due_uploads_on_its_thread_in_need_order(
 
 
 def test_the_first_use_issues_all_due_uploads(make_fake_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)
     flushes = _spy_flushes(monkeypatch)
     with _adamw(make_fake_device(sanitize=True)) as (model, params, opt):
         first = next(m for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
@@ -104,7 +105,7 @@ def test_a_write_between_step_and_the_forward_wins(
     """The write comes before zero_grad() (an EMA swap, a resume): the uploads are still due then; issued
     afterwards, they are cancelled (Note [Writes to parameters after step()]) and the next step starts
     from the write."""
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)
     runs = []
     for offload in (False, True):
         dev = make_fake_device(sanitize=True)
@@ -153,7 +154,7 @@ def test_reads_between_step_and_the_forward_see_the_step_after_wait_for_paramete
 ) -> None:
     """An EMA update or a norm logged right after ``step()``: ``wait_for_parameters()`` issues what is due and
     orders the reads after the uploads, so they see the stepped values (the masters, fp32 here)."""
-    monkeypatch.setattr(optimizer_module, "_LEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(slots_module, "_LEAD_MIN_BYTES", 0)
     with _adamw(make_fake_device(sanitize=True, link="slow")) as (model, params, opt):
         ema = [p.detach().clone() for p in params]
         for step in range(3):

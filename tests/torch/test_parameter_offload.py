@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 from offcore_torch.models import GPTConfig, SmallCNN, TinyGPT, next_token_loss  # noqa: E402
-from offcore_torch.parameters.parameters import OffloadedParameter, offload_parameters  # noqa: E402
+from offcore_torch.parameters.parameters import offload_parameters  # noqa: E402
+from offcore_torch.parameters.tensors import OffloadedParameter  # noqa: E402
 from offload_helpers import BadBatch, backward_raises_after  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402

@@ -61,7 +61,8 @@ from torch.utils.checkpoint import checkpoint
 from offcore.errors import ConfigurationError
 from offcore.scheduler import Scheduler
 from offcore.sim import Action, Plan
-from offcore_torch.activations.offload import OffloadHandle, offload_activations, poll
+from offcore_torch.activations.copies import poll
+from offcore_torch.activations.offload import OffloadHandle, offload_activations
 from offcore_torch.activations.policy import KNOWN_OPTIONS, OffloadPolicy
 from offcore_torch.layers import resolve_layers
 from offcore_torch.runtime import runtime_of

@@ -47,7 +47,8 @@ import torch
 
 from offcore.errors import ConfigurationError
 from offcore_torch.optimizer.clip import clip_grad_norm_
-from offcore_torch.optimizer.optimizer import OffloadGradScaler, OffloadOptimizer
+from offcore_torch.optimizer.optimizer import OffloadOptimizer
+from offcore_torch.optimizer.scaler import OffloadGradScaler
 
 __all__ = ["from_deepspeed_config", "OffloadSetup"]
 

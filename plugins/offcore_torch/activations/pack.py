@@ -1,0 +1,342 @@
+"""OffloadHandle's pack side: saved tensors copied to the host (mixin ``_Pack``; moved from offload.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from offcore.errors import (
+    CapacityExceededError,
+    OffcoreWarning,
+)
+from offcore.inflight import must_wait
+from offcore.kinds import Direction, Kind, Tier
+from offcore.objects import State
+from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
+from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
+from offcore_torch.activations.storage import (
+    MARK_ATTRIBUTE,
+    TensorMeta,
+    dispatch_modes,
+    internal_ops,
+)
+from offcore_torch.runtime import (
+    _SAMPLE_EVERY,
+    _SAMPLE_FIRST,
+    _TIMING_BATCH,
+)
+
+
+class _Pack:
+    """OffloadHandle's pack methods (see offload.py, Note [Batched bookkeeping])."""
+
+    # -- pack ----------------------------------------------------------------------------
+    def _keep(self, tensor: torch.Tensor, key: int, reason: str) -> Kept:
+        self._kept[reason] += 1
+        if reason == "not_on_device" and self._elsewhere is None:
+            self._elsewhere = f"{tensor.device} ({tuple(tensor.shape)} {tensor.dtype})"
+        return Kept(tensor, key)
+
+    # Note [A region whose tensors live elsewhere says so]
+    # The region offloads what is in its device's memory (``device.holds``). A forward whose tensors are
+    # made elsewhere -- outside ``with dev:`` on the fake device, while another device is active, on a
+    # model not moved to the device -- saves them all as "not_on_device": nothing is offloaded, the
+    # stats say 0 bytes, and nothing else told the user the region did nothing. At the end of a forward
+    # that offloaded nothing while some of its saved tensors were elsewhere, the region warns, once per
+    # device, with the fix. A forward on another thread never reaches the (thread-local) pack hook; the
+    # rules' global module hooks see its modules (PackRules.foreign_thread), and the region says that.
+    def _warn_if_all_elsewhere(self) -> None:
+        elsewhere = self._kept.get("not_on_device", 0)
+        thread = self._rules.foreign_thread
+        if (
+            not (elsewhere or thread)
+            or self._stats.offloaded_tensors
+            or getattr(self.runtime, "warned_elsewhere", False)
+        ):
+            return
+        self.runtime.warned_elsewhere = True  # type: ignore[attr-defined]
+        if not elsewhere:  # a module ran on another thread while the region was active, nothing was saved here
+            warnings.warn(
+                f"offcore: offload_activations on {self.device!r} offloaded nothing: the forward ran on thread "
+                f"{thread!r}, but the region was entered on {threading.current_thread().name!r} and saved-tensor "
+                "hooks belong to one thread. Enter the region on the thread that runs the forward",
+                OffcoreWarning,
+                stacklevel=3,
+            )
+            return
+        warnings.warn(
+            f"offcore: offload_activations on {self.device!r} offloaded nothing: {elsewhere} saved tensor(s) were "
+            f"not in that device's memory (e.g. on {self._elsewhere}). Run the forward with its tensors on the "
+            f"region's device: inside `with dev:` for the fake device (the model adopted or built there, the "
+            f"inputs made there), or moved to {getattr(self.device, 'torch_device', 'the device')}; on the thread "
+            "that entered the region",
+            OffcoreWarning,
+            stacklevel=3,
+        )
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        # Once per saved tensor: the decisions are PackRules' (policy.py), asked in their order.
+        key = self._next_key
+        self._next_key = key + 1
+        self._sched.produced(key, time.perf_counter())
+        self._stats.saved_tensors += 1
+        runtime = self.runtime
+        if (
+            runtime._d2h_in_flight
+            or runtime._deferred_total
+            or runtime._landed
+            or runtime._timed_pending >= _TIMING_BATCH  # fewer: poll would leave them (runtime.poll)
+        ):
+            poll(runtime)  # poll's own checks, inlined: with nothing in flight the call is skipped
+        if self._spill is not None and self._spill.pending:
+            self._spill.poll()
+        rules = self._rules
+        reason = rules.before_storage(tensor)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        skey = storage._cdata  # storage_key(storage), inlined
+        marked = getattr(storage, MARK_ATTRIBUTE, None)
+        reason = rules.for_storage(tensor, nbytes, skey, marked)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
+
+        entry = self._by_storage.get(skey)
+        if entry is not None and entry.storage_ref() is storage and entry.state is not EntryState.DISPOSED:
+            return self._pack_shared(entry, tensor, key)
+
+        reason = rules.for_new_storage(nbytes, marked)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
+        cap = self._max_inflight
+        if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
+            self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
+        meta = TensorMeta.of(tensor)
+        try:
+            entry = self._offload(storage, nbytes, skey, tensor, key, meta)
+        except _CopyRefused:
+            return self._keep(tensor, key, "copy_failed")
+        if entry is None:
+            return self._keep(tensor, key, "host_budget")
+        # _record, inlined (once per offloaded storage): a new entry has no record yet and has not landed
+        item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
+        entry.items.append(weakref.ref(item))
+        self._stats.offloaded_tensors += 1
+        entry.live = 1
+        return item
+
+    def _wait_inflight(self, nbytes: int, cap: int) -> None:
+        """Wait, oldest first, for device-to-host copies in flight until ``nbytes`` more fit ``cap``
+        (Note [Activation copies in flight are capped]); the landed copies' device references go."""
+        runtime = self.runtime
+        began = time.perf_counter()
+        while must_wait(runtime._d2h_bytes, nbytes, cap):  # Note [Copies in flight are capped] (offcore/inflight.py)
+            with runtime.lock:
+                if not runtime._d2h_in_flight:
+                    break  # nothing in flight: a storage is always let through
+                oldest = runtime._d2h_in_flight[0][0]
+            with contextlib.suppress(Exception):  # a failed copy completes its event: poll hands its failure on
+                oldest.synchronize()
+            poll(runtime)
+        waited = time.perf_counter() - began
+        self._ledger.record_wait(waited, what=_INFLIGHT_WAIT)
+        self._stats.inflight_waits += 1
+        self._stats.inflight_wait_s += waited
+
+    def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
+        item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
+        entry.items.append(weakref.ref(item))
+        self._stats.offloaded_tensors += 1
+        entry.live += 1
+        if entry.state is EntryState.LANDED:
+            self._release_keeper(item)
+        return item
+
+    def _release_keeper(self, item: Offloaded) -> None:
+        """:func:`release_storage` of ``item``'s keeper, with this region's empty tensor per dtype (no torch lookups)."""
+        dtype = item.meta.dtype
+        empty = self._empty.get(dtype)
+        if empty is None:
+            keeper = item.keeper
+            with internal_ops():
+                empty = self._empty[dtype] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
+        item.keeper.data = empty  # no op: no dispatch mode sees it (Note [Metadata ops bypass dispatch modes])
+
+    def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
+        """A further tensor on an already offloaded storage: share its copy (dedupe)."""
+        if entry.obj.state not in (State.OFFLOADING, State.OFFLOADED) or self._sched.in_backward:
+            return self._keep(tensor, key, "shared_storage_busy")
+        if tensor._version != entry.version_at_copy:
+            # modified in place since the copy was taken: the copy is stale for this tensor.
+            # (The earlier saves of this storage will fail their own version check.)
+            return self._keep(tensor, key, "modified_after_save")
+        entry.keys = (*entry.keys, key)
+        return self._record(entry, tensor, key, TensorMeta.of(tensor))
+
+    def _under_pressure(self) -> bool:
+        """The watermark rule on the device's own accounting (PackRules.under_pressure)."""
+        return self._rules.under_pressure()
+
+    def _pool(self) -> Any:
+        pool = self._host_pool
+        if pool is None:
+            pool = self._host_pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
+        return pool
+
+    def _host_after_refusal(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
+        """The pool refused ``nbytes`` (``_offload`` asks it first): ask again once the copies that
+        landed returned their buffers, else follow the fallback policy (None: keep on the device)."""
+        poll(self.runtime)  # buffers whose copies just landed may come back
+        try:
+            with internal_ops():
+                buffer = (self._host_pool or self._pool()).acquire(nbytes)
+            return buffer, buffer.view, self._host_tier
+        except CapacityExceededError:
+            pass
+        self._stats.fallbacks += 1
+        if self.policy.fallback == "keep":
+            return None
+        try:
+            view = self.device.allocate(nbytes, Tier.PAGEABLE)
+        except (CapacityExceededError, MemoryError, RuntimeError):
+            return None
+        return None, view, Tier.PAGEABLE
+
+    def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: Entry) -> Any:
+        """Enqueue one copy on its direction's stream, ordered after the compute stream as it is now.
+
+        For D2H the current compute stream produced ``src``; for H2D the new device buffer may
+        reuse memory the compute stream used until now. Either way the copy stream waits for an
+        event recorded on the stream that is current *at this call* (never a cached one).
+        Returns the copy's completion event. Each region times its first two copies per
+        direction (its bandwidth figure), every copy when tracing, and otherwise the runtime's
+        sample (:meth:`DeviceRuntime.sample`), for the link estimate.
+        """
+        device, runtime = self.device, self.runtime
+        if direction is Direction.D2H:
+            stream, count = runtime.d2h_stream, self._d2h_copies
+            self._d2h_copies = count + 1
+            self._d2h_bytes += nbytes
+            order = self._d2h_order
+        else:
+            stream, count = runtime.h2d_stream, self._h2d_copies
+            self._h2d_copies = count + 1
+            self._h2d_bytes += nbytes
+            order = self._h2d_order
+        timed = False
+        if runtime.timing:
+            if self._tracing or count < 2:
+                timed = True
+            elif direction is Direction.D2H:  # runtime.sample(direction), inlined (once per copy)
+                asked = runtime._sampled_d2h
+                runtime._sampled_d2h = asked + 1
+                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
+            else:
+                asked = runtime._sampled_h2d
+                runtime._sampled_h2d = asked + 1
+                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
+        if timed or _profiler._is_profiler_enabled:
+            return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
+        if order is None:  # Note [Ordering events are recorded again]
+            order = device.new_event()
+            if direction is Direction.D2H:
+                self._d2h_order = order
+            else:
+                self._h2d_order = order
+        if direction is Direction.D2H or not self._h2d_ordered:
+            stream.wait_event(device.current_stream().record_event(order))
+            # the prefetches of one trigger start back to back: nothing reaches the compute stream
+            # in between, so the first one's wait orders them all (Note [Ordering events are recorded again])
+            self._h2d_ordered = direction is not Direction.D2H
+        return device.copy_(dst, src, stream=stream)
+
+    def _copy_timed(
+        self, stream: Any, direction: Direction, dst: Any, src: Any, *, nbytes: int, entry: Entry, timed: bool
+    ) -> Any:
+        """:meth:`_copy` for a copy that is timed, or seen by a running profiler (its own range)."""
+        device, runtime = self.device, self.runtime
+        with _range(_RANGE_NAMES[direction]):
+            stream.wait_event(device.current_stream().record_event())
+            if not timed:
+                return device.copy_(dst, src, stream=stream)
+            # Note [Copy timings start at the copy]
+            start, issued = runtime.begin_timing(device, stream, record=False)
+            done = device.copy_(dst, src, stream=stream, start_event=start)
+            runtime.end_timing(
+                device,
+                stream,
+                start,
+                issued,
+                nbytes=nbytes,
+                direction=direction,
+                label=entry.name,
+                ledger=self._ledger,
+                trace=self._trace,
+            )
+        return done
+
+    def _flush_copies(self) -> None:
+        """Add the copies issued since the last flush to the ledger (Note [Batched bookkeeping])."""
+        now = (self._d2h_copies, self._d2h_bytes, self._h2d_copies, self._h2d_bytes)
+        last, self._flushed = self._flushed, now
+        if now[0] != last[0]:
+            self._ledger.record_copy(Direction.D2H, now[1] - last[1], copies=now[0] - last[0])
+        if now[2] != last[2]:
+            self._ledger.record_copy(Direction.H2D, now[3] - last[3], copies=now[2] - last[2])
+
+    def _offload(
+        self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
+    ) -> Entry | None:
+        pool = self._host_pool or self._pool()
+        modes = dispatch_modes()
+        try:  # once per offloaded storage: the pool first
+            if modes:  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
+                with internal_ops():
+                    buffer = pool.acquire(nbytes)
+            else:
+                buffer = pool.acquire(nbytes)
+            host_view, tier = buffer.view, self._host_tier
+        except CapacityExceededError:
+            host = self._host_after_refusal(nbytes)
+            if host is None:
+                return None
+            buffer, host_view, tier = host
+        stack = self._rules.module_stack
+        where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
+        entry = Entry(self, key, where, meta, nbytes, skey)
+        ref = entry.storage_ref = StorageRef(storage, storage_died)  # records.storage_ref, inlined
+        ref.entry_ref = weakref.ref(entry)
+        entry.host, entry.host_view = buffer, host_view
+        entry.version_at_copy = tensor._version
+        if modes:  # raw_bytes(storage, meta.device), inlined
+            with internal_ops():
+                entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        else:
+            entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        try:
+            done = self._copy(Direction.D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
+        except BaseException as exc:
+            # nothing was enqueued: the host buffer goes back now, and the tensor stays on the device
+            if buffer is not None:
+                self._pool().release(buffer)
+            if isinstance(exc, Exception):
+                self._copy_failed(entry, exc, "device-to-host copy could not be submitted")
+                raise _CopyRefused from exc
+            raise
+        entry.obj = self._sched.register_offloading(key, Kind.ACTIVATION, nbytes, done, tier, name=f"#{key} {where}")
+        with self._lock:
+            self._by_storage[skey] = entry
+            self._by_key[key] = entry
+        self.runtime.track_d2h(done, entry, nbytes)
+        self._ledger.add(tier, Kind.ACTIVATION, nbytes)
+        stats = self._stats
+        stats.offloaded_bytes += nbytes
+        stats.offloaded_storages += 1
+        return entry

@@ -1,0 +1,419 @@
+"""OffloadOptimizer's host steps and its rounds through the core scheduler (mixin ``_HostRounds``).
+
+Moved from optimizer.py, whose module doc holds the Notes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from offcore.errors import (
+    CopyFailedError,
+    OffcoreWarning,
+)
+from offcore.kinds import Kind
+from offcore.objects import State
+from offcore.residency import ActionKind, ResidencyScheduler
+from offcore_torch.optimizer.slots import _COLLECT, _STEPPED, _USES, _WORKER_THREAD, _Slot, _storage_id, _unhooked_step
+
+
+class _HostRounds:
+    """OffloadOptimizer's host-step and round methods (see optimizer.py)."""
+
+    # -- host steps -----------------------------------------------------------------------
+    def _step_slots(self, slots: list[_Slot], rs: ResidencyScheduler | None = None) -> None:
+        """Worker: one host optimizer step over ``slots`` only, the casts for their H2D copies, and
+        (``rs``) the core's uploads due once they are updated."""
+        assert self._host is not None
+        for slot in slots:
+            if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
+                with contextlib.suppress(Exception):  # a failed copy reads nothing any more; its use re-issues it
+                    slot.h2d.synchronize()
+        chosen: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        for slot in slots:
+            chosen[id(slot.group)].append(slot.master)
+        saved = [(group, group["params"]) for group in self._host.param_groups]
+        began = time.perf_counter()
+        with self._host_work():  # on step()'s caller inside `with dev:` too: its temporaries are host memory
+            try:
+                for group, _ in saved:
+                    group["params"] = chosen.get(id(group), [])
+                _unhooked_step(self._host)
+            finally:
+                for group, params in saved:
+                    group["params"] = params
+            if self.trace is not None:
+                self.trace.span("host", "step", began, time.perf_counter() - began, params=len(slots))
+            for slot in slots:
+                if slot.stage is not None:
+                    slot.stage.copy_(slot.master)
+        if rs is not None:
+            self._host_updated(rs, slots)
+
+    def _step_lead_and_rest(self, lead: list[_Slot], rest: list[_Slot], rs: ResidencyScheduler) -> None:
+        """For ``step()``, on its caller or the worker (Note [One host step at step()]): step ``lead``
+        and issue its uploads, then step ``rest`` in one optimizer call; their uploads are due
+        (Note [Who issues step()'s uploads])."""
+        if lead:
+            self._step_slots(lead, rs)
+        if rest:
+            self._step_slots(rest)
+            self._mark_due(rest)
+
+    def _mark_due(self, slots: list[_Slot]) -> None:
+        """``slots`` (in need order) were stepped by ``step()``: their uploads are due (Note [Who issues step()'s
+        uploads])."""
+        with self._sched_lock:
+            for slot in slots:
+                slot.upload_due = slot.host_param is None
+            # added to those still due (streamed parameters stepped under backward: Note [Streamed parameters
+            # are written by the caller]); _issue_due skips a slot issued meanwhile (upload_due False)
+            self._due = [*self._due, *slots] if self._due else slots
+
+    def _issue_due(self, rs: ResidencyScheduler) -> None:
+        """Issue every upload ``step()`` left due, in need order, on this thread (Note [Who issues step()'s
+        uploads]; sched lock held)."""
+        slots, self._due = self._due, []
+        keys = []
+        for slot in slots:
+            if slot.upload_due:
+                slot.upload_due = False
+                keys.append(slot.index)
+        # one offer for all of them (host_updated_all), not one scan of the plan per parameter; a failed
+        # copy ends the offer (refused): what it did not issue stays offloaded and its use issues it
+        with contextlib.suppress(Exception):
+            self._execute(rs, rs.host_updated_all(keys))
+
+    def _h2d_after_compute(self) -> None:
+        """Order the H2D stream after the work queued so far on this thread's compute stream.
+
+        H2D copies issued from the main thread (``step()``, ``load_state_dict``) overwrite
+        parameters that compute already queued may still read; the worker's copies are ordered by
+        the gradient's D2H event instead (its parameter's last use in backward precedes it).
+        """
+        done = self._device.new_event()
+        self._device.current_stream().record_event(done)
+        self._runtime.h2d_stream.wait_event(done)
+
+    def _copy_retrying(self, dst: Any, src: Any, stream: Any, what: str, *, recover: bool = False) -> Any:
+        """``copy_`` on ``stream``; a copy refused at submission is tried once more after clearing the
+        stream (Note [Failed copies in the optimizer]); a second refusal raises CopyFailedError."""
+        if recover:
+            self._runtime.recover(stream)
+        try:
+            return self._device.copy_(dst, src, stream=stream)
+        except Exception as first:
+            self._runtime.recover(stream)
+            try:
+                event = self._device.copy_(dst, src, stream=stream)
+                self._recovered(f"the copy of {what or 'a tensor'} (refused at submission)", first)
+                return event
+            except Exception as exc:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the copy of {what or 'a tensor'} failed twice ({first}; {exc})"
+                ) from exc
+
+    def _recovered(self, what: str, exc: BaseException) -> None:
+        """A failed copy was made again and landed (Note [Failed copies in the optimizer]): counted in
+        ``copy_failures`` and said, as the other bindings say theirs; the numbers are unchanged."""
+        with self._lock:
+            self.copy_failures += 1
+        warnings.warn(
+            f"offcore: {what} failed ({exc}); copied again, recovered without changing a number "
+            "(see OffloadOptimizer.copy_failures)",
+            OffcoreWarning,
+            stacklevel=3,
+        )
+
+    def _copy_up(self, slot: _Slot, *, force: bool = False) -> Any:
+        """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event.
+
+        Unless ``force``, an upload of a parameter written by someone else since it matched the master
+        is cancelled (Note [Writes to parameters after step()]): the event returned copies nothing."""
+        if not force and self._written(slot):
+            cancelled = self._device.new_event()
+            self._runtime.h2d_stream.record_event(cancelled)
+            return cancelled
+        src = slot.stage if slot.stage is not None else slot.master
+        before = slot.param._version
+        dst = slot.param.detach()
+        event = self._copy_retrying(
+            dst,
+            src,
+            self._runtime.h2d_stream,
+            f"parameter {slot.index} to the device (its host master holds the stepped value: opt.synchronize() "
+            "uploads it again)",
+        )
+        after = slot.param._version  # a copy bumps the version when issued (CUDA) or when it lands (the fake device)
+        with self._lock:
+            slot.h2d, slot.h2d_dst = event, dst
+            slot.h2d_versions = (after,) if after != before else (before, before + 1)
+            self._pending_h2d[id(slot.param)] = slot
+        return event
+
+    # -- the core scheduler (Note [The optimizer's moves go through the core]) ---------------
+    def _round(self) -> ResidencyScheduler:
+        """The current round's scheduler; gradients after ``step()`` begin a new round (sched lock held)."""
+        rs = self._rs
+        if rs is None or self._phase != _COLLECT:
+            rs = self._begin_round()
+        return rs
+
+    def _begin_round(self) -> ResidencyScheduler:
+        self._close_round()
+        rs = ResidencyScheduler(
+            self._predictor,
+            duration=self._runtime.h2d_duration,
+            prefetch="asap",
+            budget=self._upload_budget,
+            margin=0.0,
+        )
+        rs.forward_began(time.perf_counter())
+        for slot in self._slots:
+            if slot.host_param is not None:
+                continue  # streamed in by offload_parameters, never uploaded here
+            rs.register(slot.index, Kind.PARAMETER, slot.param.numel() * slot.param.element_size())
+            rs.awaiting_host(slot.index)
+        rs.make_plan()
+        self._rs, self._phase = rs, _COLLECT
+        self._used.clear()
+        return rs
+
+    def _close_round(self) -> None:
+        """Upload what the budget still held back; the uses seen teach the predictor (sched lock held)."""
+        rs = self._rs
+        if rs is None:
+            return
+        self._upload_rest(rs)
+        if self._phase == _USES:
+            rs.backward_ended(time.perf_counter())
+        self._rs = None
+
+    def _upload_rest(self, rs: ResidencyScheduler) -> None:
+        self._issue_due(rs)
+        rest = [k for k, o in rs.objects.items() if k >= 0 and o.state is State.OFFLOADED]
+        if rest:
+            self._h2d_after_compute()
+            for key in rs.upload_order(rest):
+                rs.reloaded(key, self._copy_up(self._slots[key]))
+
+    def _execute(self, rs: ResidencyScheduler, actions: Iterable[Any]) -> None:
+        """Carry out the core's actions (sched lock held)."""
+        for action in actions:
+            if action.kind is ActionKind.PREFETCH:
+                try:
+                    event = self._copy_up(self._slots[action.key])
+                except BaseException:
+                    rs.refused(action.key, "failed")
+                    raise
+                rs.started(action.key, event)
+            # EVICT: the upload writes the parameter's own storage; nothing to free, the copy stays
+
+    # Note [Streamed parameters are written by the caller]
+    # A parameter that offload_parameters streams (params_on_host=False: this optimizer keeps masters of its
+    # own) has a device storage only while the handle holds it, and touching it outside a module's use makes
+    # the handle bring it in and track it -- state the handle changes from the thread that runs the model.
+    # Host steps under backward (accumulation_steps, last_micro_step) run on the worker: had the worker
+    # issued their uploads, the handle would have been driven from two threads at once (seen: a copy into a
+    # storage the handle had just freed, a prefetch started twice, a use-after-free). So the worker marks
+    # such uploads due (Note [Who issues step()'s uploads]) and the caller's thread issues them, at
+    # step(), zero_grad(), the parameter's next use or synchronize(), as it does for step()'s own.
+    def _host_updated(self, rs: ResidencyScheduler, slots: list[_Slot]) -> None:
+        """The host steps of ``slots`` finished: the core returns the uploads due now (one offer for all)."""
+        if getattr(_WORKER_THREAD, "marked", False):
+            streamed = [slot for slot in slots if getattr(slot.param, "_offcore_slot", None) is not None]
+            if streamed:
+                self._mark_due(streamed)
+                slots = [slot for slot in slots if getattr(slot.param, "_offcore_slot", None) is None]
+        keys = [slot.index for slot in slots if slot.host_param is None]
+        if keys:
+            with self._sched_lock:
+                self._execute(rs, rs.host_updated_all(keys))
+
+    def _make_current(self, slot: _Slot) -> None:
+        """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
+        the budget held it back) and the compute stream waits for it (sched lock held)."""
+        rs = self._rs
+        if rs is not None:
+            if slot.upload_due:  # stepped by step(), not issued yet: all of them now (Note [Who issues ...])
+                began = time.perf_counter()
+                self._issue_due(rs)
+                if self.trace is not None:  # the use pays it: a wait of the forward
+                    self.trace.span(
+                        "wait",
+                        f"param {slot.index} (step()'s uploads issued by its use)",
+                        began,
+                        time.perf_counter() - began,
+                    )
+            obj = rs.objects.get(slot.index)
+            if obj is not None:
+                if obj.state is State.OFFLOADED:
+                    rs.reloaded(slot.index, self._copy_up(slot))
+                elif obj.state is State.PREFETCHING:
+                    rs.awaited(slot.index)
+        if self._pending_h2d:
+            self._wait_parameter(slot)
+
+    def _on_use(self, slot: _Slot) -> None:
+        """A module is about to read ``slot``'s parameter (forward pre-hook, main thread)."""
+        if slot.stepped and self._futures:
+            # Its host step of this round is queued or running (accumulation_steps / last_micro_step)
+            # and a forward reads the parameter before step(): the worker issues the upload when the
+            # step finishes, which would write the parameter after this forward saved it for
+            # backward. Let the queued host work finish first, so the upload is issued and waited for
+            # below (rare: step() normally ends the round before the next forward).
+            self._drain()
+        if self._rs is None:
+            if self._pending_h2d:
+                self._wait_parameter(slot)
+            return
+        with self._sched_lock:
+            rs = self._rs
+            if rs is None or self._phase == _COLLECT:  # a micro-step's forward: no uses phase
+                self._make_current(slot)
+                return
+            key = slot.index
+            if key in self._used:
+                if self._pending_h2d:
+                    self._wait_parameter(slot)
+                return
+            now = time.perf_counter()
+            if self._phase == _STEPPED:
+                rs.backward_began(now)  # the uses phase of the round: the next forward
+                self._phase = _USES
+            self._used.add(key)
+            self._make_current(slot)
+            rs.consumed(key)
+            self._execute(rs, rs.used(key, now, managed_key=key))
+
+    def _wait_parameter(self, slot: _Slot, *, traced: bool = True) -> None:
+        """Make the compute stream wait for ``slot``'s H2D (a forward pre-hook); the host observes it."""
+        with self._lock:
+            if self._pending_h2d.pop(id(slot.param), None) is None:
+                return
+            event = slot.h2d
+        began = time.perf_counter()
+        try:
+            self._device.current_stream().wait_event(event)
+        except Exception as exc:  # the upload failed on its stream: the master is intact, upload again
+            self._runtime.recover(self._runtime.h2d_stream)
+            self._copy_up(slot, force=True)
+            with self._lock:
+                self._pending_h2d.pop(id(slot.param), None)
+                event = slot.h2d
+            try:
+                self._device.current_stream().wait_event(event)
+            except Exception as again:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
+                    "host master holds the stepped value: fix the cause and call opt.synchronize()"
+                ) from again
+            self._recovered(f"the upload of parameter {slot.index}", exc)
+        if self.trace is not None and traced:
+            self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
+        # the compute stream is ordered after the upload now: everything it does later (a write of the
+        # user's) comes after the copy, so the version the copy left is the synced one. On the fake device
+        # the copy landed (its compute is the host); on CUDA the copy bumped the version when issued
+        # (h2d_versions), and querying would leave a copy not landed yet unsynced, and its master refreshed
+        # from the device (the fp32 master rounded to bf16) before the next step.
+        self._mark_synced(slot)
+
+    def _observe(self, slot: _Slot) -> bool:
+        """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
+        with self._lock:
+            if id(slot.param) not in self._pending_h2d:
+                return True
+            event = slot.h2d
+        try:
+            landed = event.query()
+        except Exception:
+            landed = False
+        if landed:
+            with self._lock:
+                self._pending_h2d.pop(id(slot.param), None)
+            self._mark_synced(slot)
+        return landed
+
+    def _mark_synced(self, slot: _Slot) -> None:
+        """``slot``'s last H2D landed and the host saw it: the device parameter matches the master again,
+        unless someone else wrote it meanwhile (Note [Writes to parameters after step()])."""
+        version = slot.param._version
+        if version in slot.h2d_versions and _storage_id(slot.param) == slot.synced_storage:
+            slot.synced_version = version
+        # else: written while the upload was in flight; synced_version stays, so the master is refreshed
+
+    def _changed(self, slot: _Slot) -> bool:
+        """Whether the device parameter was written by someone else since it last matched the master."""
+        return slot.param._version != slot.synced_version or _storage_id(slot.param) != slot.synced_storage
+
+    def _written(self, slot: _Slot) -> bool:
+        """Note [Writes to parameters after step()]: no upload of ours in flight, and the parameter changed."""
+        with self._lock:
+            if id(slot.param) in self._pending_h2d:
+                return False
+        return self._changed(slot)
+
+    def _check_fresh(self, slot: _Slot) -> None:
+        """Note [Masters are refreshed when the device parameter changed] (main thread)."""
+        if slot.host_param is not None:
+            return  # the host copy is the data (Note [Parameters on the host with offload_parameters])
+        if self._observe(slot) and self._changed(slot):
+            self._drain()
+            self._load_master(slot)
+
+    def _settle(self, params: list[torch.Tensor]) -> None:
+        """Before ``params`` are written by a module's ``load_state_dict`` (Note [Writes to parameters after
+        step()]): their pending uploads are issued, land, and the host observes them."""
+        self._drain()
+        slots = [self._slot(p) for p in params]
+        with self._sched_lock:
+            for slot in slots:
+                self._make_current(slot)  # issues a due or held-back upload; the compute stream waits for it
+        for slot in slots:
+            event = slot.h2d
+            if event is not None:
+                with contextlib.suppress(Exception):  # a failed upload: its use issues it again
+                    event.synchronize()
+            self._observe(slot)
+
+    def _refresh(self, params: list[torch.Tensor]) -> None:
+        """After a module's ``load_state_dict`` wrote ``params``: the masters of those it changed are read
+        from the device now (Note [Writes to parameters after step()])."""
+        for slot in (self._slot(p) for p in params):
+            if self._observe(slot) and self._changed(slot):
+                self._drain()  # as _check_fresh: the compute stream's writes are this thread's
+                self._load_master(slot)
+
+    def synchronize(self) -> None:
+        """Wait for every copy and host step in flight; the device parameters are up to date after it."""
+        self._drain()
+        with self._sched_lock:
+            if self._rs is not None:
+                self._upload_rest(self._rs)
+        with self._lock:
+            pending = list(self._pending_h2d.values())
+        for slot in pending:
+            self._wait_parameter(slot)
+        self._release_landed(wait=True)
+
+    def _publish_uploads(self) -> None:
+        """Note [Parameters read after step() are the stepped ones]: issue every upload of this step (due,
+        or held back by ``upload_budget``) and make the compute stream wait for all of them: a device-side
+        wait on a GPU (the host does not block), a block on the fake device, whose compute is the host."""
+        began = time.perf_counter()
+        with self._sched_lock:
+            if self._rs is not None:
+                self._upload_rest(self._rs)
+        with self._lock:
+            pending = list(self._pending_h2d.values())
+        for slot in pending:
+            self._wait_parameter(slot, traced=False)
+        if self.trace is not None and pending:
+            self.trace.span("wait", f"step()'s {len(pending)} uploads", began, time.perf_counter() - began)
