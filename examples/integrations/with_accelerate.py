@@ -4,41 +4,23 @@
 
 A tiny Llama trains 4 steps with and without offcore (``save_state`` after step 2, then ``load_state`` into a
 fresh run that trains steps 3-4) and every number is compared bit for bit. Lines marked ``# offcore`` are the
-user code.
+user code; the shared set-up is in ``_scaffold.py``.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from typing import Any
 
 import accelerate
 import offcore_torch
 import torch
-import transformers
-
-import offcore
-
-
-def dataset(n: int = 16, seq: int = 16, vocab: int = 64) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids} for _ in range(n)]
+from _scaffold import dataset, fake_device, run_both, tiny_llama
 
 
 def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
-    dev = offcore.device("cpu", capacity="512MiB", h2d_bandwidth="16GiB/s", d2h_bandwidth="16GiB/s", sanitize=True)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    model = dev.adopt(transformers.LlamaForCausalLM(cfg))
+    dev = fake_device()
+    model = dev.adopt(tiny_llama())
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
     losses, norms = [], []
     with dev:
@@ -69,11 +51,7 @@ def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
 
 def run() -> dict[bool, Any]:
     """Both runs, and a resume of each from its step-2 state: {with offcore: (full run, resumed run)}."""
-    results: dict[bool, Any] = {}
-    for use in (False, True):
-        with tempfile.TemporaryDirectory() as out:
-            results[use] = (train(use, out), train(use, out, resume=True))
-    return results
+    return run_both(train)
 
 
 if __name__ == "__main__":

@@ -4,37 +4,27 @@
     python examples/integrations/with_lightning.py
 
 A tiny GPT-2 trains 2 epochs of 2 steps with and without offcore (a checkpoint after epoch 1, then a resume
-from it) and every number is compared bit for bit. Lines marked ``# offcore`` are the user code.
+from it) and every number is compared bit for bit. Lines marked ``# offcore`` are the user code; the shared
+set-up is in ``_scaffold.py``.
 """
 
 from __future__ import annotations
 
 import glob
 import sys
-import tempfile
 from typing import Any
 
 import offcore_torch
 import pytorch_lightning as pl
 import torch
-import transformers
-
-import offcore
-
-
-def dataset(n: int = 8, seq: int = 16, vocab: int = 64) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids} for _ in range(n)]
+from _scaffold import dataset, fake_device, run_both, tiny_gpt2
 
 
 class LM(pl.LightningModule):
     def __init__(self, dev: Any, use_offcore: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
         # no dropout: Lightning does not restore the RNG states on resume (the Trainer does)
-        cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0)
-        cfg.embd_pdrop = cfg.attn_pdrop = 0.0
-        self.model = dev.adopt(transformers.GPT2LMHeadModel(cfg))
+        self.model = dev.adopt(tiny_gpt2(dropout=False))
         self.dev, self.use_offcore, self.losses, self.norms = dev, use_offcore, [], []
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
@@ -53,7 +43,7 @@ class LM(pl.LightningModule):
 
 
 def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
-    dev = offcore.device("cpu", capacity="512MiB", h2d_bandwidth="16GiB/s", d2h_bandwidth="16GiB/s", sanitize=True)
+    dev = fake_device()
     module = LM(dev, use_offcore)
     save = pl.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)
     trainer = pl.Trainer(
@@ -66,7 +56,7 @@ def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
+    loader = torch.utils.data.DataLoader(dataset(n=8), batch_size=4)
     with dev:
         trainer.fit(module, loader, ckpt_path=sorted(glob.glob(f"{out}/epoch=0*.ckpt"))[0] if resume else None)
         params = {n: p.clone() for n, p in module.model.state_dict().items()}
@@ -75,11 +65,7 @@ def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
 
 def run() -> dict[bool, Any]:
     """Both runs, and a resume of each from its epoch-1 checkpoint: {with offcore: (full run, resumed run)}."""
-    results: dict[bool, Any] = {}
-    for use in (False, True):
-        with tempfile.TemporaryDirectory() as out:
-            results[use] = (train(use, out), train(use, out, resume=True))
-    return results
+    return run_both(train)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,25 @@
 """transformers.Trainer with offcore: the Trainer's own optimizer on the host, activations offloaded.
 
-    python examples/integrations/trainer.py
+    python examples/integrations/with_trainer.py
 
 Trains a tiny GPT-2 for 4 steps with and without offcore (a checkpoint at step 2, then a resume from it)
-and checks every number is the same bit for bit. The lines marked ``# offcore`` are all the user code.
+and checks every number is the same bit for bit. The lines marked ``# offcore`` are all the user code; the
+shared set-up is in ``_scaffold.py``.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from typing import Any
 
-import torch
 import transformers
+from _scaffold import dataset, fake_device, run_both, tiny_gpt2
 from offcore_torch.integrations.transformers import OffloadTrainer  # offcore
 
-import offcore
 
-
-def dataset(n: int = 16, seq: int = 16, vocab: int = 64) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids} for _ in range(n)]
-
-
-def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, Any]:
-    dev = offcore.device("cpu", capacity="512MiB", h2d_bandwidth="16GiB/s", d2h_bandwidth="16GiB/s", sanitize=True)
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    model = dev.adopt(transformers.GPT2LMHeadModel(cfg))
+def train(use_offcore: bool, out: str, resume: bool = False) -> dict[str, Any]:
+    dev = fake_device()
+    model = dev.adopt(tiny_gpt2())
     args = transformers.TrainingArguments(
         out,
         max_steps=4,
@@ -47,7 +38,7 @@ def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, A
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
     with dev:
-        trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=f"{out}/checkpoint-2" if resume else None)
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return {
         "losses": [e["loss"] for e in logs],
@@ -57,14 +48,8 @@ def train(use_offcore: bool, out: str, resume: str | None = None) -> dict[str, A
 
 
 def run() -> dict[bool, Any]:
-    """Both runs, a resume of each from its step-2 checkpoint; returns {name: (without, with)}."""
-    results: dict[bool, Any] = {}
-    for use in (False, True):
-        with tempfile.TemporaryDirectory() as out:
-            full = train(use, out)
-            resumed = train(use, out, resume=f"{out}/checkpoint-2")
-        results[use] = (full, resumed)
-    return results
+    """Both runs, and a resume of each from its step-2 checkpoint: {with offcore: (full run, resumed run)}."""
+    return run_both(train)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ its stack] in ``offcore_cpu.op_check``: how the mode composes with other modes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,28 +23,15 @@ torch = pytest.importorskip("torch")
 from offcore_cpu.errors import SanitizerViolation  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import offcore  # noqa: E402
 from offcore import Tier  # noqa: E402
 
 KiB = 1024
-FAST = {"h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0, "jitter": 0}
 
 
 @pytest.fixture
-def make_device() -> Iterator[Any]:
-    made: list[Any] = []
-
-    def make(**options: Any) -> Any:
-        dev = offcore.device("cpu", **{"capacity": "64MiB", "sanitize": True, "buffers": "torch", **FAST, **options})
-        made.append(dev)
-        return dev
-
-    yield make
-    leftover = []
-    for dev in made:
-        dev.close()  # opens every gate first: never hangs
-        leftover += dev.sanitizer_violations()
-    assert leftover == [], "a test left violations it did not expect (tests that plant one clear it)"
+def make_device(make_checked_device: Any) -> Iterator[Any]:
+    yield functools.partial(make_checked_device, sanitize=True, buffers="torch")
+    make_checked_device.close_all()  # before the check below (the fixture's own close_all then finds none)
     assert torch._C._len_torch_dispatch_stack() == 0, "closing the devices pops their checking mode"
 
 

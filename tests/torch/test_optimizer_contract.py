@@ -17,8 +17,9 @@ same model on the fake device, and compares with ``torch.equal``:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -50,59 +51,62 @@ def _pair(dev: Any, **opt_kwargs: Any) -> tuple[torch.nn.Module, Any, torch.nn.M
     return plain, ref, model, opt
 
 
+@contextlib.contextmanager
+def _paired(make_fake_device: Any, **device_options: Any) -> Iterator[tuple[Any, ...]]:
+    """A sanitized fake device, entered, and :func:`_pair` on it: ``(dev, plain, ref, model, opt)``; ``opt`` is
+    closed at the end."""
+    dev = make_fake_device(sanitize=True, **device_options)
+    with dev:
+        plain, ref, model, opt = _pair(dev)
+        try:
+            yield dev, plain, ref, model, opt
+        finally:
+            opt.close()
+
+
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_parameters_read_right_after_step_are_the_stepped_ones(make_fake_device: Any) -> None:
     """EMA, weight norm and functional_call right after ``opt.step(); opt.zero_grad()``, no synchronize()."""
-    dev = make_fake_device(sanitize=True, link="slow")
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            runs: dict[str, list[Any]] = {}
-            for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
-                ema = [p.detach().clone() for p in net.parameters()]
-                seen: list[Any] = []
-                for step in range(3):
-                    _loss(net, step).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    with torch.no_grad():
-                        for e, p in zip(ema, net.parameters(), strict=True):
-                            e.mul_(0.9).add_(p, alpha=0.1)
-                        seen.append(torch.stack([p.norm() for p in net.parameters()]))
-                        params = {k: v.detach().clone() for k, v in net.named_parameters()}
-                        seen.append(torch.func.functional_call(net, params, (MLP.make_batch(99, CPU)[0],)))
-                runs[name] = [*ema, *seen]
-            assert _equal(runs["plain"], runs["offcore"])
-        finally:
-            opt.close()
+    with _paired(make_fake_device, link="slow") as (dev, plain, ref, model, opt):
+        runs: dict[str, list[Any]] = {}
+        for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
+            ema = [p.detach().clone() for p in net.parameters()]
+            seen: list[Any] = []
+            for step in range(3):
+                _loss(net, step).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                with torch.no_grad():
+                    for e, p in zip(ema, net.parameters(), strict=True):
+                        e.mul_(0.9).add_(p, alpha=0.1)
+                    seen.append(torch.stack([p.norm() for p in net.parameters()]))
+                    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+                    seen.append(torch.func.functional_call(net, params, (MLP.make_batch(99, CPU)[0],)))
+            runs[name] = [*ema, *seen]
+        assert _equal(runs["plain"], runs["offcore"])
 
 
 def test_gradients_are_present_and_final_when_backward_returns(make_fake_device: Any) -> None:
     """What Lightning's gradient clipping reads right after ``loss.backward()``: every master's ``.grad`` in
     ``param_groups``, and each device parameter's ``.grad``, hold the round's sum (copies on a slow link)."""
-    dev = make_fake_device(sanitize=True, link="slow")
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            for step in range(3):
-                for micro in range(2):
-                    _loss(plain, step, micro).backward()
-                    _loss(model, step, micro).backward()
-                    expected = [p.grad.clone() for p in plain.parameters()]
-                    masters = [p for group in opt.param_groups for p in group["params"]]
-                    assert all(m.grad is not None for m in masters)
-                    assert _equal([m.grad.clone() for m in masters], expected)
-                    assert _equal([p.grad for p in model.parameters()], expected)
-                ref.step()
-                opt.step()
-                ref.zero_grad()
-                opt.zero_grad()
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device, link="slow") as (dev, plain, ref, model, opt):
+        for step in range(3):
+            for micro in range(2):
+                _loss(plain, step, micro).backward()
+                _loss(model, step, micro).backward()
+                expected = [p.grad.clone() for p in plain.parameters()]
+                masters = [p for group in opt.param_groups for p in group["params"]]
+                assert all(m.grad is not None for m in masters)
+                assert _equal([m.grad.clone() for m in masters], expected)
+                assert _equal([p.grad for p in model.parameters()], expected)
+            ref.step()
+            opt.step()
+            ref.zero_grad()
+            opt.zero_grad()
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def _clear_model(net: torch.nn.Module) -> None:
@@ -123,85 +127,65 @@ def test_model_zero_grad_ends_a_round_as_with_torch(make_fake_device: Any, clear
     """Trainer's loop: two micro-steps, ``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``step()``,
     then ``model.zero_grad()`` (or ``p.grad = None``) -- never ``opt.zero_grad()``. The norms returned and
     the parameters after each step are torch's."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            norms: dict[str, list[torch.Tensor]] = {"plain": [], "offcore": []}
-            for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
-                for step in range(4):
-                    for micro in range(2):
-                        _loss(net, step, micro).backward()
-                    norms[name].append(torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.05))
-                    optimizer.step()
-                    clear(net)
-            assert _equal(norms["plain"], norms["offcore"])
-            assert all(n > 0.05 for n in norms["plain"])  # every step clipped
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt):
+        norms: dict[str, list[torch.Tensor]] = {"plain": [], "offcore": []}
+        for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
+            for step in range(4):
+                for micro in range(2):
+                    _loss(net, step, micro).backward()
+                norms[name].append(torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.05))
+                optimizer.step()
+                clear(net)
+        assert _equal(norms["plain"], norms["offcore"])
+        assert all(n > 0.05 for n in norms["plain"])  # every step clipped
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def test_gradients_kept_without_any_zero_grad_add_up_as_with_torch(make_fake_device: Any) -> None:
     """No clearing at all between steps: torch adds the next backward into the ``.grad`` the step used."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            for step in range(3):
-                for net, optimizer in ((plain, ref), (model, opt)):
-                    _loss(net, step).backward()
-                    optimizer.step()
-            assert _equal([p.grad for p in model.parameters()], [p.grad for p in plain.parameters()])
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt):
+        for step in range(3):
+            for net, optimizer in ((plain, ref), (model, opt)):
+                _loss(net, step).backward()
+                optimizer.step()
+        assert _equal([p.grad for p in model.parameters()], [p.grad for p in plain.parameters()])
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def test_clipping_over_param_groups_and_a_state_dict_round_trip(make_fake_device: Any) -> None:
     """Lightning's clipping (over ``optimizer.param_groups``' params) and a checkpoint: 2 steps, save, a new
     optimizer loads it, 2 more steps -- the same as 4 uninterrupted steps of torch's AdamW."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            norms: dict[str, list[torch.Tensor]] = {"plain": [], "offcore": []}
-            for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
-                for step in range(4):
-                    if name == "offcore" and step == 2:
-                        saved = opt.state_dict()
-                        opt.close()
-                        opt = offcore_torch.OffloadOptimizer(
-                            model.parameters(), torch.optim.AdamW, device=dev, **KWARGS
-                        )
-                        opt.load_state_dict(saved)
-                        optimizer = opt
-                    _loss(net, step).backward()
-                    params = [p for group in optimizer.param_groups for p in group["params"]]
-                    norms[name].append(torch.nn.utils.clip_grad_norm_(params, max_norm=0.05))
-                    optimizer.step()
-                    optimizer.zero_grad()
-            assert _equal(norms["plain"], norms["offcore"])
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt), contextlib.ExitStack() as stack:
+        norms: dict[str, list[torch.Tensor]] = {"plain": [], "offcore": []}
+        for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
+            for step in range(4):
+                if name == "offcore" and step == 2:
+                    saved = opt.state_dict()
+                    opt.close()
+                    resumed = offcore_torch.OffloadOptimizer(
+                        model.parameters(), torch.optim.AdamW, device=dev, **KWARGS
+                    )
+                    optimizer = stack.enter_context(contextlib.closing(resumed))
+                    optimizer.load_state_dict(saved)
+                _loss(net, step).backward()
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                norms[name].append(torch.nn.utils.clip_grad_norm_(params, max_norm=0.05))
+                optimizer.step()
+                optimizer.zero_grad()
+        assert _equal(norms["plain"], norms["offcore"])
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def test_a_cleared_gradient_read_later_is_refused(make_fake_device: Any) -> None:
     """A ``.grad`` kept from before ``opt.zero_grad()`` no longer reads host memory the optimizer reuses."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        _, _, model, opt = _pair(dev)
-        try:
-            _loss(model, 0).backward()
-            kept = next(model.parameters()).grad
-            assert kept is not None and float(kept.abs().sum()) > 0
-            opt.step()
-            opt.zero_grad()
-            with pytest.raises(offcore.OffcoreError, match="cleared since"):
-                kept.sum()
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, _, _, model, opt):
+        _loss(model, 0).backward()
+        kept = next(model.parameters()).grad
+        assert kept is not None and float(kept.abs().sum()) > 0
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(offcore.OffcoreError, match="cleared since"):
+            kept.sum()
 
 
 def test_clip_grad_norm_takes_a_wrapper_holding_the_optimizer(make_fake_device: Any) -> None:
@@ -211,48 +195,36 @@ def test_clip_grad_norm_takes_a_wrapper_holding_the_optimizer(make_fake_device: 
         def __init__(self, optimizer: Any) -> None:
             self.optimizer = optimizer
 
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            _loss(plain, 0).backward()
-            _loss(model, 0).backward()
-            expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.05)
-            assert torch.equal(offcore_torch.clip_grad_norm_(Wrapper(opt), 0.05), expected)
-            ref.step()
-            opt.step()
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt):
+        _loss(plain, 0).backward()
+        _loss(model, 0).backward()
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.05)
+        assert torch.equal(offcore_torch.clip_grad_norm_(Wrapper(opt), 0.05), expected)
+        ref.step()
+        opt.step()
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def test_grads_set_between_backward_and_step_are_what_step_uses(make_fake_device: Any) -> None:
     """``p.grad = None`` for one parameter (frozen for this step) and ``p.grad = t`` for another between
     backward and ``step()``: torch's step skips the first and steps the second with ``t``."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        plain, ref, model, opt = _pair(dev)
-        try:
-            for step in range(3):
-                for net, optimizer in ((plain, ref), (model, opt)):
-                    _loss(net, step).backward()
-                    first, second = list(net.parameters())[:2]
-                    first.grad = None
-                    second.grad = torch.full_like(second, 0.5 + step)
-                    optimizer.step()
-                    net.zero_grad()
-            assert _equal(list(model.parameters()), list(plain.parameters()))
-        finally:
-            opt.close()
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt):
+        for step in range(3):
+            for net, optimizer in ((plain, ref), (model, opt)):
+                _loss(net, step).backward()
+                first, second = list(net.parameters())[:2]
+                first.grad = None
+                second.grad = torch.full_like(second, 0.5 + step)
+                optimizer.step()
+                net.zero_grad()
+        assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
 def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make_fake_device: Any) -> None:
     """Gradients handed over with ``accept_gradient`` (how DDP's and FSDP2's reach the optimizer) are not shown
     as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
     ``opt.zero_grad()`` since is refused naming the fix, not added to the last step's sum."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        _, _, model, opt = _pair(dev)
+    with _paired(make_fake_device) as (dev, _, _, model, opt):
         opt.remove_gradient_hooks()
         params = list(model.parameters())
 
@@ -263,14 +235,11 @@ def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make
             opt.synchronize()
             model.zero_grad()
 
-        try:
+        hand_over()
+        opt.step()
+        opt.zero_grad()
+        hand_over()  # cleared by opt.zero_grad(): taken
+        opt.step()
+        model.zero_grad()  # cannot reach the host gradients
+        with pytest.raises(offcore.OffcoreError, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
             hand_over()
-            opt.step()
-            opt.zero_grad()
-            hand_over()  # cleared by opt.zero_grad(): taken
-            opt.step()
-            model.zero_grad()  # cannot reach the host gradients
-            with pytest.raises(offcore.OffcoreError, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
-                hand_over()
-        finally:
-            opt.close()
