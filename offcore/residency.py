@@ -77,21 +77,17 @@ and the device's room are judged on what really happened.
 # semantics]), and the first copy is still always allowed while nothing is outstanding or
 # reserved.
 
-# Note [A copy taken over at its use leaves the budget first]
-# A use is a trigger, and the use of an object's last record is also where backward takes its
-# device copy over (``consumed``: it leaves the budget, Note [Budget semantics]). A binding that
-# knows at the use that it is the last record reports ``consumed`` before it runs the offer
-# ``used`` returned: the offer is lazy, so the budget is judged then, without the copy backward
-# now owns. The other order kept a prefetched or held copy in the count for the offer of its own
-# use, with no trigger between that take-over and the next use: a later-needed reload that the
-# freed budget admits was not started under this use's compute but reloaded on demand at its
-# own use -- while a copy reloaded on demand at that use (never counted) let it start. Holding a
-# copy on landing then made a step slower than freeing it and reloading it (the simulator's
-# property test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound found it:
-# tests/core/test_sim_simulator.py). offcore_torch's activations (``_restore``), parameters and
-# optimizer and the simulator (offcore/sim/step.py, ``use_group``) all consume first. A binding
-# that consumes later (examples/numpy_mlp.py, after the compute) only keeps the copy in the count
-# a little longer: a smaller, never a larger, prefetch than the budget allows.
+# Note [A reused copy leaves the budget at its use]
+# A device copy kept after its D2H landed (held, or reused while its D2H is in flight) counts in
+# the prefetch budget until backward takes it over. When backward reads it (``reused``, which the
+# bindings and the simulator report before the ``used`` trigger of the same read), it leaves the
+# count at once, so the offer of that very trigger may start the next reload; before, the offer
+# still saw it, no other trigger came before the next use, and that reload ran on demand -- while a
+# copy freed on landing and reloaded on demand at the same use (never counted) let it start, so
+# reusing made a step slower than reloading (a draw of the simulator's property
+# test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound). Only the count moves: the
+# held copy is still freed at ``consumed``, as before. A prefetched copy still leaves the count at
+# ``consumed`` (consuming it before the offer raised the compare workload's offload peak by ~10 %).
 
 # Note [Objects produced on the host]
 # An optimizer's host step produces a parameter's new value on the host; the device copy
@@ -665,9 +661,7 @@ class ResidencyScheduler:
         """Backward read save ``key`` at ``t``: a trigger. Returns the actions due now (lazily).
 
         ``managed_key`` is the managed object the save belongs to (None for a save that
-        was not offloaded); it needs no more planning. When this use is the object's last
-        record, call :meth:`consumed` before running the returned actions (Note [A copy taken
-        over at its use leaves the budget first]).
+        was not offloaded); it needs no more planning.
         """
         record = self.record
         if record:
@@ -702,11 +696,16 @@ class ResidencyScheduler:
             self.plan.issued(key)
 
     def reused(self, key: int) -> None:
-        """Backward read ``key`` from device memory that was still alive: no copy was needed."""
+        """Backward read ``key`` from device memory that was still alive: no copy was needed.
+
+        Call it before :meth:`used` for the same read: a held copy leaves the prefetch budget here
+        (Note [A reused copy leaves the budget at its use]).
+        """
         if self.record:
             self._log("reused", key)
         if self.plan is not None:
             self.plan.issued(key)
+        self._uncount(key)
 
     def awaited(self, key: int) -> None:
         """The consuming stream waits for the prefetch of ``key``: its device copy is usable there."""

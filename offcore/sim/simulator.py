@@ -148,11 +148,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # of tensors it does not count, after each save's use and before the layer's next save's) says
 # where these triggers are; after a group whose saves have any, the simulator feeds the scheduler
 # one ``used`` of a key outside the saves' (a kept read) once the group was consumed. Without
-# ``reads_after`` (a profile from shapes, an older profile) nothing changes. Since the runtime and the
-# simulator consume a save at its use, before the offer of that trigger runs (Note [A copy taken over
-# at its use leaves the budget first] in offcore/residency.py), the save's own use already offers into
-# the room it leaves (the case above: the second save is prefetched at the first one's use); a kept
-# read after it offers what the plan's clock made due by then, or what a refusal left for later.
+# ``reads_after`` (a profile from shapes, an older profile) nothing changes.
 
 # Note [Reuse of device copies still in flight]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -222,7 +218,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # margin 0.5 ms, prefetch "deadline", the device's capacity and the simulated level as its room.
 # The predictor has observed this step's ideal timeline of uses once (steady state). The round's
 # first copies (offered at its start) are made at the end of the previous step, after its host
-# step (Note [The next step starts early] in parameters/hooks.py): they are on the device at t = 0, and
+# step (Note [The next step starts early] in parameters.py): they are on the device at t = 0, and
 # this step issues the same copies (steady state: the same plan offers the same) from the later of
 # compute's end and the host worker's, and ends when they landed. Simplifications: the recompute
 # uses come just before the segment's last backward use (the runtime sees that backward use
@@ -236,7 +232,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [Backward's first parameters stay after forward in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The runtime keeps the storages backward uses first (up to its budget) on the device after their
-# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters/steps.py):
+# forward use (Note [Backward's first parameters stay after forward] in offcore_torch/parameters/parameters.py):
 # the plan's prefetch for their backward use finds them there and no copy is made at the turn. The
 # simulator does the same per layer: backward's first layers whose parameters add up to at most the
 # round's budget are not freed after their forward (``p_turn``), and their first use in backward
@@ -321,7 +317,7 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # copies pile up, up to keeping every layer's saves, and the peak moves with the load (1.8 to
 # 3.5 MiB run to run in tests/torch/test_sim_memory.py's offload plan, against 1.6 unsanitized).
 # ``Plan.drain_offloads``: PlanExecutor ends each offloaded layer's forward by waiting on the D2H
-# stream and handing the landings to the regions (offcore_torch.activations.copies.poll), so their device
+# stream and handing the landings to the regions (offcore_torch.activations.offload.poll), so their device
 # copies are freed before the next layer runs; the simulator's compute stream waits for the
 # layer's last D2H the same way. Forward then holds at most the running layer's copies, the
 # turn starts with every copy landed, and backward's level is set by the prefetch budget alone

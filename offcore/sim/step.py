@@ -84,7 +84,7 @@ _PARAMETER_MARGIN_S = 0.5e-3
 _PARAMETER_BUDGET_MODULES = 2
 _PARAMETER_UNIT_S = 1e-3
 
-# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer/nvme_states.py):
+# OffloadOptimizer(tier="nvme")'s group size (_NVME_GROUP_BYTES in plugins/offcore_torch/optimizer/optimizer.py):
 # a group is one parameter or consecutive small ones up to this many master bytes
 _NVME_GROUP_BYTES = 4 * 1024**2
 _NVME_LOOKAHEAD = 2  # OffloadOptimizer's pipelined(lookahead=): groups read ahead of the one stepped
@@ -1032,14 +1032,14 @@ class _Step:
                 continue
             state = sched.objects[key].state
             if state is State.RESTORED or (state is State.PREFETCHING and obj.h2d_end > -math.inf):
-                actions = sched.used(key, t0, managed_key=key)
+                self.execute(sched.used(key, t0, managed_key=key))
                 sched.awaited(key)
                 ready[0] = max(ready[0], obj.h2d_end)
             elif state is State.OFFLOADING and (obj.held or self.profile.reuse_in_flight):
                 # Note [Reuse of device copies still in flight]: the device copy is still there
                 obj.in_place = not obj.held
                 sched.reused(key)
-                actions = sched.used(key, t0, managed_key=key)
+                self.execute(sched.used(key, t0, managed_key=key))
             elif state is State.OFFLOADED and obj.on_nvme:  # two hops on demand: stage, then reload
                 pending[0] += 1
                 reload_staged = reload_when_landed(obj)
@@ -1047,19 +1047,15 @@ class _Step:
                     self.staging[key] = reload_staged
                 else:
                     self.stage(obj, reload_staged)
-                actions = sched.used(key, t0, managed_key=key)
+                self.execute(sched.used(key, t0, managed_key=key))
             elif state is State.OFFLOADED:
                 end = self.reload(obj)
-                actions = sched.used(key, t0, managed_key=key)
+                self.execute(sched.used(key, t0, managed_key=key))
                 ready[0] = max(ready[0], end)
             else:  # its D2H (or an evicted prefetch) is in flight: reload once it landed
                 pending[0] += 1
                 self._waiting_for[key] = reload_when_landed(obj)
-                actions = sched.used(key, t0, managed_key=key)
-            # each save is its object's one record: backward takes the copy over at this use, before the
-            # offer of its trigger runs (Note [A copy taken over at its use leaves the budget first])
-            sched.consumed(key)
-            self.execute(actions)
+                self.execute(sched.used(key, t0, managed_key=key))
         if pending[0] == 0:
             go()
 
@@ -1070,7 +1066,8 @@ class _Step:
         offset, group = groups[g]
         for obj in group:
             if obj.managed:
-                obj.used = True  # consumed by the scheduler at its use (use_group)
+                self.sched.consumed(obj.key)
+                obj.used = True
         if self.reads_after[i][g]:  # Note [Reads of kept tensors are triggers]
             self.execute(self.sched.used(self.read_key, self.now))
             self.read_key += 1

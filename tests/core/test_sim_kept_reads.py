@@ -43,16 +43,15 @@ def test_a_kept_read_after_a_consumed_save_offers_the_next_reloads_within_the_bu
     # keys in save order: l0 0..2, l1 3..5; backward uses 5 (at its start), 4, 3, then 2, 1, 0
     result, log, actions = _run((0, 0, 1))  # a weight is read right after the last save's use
     names = [(entry[0], entry[1][0]) for entry in log if entry[0] in ("used", "consumed", "started", "reloaded")]
-    # the turn prefetches key 5 (5 KiB; 5 more would exceed 8); 5 is consumed at its use, before the offer
-    # of that trigger (Note [A copy taken over at its use leaves the budget first] in offcore/residency.py),
-    # which prefetches 4 within the budget; the kept read (a key outside the saves') is fed as a trigger
-    # once the group was consumed
+    # the turn prefetches key 5 (5 KiB; 5 more would exceed 8); once 5 was consumed the kept read (a key
+    # outside the saves') is a trigger: 4 is prefetched within the budget, not reloaded on demand at its use
     after = names.index(("consumed", 5))
-    assert names[after + 1] == ("started", 4)
-    assert names[after + 2][0] == "used" and names[after + 2][1] >= 6
+    assert names[after + 1][0] == "used" and names[after + 1][1] >= 6
+    assert names[after + 2] == ("started", 4)
     assert ("reloaded", 4) not in names
-    # at the use of 4 it is taken over as well: 3 (4 KiB) is prefetched beside it, not reloaded on demand
-    assert not any(name == "reloaded" for name, _ in names)
+    # at the use of 4 it is outstanding until consumed: 3 (4 KiB) does not fit beside it, and no read
+    # follows 4, so 3 is reloaded on demand at its own use
+    assert ("reloaded", 3) in names
     prefetched = [a.key for a in actions if a.kind is ActionKind.PREFETCH]
     assert prefetched[:2] == [5, 4]
     # the level: during the use of 5, its 5 KiB, 4's 5 KiB and 1 KiB working set
@@ -61,15 +60,11 @@ def test_a_kept_read_after_a_consumed_save_offers_the_next_reloads_within_the_bu
     assert result.memory_at((first.start + first.end) / 2) == 11 * KiB
 
 
-def test_without_the_read_each_use_still_frees_the_budget_for_the_next_reload() -> None:
+def test_without_the_read_the_next_save_is_reloaded_on_demand_and_the_budget_filled_beside_it() -> None:
     result, log, _ = _run(())
     names = [(entry[0], entry[1][0]) for entry in log if entry[0] in ("used", "consumed", "started", "reloaded")]
-    assert not any(name == "used" and key >= 6 for name, key in names)  # no kept read is fed
-    # each use's take-over frees the budget for the next reload at that trigger: 4 is prefetched at 5's
-    # use, not reloaded on demand at its own (it was while 5 stayed in the budget until after that offer)
-    assert names[names.index(("consumed", 5)) + 1] == ("started", 4)
-    assert not any(name == "reloaded" for name, _ in names)
-    # at 4's use the budget is filled beside it: 3 (4 KiB) prefetched, beside 4's 5 KiB
+    assert ("reloaded", 4) in names  # 5 was outstanding at every trigger before 4's use
+    # at 4's use the budget is filled beside it: 3 (4 KiB) prefetched, outside 4's on-demand 5 KiB
     second = [e for e in result.events if e.kind == "backward" and e.layer == "l1"][1]
     assert result.memory_at((second.start + second.end) / 2) == 5 * KiB + 4 * KiB + 1 * KiB
 

@@ -148,14 +148,14 @@ def test_a_d2h_landing_after_forward_when_its_reload_is_due_keeps_the_device_cop
 
 
 def test_a_held_copy_taken_over_at_its_use_leaves_the_budget_for_the_next_reload():
-    """Note [A copy taken over at its use leaves the budget first] (offcore/residency.py).
+    """Note [A reused copy leaves the budget at its use] (offcore/residency.py).
 
     A draw of test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound: l2's D2H lands
     during l3's backward and, with reuse, is held (1 byte, the whole budget); strict, it is freed and
-    reloaded on demand at its use (1 ns). At l2's use backward takes its copy over, so the offer of
-    that trigger starts l1's reload (2 bytes, alone in the budget) under l2's backward in both models.
-    It used to see the held copy still in the budget: l1 was reloaded on demand (2 ns), and reusing
-    made the step slower than reloading.
+    reloaded on demand at its use (1 ns). At l2's use backward takes the reused copy over, so the offer
+    of that trigger starts l1's reload (2 bytes, alone in the budget) under l2's backward. It used to see
+    the reused copy still in the budget: l1 was reloaded on demand (2 ns), and reusing made the step
+    slower than reloading.
     """
     backward = 0.0078125
     layers = [
@@ -238,11 +238,9 @@ def test_prefetch_budget_limits_bytes_reloaded_but_not_yet_consumed():
     bounded = simulate(profile, Plan.uniform(6, "offload", prefetch=PrefetchPolicy(margin_s=10.0, budget_bytes=20)))
 
     def held_peak(result):
-        # a reload is outstanding until backward takes it over at its use (the start of its layer's backward;
-        # Note [A copy taken over at its use leaves the budget first] in offcore/residency.py)
         starts = {e.layer: e.start for e in events_of(result, "h2d")}
-        uses = {e.layer: e.start for e in events_of(result, "backward")}
-        return max(sum(10 for layer in starts if starts[layer] <= t < uses[layer]) for t in starts.values())
+        ends = {e.layer: e.end for e in events_of(result, "backward")}
+        return max(sum(10 for layer in starts if starts[layer] <= t < ends[layer]) for t in starts.values())
 
     assert held_peak(unbounded) > 20
     assert held_peak(bounded) <= 20
@@ -256,12 +254,9 @@ def test_a_layer_larger_than_the_prefetch_budget_is_reloaded_alone():
     )
     result = simulate(profile, Plan.uniform(3, "offload", prefetch=PrefetchPolicy(budget_bytes=10)))
     starts = sorted((e.start, e.layer) for e in events_of(result, "h2d"))
-    assert len(starts) == 2  # layer2's copy is used in place (its D2H in flight), layer1's and layer0's reloaded
-    uses = {e.layer: e.start for e in events_of(result, "backward")}
+    ends = {e.layer: e.end for e in events_of(result, "backward")}
     for (_, layer), (next_start, _) in zip(starts, starts[1:], strict=False):
-        # the previous one was taken over by backward at its use first (Note [A copy taken over at its use
-        # leaves the budget first] in offcore/residency.py): it is never outstanding beside the next one
-        assert next_start >= uses[layer]
+        assert next_start >= ends[layer]  # the previous one was consumed first
 
 
 def test_a_shared_link_serialises_the_two_directions():

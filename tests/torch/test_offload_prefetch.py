@@ -227,36 +227,3 @@ def test_a_schedule_object_learns_across_steps(dev: Any) -> None:
     assert runtime_for(dev).scheduler.steps_observed == before  # the device default was not used
     predicted = schedule.predict(StepObservation(pack_times=dict.fromkeys(range(4 * DEPTH), 0.0)))
     assert predicted and all(t >= 0 for t in predicted.values())
-
-
-def test_a_copy_taken_over_at_its_use_leaves_the_budget_for_the_next_prefetch(fake: Any) -> None:
-    """Note [A copy taken over at its use leaves the budget first] (offcore/residency.py).
-
-    A chain of sigmoids saves one output per node, and backward reads nothing else: each unpack is the
-    only trigger. With a budget of one activation ahead, the prefetched copy unpacked now is consumed before
-    the offer of its trigger runs, so that offer prefetches the next one, and nothing stalls. The
-    offer used to run first, with the copy still in the budget: the next copy did not fit, and it was
-    reloaded on demand at its own use (every other unpack stalled).
-    """
-    torch.manual_seed(0)
-    with fake:
-        x = torch.randn(ROWS, WIDTH, device=fake.torch_device, requires_grad=True)
-
-    class Chain(nn.Module):
-        def forward(self, t: Any) -> Any:
-            for _ in range(DEPTH):
-                t = torch.sigmoid(t)
-            return t.sum()
-
-    model = Chain()
-    schedule = FixedScheduler(eager=True)  # every reload wants to start at the end of forward
-    budget = ACTIVATION * 3 // 2  # one activation ahead, not two
-    step = settled_step(fake, model, x, schedule=schedule, prefetch_budget=budget)
-    stats = step["stats"]
-    copies = reloads(step)
-    stream = runtime_for(fake).h2d_stream.name
-    # the outputs, last saved first (and the 4-byte one autograd saves last): all prefetched, once each
-    assert [i for i, _, _ in copies] == list(range(DEPTH, -1, -1))
-    assert {s for _, s, _ in copies} == {stream}
-    assert stats.stalls == 0 and stats.stalled_objects == []
-    assert 0 < stats.peak_prefetched_bytes <= budget

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from offcore.errors import (
 )
 from offcore.kinds import Direction, Tier
 from offcore.objects import State
-from offcore.residency import NO_ACTIONS, Action, ResidencyScheduler
+from offcore.residency import NO_ACTIONS, ResidencyScheduler
 from offcore_torch.activations.copies import (
     _GRAPH_TASK_ID,
     _current_autograd_node,
@@ -152,9 +151,11 @@ class _Unpack:
             if entry.used_round != round_ and sched.is_outstanding(entry.key):
                 self._stats.prefetch_hits += 1
             actions = sched.used(key, now, managed_key=entry.key)
+            if actions is not NO_ACTIONS:
+                self._execute(actions)
             storage = self._await_prefetch(entry)
         else:
-            storage, actions = self._device_storage(entry, key, now, entry.used_round != round_)
+            storage = self._device_storage(entry, key, now, entry.used_round != round_)
         out = packed.meta.restore(packed.keeper, storage)
         entry.keepers_pointed = True
         if packed.fmt is not None:
@@ -165,24 +166,18 @@ class _Unpack:
         # ``packed`` is alive (autograd passed it in): with one live record it is the only one
         if entry.live == 1 or entry.all_unpacked(round_):
             self._consumed(entry)
-        # the offer of this trigger runs once a copy taken over here left the budget
-        # (Note [A copy taken over at its use leaves the budget first] in offcore/residency.py)
-        if actions is not NO_ACTIONS:
-            self._execute(actions)
         return out
 
-    def _device_storage(
-        self, entry: Entry, key: int, now: float, first_use: bool
-    ) -> tuple[torch.UntypedStorage, Iterator[Action]]:
-        """The storage backward should read, on the device and ordered for the compute stream, and the
-        actions of this use's trigger, for the caller to run after the take-over (Note [A copy taken
-        over at its use leaves the budget first] in offcore/residency.py)."""
+    def _device_storage(self, entry: Entry, key: int, now: float, first_use: bool) -> torch.UntypedStorage:
+        """The storage backward should read, on the device and ordered for the compute stream."""
         sched = self._sched
         if entry.restored is not None:
             if first_use and sched.is_outstanding(entry.key):
                 self._stats.prefetch_hits += 1
             actions = sched.used(key, now, managed_key=entry.key)
-            return self._await_prefetch(entry), actions
+            if actions is not NO_ACTIONS:
+                self._execute(actions)
+            return self._await_prefetch(entry)
         live = entry.storage_ref()
         in_flight = False
         if live is None and entry.restored_ref is not None:
@@ -191,14 +186,15 @@ class _Unpack:
             in_flight = live is not None and entry.obj.state is State.PREFETCHING
         if live is not None:
             sched.reused(entry.key)
-            actions = sched.used(key, now, managed_key=entry.key)
+            self._execute(sched.used(key, now, managed_key=entry.key))
             if first_use:
                 self._stats.reused_live_bytes += entry.nbytes
             entry.restored = live
-            return (self._await_prefetch(entry) if in_flight else live), actions
+            return self._await_prefetch(entry) if in_flight else live
         # a miss: reload now; the whole copy is exposed and charged to this object
         storage = self._reload_now(entry)
-        return storage, sched.used(key, now, managed_key=entry.key)
+        self._execute(sched.used(key, now, managed_key=entry.key))
+        return storage
 
     def _reload_now(self, entry: Entry) -> torch.UntypedStorage:
         if entry.nvme is not None:
