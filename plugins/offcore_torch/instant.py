@@ -12,6 +12,7 @@ Not registered by default (it would show in every ``offcore.device`` listing); a
 benchmark registers it once, as a third-party plugin would::
 
     >>> import offcore
+from offcore.registry import backends
     >>> from offcore_torch.instant import register_instant
     >>> register_instant()
     >>> dev = offcore.device("instant", capacity="1GiB")
@@ -30,6 +31,7 @@ import torch
 
 import offcore
 from offcore import Availability, Capability, CapacityExceededError, HostBufferPool, MemoryStats, Tier
+from offcore.registry import backends
 
 __all__ = ["InstantDevice", "InstantEvent", "InstantStream", "register_instant"]
 
@@ -215,12 +217,8 @@ class _Plugin:
         register("instant", InstantDevice, description="copies and events complete at once (tests and benchmarks)")
 
 
-_registered = False
-
-
 def register_instant() -> None:
     """Register the ``"instant"`` backend with offcore (once per process; later calls do nothing)."""
-    global _registered
-    if not _registered:
+    # asks the registry, not a flag of this module: offcore.registry.reset_registry() (tests) forgets it
+    if "instant" not in {info.name for info in backends()}:
         offcore.register_plugin(_Plugin(), name="offcore_torch-instant")
-        _registered = True
