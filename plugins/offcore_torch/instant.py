@@ -12,7 +12,6 @@ Not registered by default (it would show in every ``offcore.device`` listing); a
 benchmark registers it once, as a third-party plugin would::
 
     >>> import offcore
-from offcore.registry import backends
     >>> from offcore_torch.instant import register_instant
     >>> register_instant()
     >>> dev = offcore.device("instant", capacity="1GiB")
