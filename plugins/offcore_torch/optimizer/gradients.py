@@ -59,15 +59,7 @@ class _Gradients:
         """Stop taking gradients from post-accumulate-grad hooks (they come through :meth:`accept_gradient`)."""
         self._frozen.clear()
         for slot in self._slots:
-            if slot.hook is not None:
-                slot.hook.remove()
-                slot.hook = None
-            if slot.pre_hook is not None:
-                slot.pre_hook.remove()
-                slot.pre_hook = None
-            if slot.shown is not None and slot.param.grad is slot.shown:
-                slot.param.grad = None
-            slot.shown = None
+            slot.unhook()
 
     def wait_for_parameters(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Make the compute stream wait for the H2D copies of ``params`` (default: all); never blocks a GPU host.

@@ -1194,15 +1194,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         with contextlib.suppress(Exception):
             self._worker.shutdown(wait=True)
         for slot in self._slots:
-            if slot.hook is not None:
-                slot.hook.remove()
-                slot.hook = None
-            if slot.pre_hook is not None:
-                slot.pre_hook.remove()
-                slot.pre_hook = None
-            if slot.shown is not None and slot.param.grad is slot.shown:
-                slot.param.grad = None  # the host gradient goes with the optimizer's host memory
-            slot.shown = None
+            slot.unhook()
             if slot.h2d is not None:
                 with contextlib.suppress(Exception):
                     slot.h2d.synchronize()

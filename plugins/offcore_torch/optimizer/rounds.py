@@ -394,26 +394,26 @@ class _HostRounds:
     def synchronize(self) -> None:
         """Wait for every copy and host step in flight; the device parameters are up to date after it."""
         self._drain()
+        self._upload_all_and_wait(traced=True)
+        self._release_landed(wait=True)
+
+    def _upload_all_and_wait(self, *, traced: bool) -> int:
+        """Issue every upload (due, or held back by ``upload_budget``) and order the compute stream after
+        each (Note [Parameters read after step() are the stepped ones]); returns how many were waited for."""
         with self._sched_lock:
             if self._rs is not None:
                 self._upload_rest(self._rs)
         with self._lock:
             pending = list(self._pending_h2d.values())
         for slot in pending:
-            self._wait_parameter(slot)
-        self._release_landed(wait=True)
+            self._wait_parameter(slot, traced=traced)
+        return len(pending)
 
     def _publish_uploads(self) -> None:
         """Note [Parameters read after step() are the stepped ones]: issue every upload of this step (due,
         or held back by ``upload_budget``) and make the compute stream wait for all of them: a device-side
         wait on a GPU (the host does not block), a block on the fake device, whose compute is the host."""
         began = time.perf_counter()
-        with self._sched_lock:
-            if self._rs is not None:
-                self._upload_rest(self._rs)
-        with self._lock:
-            pending = list(self._pending_h2d.values())
-        for slot in pending:
-            self._wait_parameter(slot, traced=False)
-        if self.trace is not None and pending:
-            self.trace.span("wait", f"step()'s {len(pending)} uploads", began, time.perf_counter() - began)
+        waited = self._upload_all_and_wait(traced=False)
+        if self.trace is not None and waited:
+            self.trace.span("wait", f"step()'s {waited} uploads", began, time.perf_counter() - began)

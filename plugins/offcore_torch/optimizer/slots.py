@@ -107,6 +107,18 @@ class _Slot:
         self.shown: torch.Tensor | None = None  # a _HostGradient (optimizer.py)
         self.clears = 0  # times its host gradient was cleared: a _HostGradient of an earlier count is stale
 
+    def unhook(self) -> None:
+        """Remove its gradient hooks, and the _HostGradient shown as ``param.grad`` if it is still there."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        if self.pre_hook is not None:
+            self.pre_hook.remove()
+            self.pre_hook = None
+        if self.shown is not None and self.param.grad is self.shown:
+            self.param.grad = None  # the host gradient goes with the optimizer's host memory
+        self.shown = None
+
 
 class _AllOf:
     """The transfers of one group: ``synchronize()`` waits for all, then raises the first failure."""
