@@ -44,9 +44,9 @@ class TorchBuffers:
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    # Note [Raw pointers see checked tensors only]: ``nbytes`` checked both sides when the device took the
+    # copy (copy_ and copy_many ask it for each side first), so the paths that move its bytes do not again.
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        _check_plain(dst, "the copy's destination")
-        _check_plain(src, "the copy's source")
         _check_live(dst, "destination")
         _check_live(src, "source")
         if dst.requires_grad or src.requires_grad:
@@ -58,8 +58,6 @@ class TorchBuffers:
     def copy_plain(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """A small copy between plain contiguous buffers, as one ``memmove`` (Note [Small copies keep the GIL]):
         no torch operator runs, so the device need not suspend its accounting around it (True: copied)."""
-        _check_plain(dst, "the copy's destination")
-        _check_plain(src, "the copy's source")
         nbytes = dst.numel() * dst.element_size()
         if (
             nbytes <= _GIL_HELD_COPY_LIMIT
