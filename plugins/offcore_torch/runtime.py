@@ -131,6 +131,7 @@ class DeviceRuntime:
         # reading a timing is a barrier on this backend: only between steps (resolve_timings)
         self.timings_between_steps = Capability.TIMING_READ_SYNCHRONIZES in capabilities
         self.lock = threading.RLock()
+        self.warned_elsewhere = False  # Note [A region whose tensors live elsewhere says so] (activations/pack.py)
         self._pools: dict[tuple[int, bool], HostBufferPool] = {}
         # releases waiting for an event, one FIFO per stream (Note [Deferred releases in stream order])
         self._deferred: dict[Any, collections.deque[tuple[Any, Callable[[], None]]]] = {}

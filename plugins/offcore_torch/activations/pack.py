@@ -57,10 +57,10 @@ class _Pack:
         if (
             not (elsewhere or thread)
             or self._stats.offloaded_tensors
-            or getattr(self.runtime, "warned_elsewhere", False)
+            or self.runtime.warned_elsewhere
         ):
             return
-        self.runtime.warned_elsewhere = True  # type: ignore[attr-defined]
+        self.runtime.warned_elsewhere = True
         if not elsewhere:  # a module ran on another thread while the region was active, nothing was saved here
             warnings.warn(
                 f"offcore: offload_activations on {self.device!r} offloaded nothing: the forward ran on thread "
