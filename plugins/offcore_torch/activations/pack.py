@@ -54,11 +54,7 @@ class _Pack:
     def _warn_if_all_elsewhere(self) -> None:
         elsewhere = self._kept.get("not_on_device", 0)
         thread = self._rules.foreign_thread
-        if (
-            not (elsewhere or thread)
-            or self._stats.offloaded_tensors
-            or self.runtime.warned_elsewhere
-        ):
+        if not (elsewhere or thread) or self._stats.offloaded_tensors or self.runtime.warned_elsewhere:
             return
         self.runtime.warned_elsewhere = True
         if not elsewhere:  # a module ran on another thread while the region was active, nothing was saved here
