@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Any
 
 import torch
 from offcore_layout import TORCH, flat_tensor, match_layout, plain_tensor_problem
 
 __all__ = ["TorchBuffers", "TORCH_OPS"]
+
+# what TorchBuffers.small_pair asks of each side, looked up once (Note [The small copy's fast path])
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_functional = torch._is_functional_tensor
 
 
 class TorchBuffers:
@@ -78,6 +85,52 @@ class TorchBuffers:
             _memmove_holding_gil(dst.data_ptr(), src.data_ptr(), nbytes)
             return True
         return False
+
+    @staticmethod
+    def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int] | None:
+        """``(nbytes, dst storage, src storage, dst address, src address)`` of a fast-path copy, else None.
+
+        Note [The small copy's fast path] (device.py): both sides exactly ``torch.Tensor`` (no subclass),
+        plain (what :func:`plain_tensor_problem` asks, for that type), contiguous, the same byte count
+        of at most ``_GIL_HELD_COPY_LIMIT``, the source neither a lazy conj nor neg view, each inside
+        its storage's bytes. None sends the copy down ``copy_``'s general path, which checks again and
+        reports what is wrong (it refuses what this declines, or takes it the slow way).
+        """
+        if type(dst) is not _TENSOR or type(src) is not _TENSOR:
+            return None
+        if (
+            dst.layout is not _STRIDED
+            or src.layout is not _STRIDED
+            or dst.is_nested
+            or src.is_nested
+            or dst.is_quantized
+            or src.is_quantized
+            or dst.is_meta
+            or src.is_meta
+            or _functorch_wrapped(dst)
+            or _functorch_wrapped(src)
+            or _functional(dst)
+            or _functional(src)
+        ):
+            return None
+        size = dst.element_size()
+        nbytes = dst.numel() * size
+        if (
+            nbytes > _GIL_HELD_COPY_LIMIT
+            or nbytes != src.numel() * src.element_size()
+            or not dst.is_contiguous()
+            or not src.is_contiguous()
+            or src.is_conj()
+            or src.is_neg()
+        ):
+            return None
+        dst_storage, src_storage = dst.untyped_storage(), src.untyped_storage()
+        if nbytes and (
+            dst.storage_offset() * size + nbytes > dst_storage.nbytes()
+            or src.storage_offset() * src.element_size() + nbytes > src_storage.nbytes()
+        ):
+            return None  # a freed or shrunk storage: the general path raises
+        return nbytes, dst_storage, src_storage, dst.data_ptr(), src.data_ptr()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
@@ -211,7 +264,9 @@ def _check_live(tensor: torch.Tensor, side: str) -> None:
 # moved are the same (every fake-device copy is a byte copy: sizes match, and layouts
 # are reinterpreted as raw bytes), larger copies still release the GIL.
 _GIL_HELD_COPY_LIMIT = 256 * 1024
-_memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+memmove_holding_gil = _memmove_holding_gil = ctypes.PYFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
+)(
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
 

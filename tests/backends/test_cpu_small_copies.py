@@ -1,0 +1,173 @@
+"""The fake device's fast path for small plain copies (Note [The small copy's fast path] in device.py).
+
+A device without the sanitizer takes small copies between two plain ``torch.Tensor`` buffers on one
+of its copy streams through ``_copy_small``; everything else goes down ``copy_``'s general path. Each
+test runs a case on such a device and checks it against what the general path gives (the same
+device's answers with the fast path switched off, or the sanitized device's), so a shortcut that
+skipped a check or booked a copy differently shows up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from offcore_cpu.errors import FreedStorageError, InjectedFault, StreamWorkError  # noqa: E402
+
+import offcore  # noqa: E402
+from offcore import ConfigurationError, Tier  # noqa: E402
+
+FAST = {"capacity": "64MiB", "h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0}
+
+
+@pytest.fixture(params=["fast", "general"])
+def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A torch-buffer fake device without the sanitizer: with its fast path, and with it switched off."""
+    device = offcore.device("cpu", **FAST)
+    if request.param == "general":
+        device._small_pair = None  # what copy_ does without the fast path
+    with device:
+        yield device
+    device.close()
+
+
+def _counting(dev: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    taken: list[int] = []
+    small = dev._copy_small
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        taken.append(1)
+        return small(*args, **kwargs)
+
+    monkeypatch.setattr(dev, "_copy_small", counted)
+    return taken
+
+
+def test_small_plain_copies_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = offcore.device("cpu", **FAST)
+    taken = _counting(device, monkeypatch)
+    with device:
+        stream = device.new_stream()
+        src = torch.arange(4096, dtype=torch.float32)
+        host = device.allocate(src.numel() * 4, Tier.PINNED)
+        device.copy_(host, src.view(torch.uint8), stream=stream).synchronize()
+        back = torch.empty_like(src)
+        device.copy_(back.view(torch.uint8), host, stream=stream).synchronize()
+    device.close()
+    assert len(taken) == 2
+    assert torch.equal(back, src)
+
+
+def test_the_sanitizer_keeps_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = offcore.device("cpu", sanitize=True, **FAST)
+    assert device._small_pair is None
+    with device:
+        stream = device.new_stream()
+        src = torch.arange(16, dtype=torch.float32)
+        host = device.allocate(64, Tier.PINNED)
+        device.copy_(host, src.view(torch.uint8), stream=stream).synchronize()
+        assert torch.equal(host.view(torch.float32), src)
+    device.close()
+
+
+@pytest.mark.parametrize(
+    ("src_tier", "dst_tier", "direction"),
+    [
+        (Tier.DEVICE, Tier.PINNED, "d2h"),
+        (Tier.PINNED, Tier.DEVICE, "h2d"),
+        (Tier.DEVICE, Tier.DEVICE, "d2d"),
+        (Tier.PINNED, Tier.PAGEABLE, "h2h"),
+    ],
+)
+def test_copies_are_booked_like_the_general_path(dev: Any, src_tier: Tier, dst_tier: Tier, direction: str) -> None:
+    stream = dev.new_stream()
+    src = dev.allocate(4096, src_tier)
+    src.copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+    dst = dev.allocate(4096, dst_tier)
+    before = dev.ledger.copies[offcore.Direction(direction)].copies
+    event = dev.copy_(dst, src, stream=stream)
+    event.synchronize()
+    assert event.query()
+    assert torch.equal(dst, src)
+    assert dev.ledger.copies[offcore.Direction(direction)].copies == before + 1
+    (logged,) = dev.copy_log()[-1:]
+    assert logged["direction"] == direction and logged["bytes"] == 4096
+    assert logged["src"] == src.data_ptr() and logged["dst"] == dst.data_ptr()
+
+
+def test_declined_pairs_are_copied_the_general_way(dev: Any) -> None:
+    """Views, a parameter, a conj view, a large copy: not the fast path's, all still copied right."""
+    stream = dev.new_stream()
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    cases = [
+        (torch.empty(8, 8).t(), base),  # a non-contiguous destination
+        (torch.empty(64), torch.nn.Parameter(torch.arange(64, dtype=torch.float32))),  # a subclass
+        (torch.empty(64), torch.arange(64, dtype=torch.float32)[::1]),
+        (torch.empty(300 * 1024), torch.ones(300 * 1024)),  # above the GIL-held limit
+    ]
+    for dst, src in cases:
+        dev.copy_(dst, src, stream=stream).synchronize()
+        assert torch.equal(dst, src.detach())
+    real = torch.randn(8, dtype=torch.complex64)
+    dst = torch.empty(8, dtype=torch.complex64)
+    dev.copy_(dst, real.conj(), stream=stream).synchronize()
+    assert torch.equal(dst, real.conj().resolve_conj())
+
+
+def test_refusals_are_the_general_paths(dev: Any) -> None:
+    stream = dev.new_stream()
+    with pytest.raises(ConfigurationError, match="different sizes"):
+        dev.copy_(torch.empty(4), torch.empty(8), stream=stream)
+    with pytest.raises(ConfigurationError, match="meta tensor"):
+        dev.copy_(torch.empty(4), torch.empty(4, device="meta"), stream=stream)
+    with pytest.raises(ConfigurationError, match="a stream of this device"):
+        dev.copy_(torch.empty(4), torch.empty(4), stream=offcore.device("cpu", **FAST).new_stream())
+    freed = torch.empty(16)
+    view = freed[4:]
+    freed.untyped_storage().resize_(0)
+    with pytest.raises((FreedStorageError, StreamWorkError)):
+        dev.copy_(torch.empty(12), view, stream=stream).synchronize()
+    assert dev.copy_(torch.empty(4), torch.ones(4), stream=stream) is not None  # the device goes on
+
+
+@pytest.mark.parametrize("mode", ["submit", "stream"])
+def test_injected_faults_fire_on_the_same_copy(dev: Any, mode: str) -> None:
+    stream = dev.new_stream()
+    src, dst = torch.ones(16), torch.empty(16)
+    dev.copy_(dst, src, stream=stream).synchronize()
+    dev.inject_copy_fault(2, mode=mode)
+    dev.copy_(dst, src, stream=stream).synchronize()  # the 1st from now
+    if mode == "submit":
+        with pytest.raises(InjectedFault, match="copy #3"):
+            dev.copy_(dst, src, stream=stream)
+    else:
+        with pytest.raises(StreamWorkError, match="inject_copy_fault"):
+            dev.copy_(dst, src, stream=stream).synchronize()
+        with pytest.raises(StreamWorkError):
+            stream.synchronize()  # the stream reports its failure once, then goes on
+    assert not dev.copy_fault_armed
+    dev.copy_(dst, torch.full((16,), 2.0), stream=stream).synchronize()
+    assert torch.equal(dst, torch.full((16,), 2.0))
+
+
+def test_a_closed_copy_gate_holds_a_small_copy(dev: Any) -> None:
+    stream = dev.new_stream()
+    src, dst = torch.ones(16), torch.zeros(16)
+    with dev.gate(stream, direction="d2d") as gate:
+        done = dev.copy_(dst, src, stream=stream)
+        gate.wait_held(1)
+        assert not done.query()
+        gate.open()
+    done.synchronize()
+    assert torch.equal(dst, src)
+
+
+def test_a_closed_device_refuses_the_copy(dev: Any) -> None:
+    stream = dev.new_stream()
+    dev.close()
+    with pytest.raises(ConfigurationError, match="closed"):
+        dev.copy_(torch.empty(4), torch.ones(4), stream=stream)
