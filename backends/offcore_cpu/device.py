@@ -706,9 +706,16 @@ class FakeDevice:
         nbytes, dst_storage, src_storage, dst_address, src_address = pair
         tier_of = self._arena.tier_of
         direction = _DIRECTIONS[tier_of(src_storage) is Tier.DEVICE, tier_of(dst_storage) is Tier.DEVICE]
-        number, fault = self._count_copy()
+        with self._fault_lock:  # _count_copy, inlined (once per copy)
+            number = self._copies = self._copies + 1
+            armed = self._fault
+            if armed is not None and armed[0] == number:
+                self._fault = None
+            else:
+                armed = None
         ops = self._ops
-        if fault is not None:
+        if armed is not None:
+            fault = self._injected(armed)
             if fault.mode == "submit":
                 raise fault
             return self._enqueue_fault(ops, dst, nbytes, stream, fault)
@@ -901,8 +908,12 @@ class FakeDevice:
             if fault is None or fault[0] != count:
                 return count, None
             self._fault = None
+        return count, self._injected(fault)
+
+    def _injected(self, fault: tuple[int, FaultMode, str]) -> InjectedFault:
+        """The error an armed fault fails its copy with."""
         number, mode, source = fault
-        return count, InjectedFault(
+        return InjectedFault(
             f"copy #{number} on fake device {self._label} failed: fault injected by {source} (mode {mode!r})",
             copy_number=number,
             mode=mode,
