@@ -270,7 +270,7 @@ MUTATIONS: list[Mutation] = [
         "the sanitizer's cross-stream ordering check off",
         [
             (
-                "backends/offcore_cpu/device.py",
+                "backends/offcore_cpu/copying.py",
                 "        for earlier, side in order.copy(sid, ranges, number, stream.name, direction):\n",
                 "        for earlier, side in order.copy(sid, ranges, number, stream.name, direction)[:0]:\n",
             )
@@ -282,7 +282,7 @@ MUTATIONS: list[Mutation] = [
         "the fake device's queued copy keeps its caller's buffers alive again (as before the use-after-free check)",
         [
             (
-                "backends/offcore_cpu/device.py",
+                "backends/offcore_cpu/copying.py",
                 "            del dst, src  # the work item must not keep the caller's buffers alive\n"
                 "            run = functools.partial(self._run_flight, flight, jitter, state, time.perf_counter(), started)\n",
                 "            run = functools.partial(\n"
@@ -290,7 +290,7 @@ MUTATIONS: list[Mutation] = [
                 "            )\n",
             ),
             (
-                "backends/offcore_cpu/device.py",
+                "backends/offcore_cpu/copying.py",
                 "    def _run_flight(self, flight: Flight, jitter: float, state: Any, enqueued: float, started: Any = None) -> float:\n",
                 "    def _run_flight(\n"
                 "        self, flight: Flight, jitter: float, state: Any, enqueued: float, started: Any = None, keep: Any = None\n"

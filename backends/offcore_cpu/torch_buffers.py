@@ -90,7 +90,7 @@ class TorchBuffers:
     def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int] | None:
         """``(nbytes, dst storage, src storage, dst address, src address)`` of a fast-path copy, else None.
 
-        Note [The small copy's fast path] (device.py): both sides exactly ``torch.Tensor`` (no subclass),
+        Note [The small copy's fast path] (copying.py): both sides exactly ``torch.Tensor`` (no subclass),
         plain (what :func:`plain_tensor_problem` asks, for that type), contiguous, the same byte count
         of at most ``_GIL_HELD_COPY_LIMIT``, the source neither a lazy conj nor neg view, each inside
         its storage's bytes. None sends the copy down ``copy_``'s general path, which checks again and

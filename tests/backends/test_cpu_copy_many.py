@@ -1,5 +1,5 @@
 """The fake device's ``copy_many``: ``copy_`` of each pair, queued as one work item (Note [A batch of
-copies is one work item] in backends/offcore_cpu/device.py)."""
+copies is one work item] in backends/offcore_cpu/copying.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fault injection on the CPU fake device: ``fail_copy=N``, ``fail_copy_mode``, ``dev.inject_copy_fault``.
 
-See Note [Injected copy faults] in ``offcore_cpu/device.py``. Numpy buffers unless a test
+See Note [Injected copy faults] in ``offcore_cpu/copying.py``. Numpy buffers unless a test
 says otherwise; no test asserts a wall-clock duration (gates order the work).
 """
 

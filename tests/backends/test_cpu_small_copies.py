@@ -1,4 +1,4 @@
-"""The fake device's fast path for small plain copies (Note [The small copy's fast path] in device.py).
+"""The fake device's fast path for small plain copies (Note [The small copy's fast path] in offcore_cpu/copying.py).
 
 A device without the sanitizer takes small copies between two plain ``torch.Tensor`` buffers on one
 of its copy streams through ``_copy_small``; everything else goes down ``copy_``'s general path. Each

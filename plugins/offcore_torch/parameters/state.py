@@ -59,7 +59,7 @@ def _version_ref(tensor: torch.Tensor) -> torch.Tensor:
 # copies of one use to the backend's optional ``copy_many`` (offcore.protocols.OPTIONAL_MEMBERS) at
 # once, smallest first, and every slot of the batch waits for its one event (the last copy's): the
 # fake device queues them as one work item (one hand-off to its copy worker instead of one per
-# storage; Note [A batch of copies is one work item] in backends/offcore_cpu/device.py), each copy
+# storage; Note [A batch of copies is one work item] in backends/offcore_cpu/copying.py), each copy
 # still paying its own latency on the link. A copy the runtime times (``rt.sample``) is issued on its
 # own with its start event, as before, so the link estimate is unchanged.
 
