@@ -304,7 +304,17 @@ class Copies:
         special = state is None or len(pairs) == 1 or self._sanitizer.enabled or stream not in self._streams
         checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
         if not special:
+            small, tier_of = self._small_pair, self._arena.tier_of
             for dst, src in pairs:
+                pair = None if small is None else small(dst, src)
+                if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
+                    ops, nbytes = self._ops, pair[0]
+                    direction = _DIRECTIONS[tier_of(pair[2]) is Tier.DEVICE, tier_of(pair[1]) is Tier.DEVICE]
+                    if self._gates.any_closed_for(state, direction):
+                        special = True
+                        break
+                    checked.append((ops, dst, src, direction, nbytes))
+                    continue
                 ops = ops_for(dst)
                 if ops is None or ops is not ops_for(src) or ops is NUMPY_OPS:
                     special = True  # copy_ checks and reports it (numpy: its read-only check)

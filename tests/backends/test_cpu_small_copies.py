@@ -171,3 +171,25 @@ def test_a_closed_device_refuses_the_copy(dev: Any) -> None:
     dev.close()
     with pytest.raises(ConfigurationError, match="closed"):
         dev.copy_(torch.empty(4), torch.ones(4), stream=stream)
+
+
+def test_copy_many_checks_its_pairs_in_one_pass_too(dev: Any) -> None:
+    """copy_many asks small_pair of each pair (the directions and bytes must come out as copy_'s)."""
+    stream = dev.new_stream()
+    on_device = [dev.allocate(1024 * (i + 1), Tier.DEVICE) for i in range(3)]
+    for i, buffer in enumerate(on_device):
+        buffer.fill_(i + 1)
+    host = [dev.allocate(b.numel(), Tier.PINNED) for b in on_device]
+    odd = torch.empty(64, 16).t()  # a non-contiguous side: checked the general way
+
+    def counted(direction: str) -> tuple[int, int]:
+        totals = dev.ledger.copies[offcore.Direction(direction)]
+        return totals.copies, totals.bytes
+
+    d2h, d2d = counted("d2h"), counted("d2d")
+    dev.copy_many([*zip(host, on_device, strict=True), (odd, torch.ones(16, 64))], stream=stream).synchronize()
+    for i, buffer in enumerate(host):
+        assert bool((buffer == i + 1).all())
+    assert torch.equal(odd, torch.ones(16, 64))
+    assert counted("d2h") == (d2h[0] + 3, d2h[1] + 6144)
+    assert counted("d2d") == (d2d[0] + 1, d2d[1] + 4096)
