@@ -22,6 +22,7 @@ backend whose torch is missing or broken still imports and reports why.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 import threading
@@ -315,6 +316,55 @@ class PinnedSlots:
             return self.pool.trim()
 
 
+# Note [Which pinned block holds an address]
+# Every copy asks whether its host side is pinned (a pageable one is staged through a pinned slot).
+# The adapter knows its own pinned blocks (runtimes differ on a pointer inside one), one range per
+# live block: 64 MiB blocks, so a 100 GiB host budget is ~1,600 of them. A scan of them per copy
+# made each copy's host cost grow with the host memory in use; the starts are kept sorted and the
+# block that may hold an address is found by bisection. Readers take no lock: writers (a new block,
+# a block's finalizer, which may run on any thread, even inside a writer through the garbage
+# collector) rebuild the sorted starts from a copy of the ranges and swap the list in whole, under
+# a re-entrant lock, so a reader sees the old list or the new one. A start whose range is gone by
+# the time it is read answers "not one of ours", and ``Tensor.is_pinned()`` is asked instead:
+# never pinned when it is not.
+class PinnedRanges:
+    """The address ranges of live pinned blocks; :meth:`holds` finds the one an address falls in (bisection).
+
+    >>> ranges = PinnedRanges()
+    >>> ranges.add(4096, 8192)
+    >>> ranges.holds(5000), ranges.holds(8192), len(ranges)
+    (True, False, 1)
+    >>> ranges.discard(4096); len(ranges)
+    0
+    """
+
+    def __init__(self) -> None:
+        self._ends: dict[int, int] = {}  # start -> end (exclusive)
+        self._starts: list[int] = []  # sorted; replaced whole, never changed in place
+        self._lock = threading.RLock()
+
+    def add(self, start: int, end: int) -> None:
+        with self._lock:
+            self._ends[start] = end
+            self._starts = sorted(self._ends.copy())
+
+    def discard(self, start: int) -> None:
+        with self._lock:
+            if self._ends.pop(start, None) is not None:
+                self._starts = sorted(self._ends.copy())
+
+    def holds(self, address: int) -> bool:
+        starts = self._starts
+        i = bisect.bisect_right(starts, address) - 1
+        if i < 0:
+            return False
+        end = self._ends.get(starts[i])
+        return end is not None and address < end
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+
 @dataclass(frozen=True)
 class AcceleratorOptions:
     """The checked keyword options of a torch accelerator device.
@@ -456,7 +506,7 @@ class TorchAcceleratorDevice:
         self._device_contexts: list[Any] = []
         self.staged_copies = 0
         self.direct_pageable_copies = 0
-        self._pinned_ranges: dict[int, int] = {}  # start -> end of every live pinned block
+        self._pinned_ranges = PinnedRanges()  # every live pinned block (Note [Which pinned block holds an address])
         self.pinned_pool = self.host_pool(self.options.host_budget, pinned=True)
         self._slots = PinnedSlots(self.pinned_pool)
 
@@ -545,8 +595,8 @@ class TorchAcceleratorDevice:
         block = self._allocate_pinned_block(nbytes)
         start = block.data_ptr()
         ranges = self._pinned_ranges
-        ranges[start] = start + block.numel()
-        weakref.finalize(block, ranges.pop, start, None).atexit = False
+        ranges.add(start, start + block.numel())
+        weakref.finalize(block, ranges.discard, start).atexit = False
         return block
 
     def _pinned_footprint(self, nbytes: int) -> int:
@@ -632,8 +682,7 @@ class TorchAcceleratorDevice:
         return device is not None and device.type == self.device_type and device.index == self.index
 
     def _is_pinned(self, tensor: Any) -> bool:
-        address = tensor.data_ptr()
-        if any(start <= address < end for start, end in list(self._pinned_ranges.items())):
+        if self._pinned_ranges.holds(tensor.data_ptr()):
             return True
         return bool(tensor.is_pinned())
 
