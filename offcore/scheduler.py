@@ -186,6 +186,7 @@ class PrefetchPlan:
         self.need = need
         # deadline order, ties by key: a stable sort by need of the keys in key order
         self.order: list[int] = sorted(sorted(nbytes_of), key=need.__getitem__)
+        self._position = {key: i for i, key in enumerate(self.order)}  # reopen() finds a key's place at once
         latest: dict[int, float] = {}
         self.latest_start = latest
         # predicted copy seconds per size, as the plan used them (a replay of the step reuses them)
@@ -328,7 +329,7 @@ class PrefetchPlan:
         """``key`` needs a copy again (its prefetched device copy was evicted before use)."""
         if key in self._done:
             self._done.discard(key)
-            self._cursor = min(self._cursor, self.order.index(key))
+            self._cursor = min(self._cursor, self._position[key])
 
 
 class Scheduler:
