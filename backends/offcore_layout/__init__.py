@@ -157,11 +157,17 @@ def typed_prefix(raw: Any, dtype: Any, shape: Any) -> Any:
 # tests/torch/test_tensor_subclass_fuzz.py passes each kind into each entry point.
 
 
+_TORCH: Any = None  # the torch module, once a tensor was seen (this module never imports torch itself)
+
+
 def _torch() -> Any:
     """The torch module (only ever needed with a tensor in hand, so torch is imported already)."""
-    import sys
+    global _TORCH
+    if _TORCH is None:
+        import sys
 
-    return sys.modules["torch"]
+        _TORCH = sys.modules["torch"]
+    return _TORCH
 
 
 def plain_tensor_problem(tensor: Any) -> str | None:
@@ -171,9 +177,9 @@ def plain_tensor_problem(tensor: Any) -> str | None:
     ``__torch_function__`` only) that is strided, not nested, not quantized, not a functional or
     functorch wrapper, on a device with memory (not ``meta``).
     """
-    torch = _torch()
+    torch = _TORCH or _torch()  # every copy asks (twice): the module is looked up once
     kind = type(tensor)
-    if not isinstance(tensor, torch.Tensor):
+    if kind is not torch.Tensor and not isinstance(tensor, torch.Tensor):
         return f"it is a {kind.__name__}, not a torch.Tensor"
     if kind is not torch.Tensor and getattr(kind, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
         return (
