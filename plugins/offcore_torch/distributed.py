@@ -28,14 +28,31 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # at the next bucket's hook (the host asks the future, ``done()``; ``wait()`` then orders the
 # current stream after the collective on hardware) and, for the rest, in an autograd callback
 # at the end of backward (queued before DDP's own finalize). A second callback, queued from the
-# first and so run after DDP's finalize wrote the reduced values into ``param.grad``, sets those
-# gradients to None: the host has them, and a later backward (accumulation without ``no_sync``)
-# must not add them in again. The bucket is rewritten by the next backward: the compute stream
-# waits for the last D2H before the DDP module's next forward. Under FSDP2 the sharded
+# first and so run after DDP's finalize wrote the reduced values into ``param.grad``, waits until
+# every handed gradient landed on the host and shows it as ``param.grad`` (Note [DDP's .grad is the
+# host gradient]). The bucket is rewritten by the next backward: the compute stream waits for
+# the last D2H before the DDP module's next forward. Under FSDP2 the sharded
 # parameter's hooks run after the reduce-scatter (and only when gradients are synchronized:
 # ``set_requires_gradient_sync(False)`` accumulates unsharded on the device, then one reduced
 # shard arrives), on whatever stream FSDP2 made current: OffloadOptimizer records its events
 # on ``device.current_stream()`` read at that moment, never a stream captured earlier.
+#
+# Note [DDP's .grad is the host gradient]
+# torch's contracts hold under DDP as without it (Note [The host gradient is the device parameter's
+# .grad] in optimizer/optimizer.py): when backward returns, each parameter DDP reduced has the
+# optimizer's ``_HostGradient`` as ``.grad``, whose values are the reduced gradient on the host, so
+# ``clip_grad_norm_(ddp.parameters())`` clips what ``step()`` uses and ``model.zero_grad()`` clears it.
+# Plain DDP *adds* a local gradient into a ``.grad`` nobody cleared and then reduces the sum
+# (``no_sync`` micro-steps, or a backward reduced on top of the last one): reduce(g + l), not
+# g + reduce(l), which differ in their last bits. So a tensor hook on each parameter
+# (``_before_accumulation``, run before autograd accumulates into ``.grad``) looks at what the
+# previous backward showed: the shown gradient still there (not cleared, or zeroed through it) is
+# copied back to the device as a plain ``.grad`` for autograd to add into and DDP to reduce, and the
+# host gradient starts over (the reduced sum arrives as its first gradient); None (cleared) or a
+# tensor of the user's clears the host gradient (autograd adds into the user's tensor on the device).
+# The copy back costs one H2D of the gradient, only for a backward into a gradient not cleared.
+# ``step()`` sees ``model.zero_grad()`` / ``p.grad = t`` made after backward as without DDP
+# (``_sync_shown``). ``DDPHandoff.close()`` removes the tensor hooks.
 """
 
 from __future__ import annotations
@@ -85,12 +102,15 @@ class DDPHandoff:
         self._optimizer = weakref.ref(optimizer)
         self.process_group = process_group
         self._members: set[int] = set()
+        self._tensor_hooks: list[Any] = []
         for param in model.parameters():
             try:
                 optimizer.master(param)
             except ConfigurationError:
                 continue
             self._members.add(id(param))
+            if param.requires_grad:  # Note [DDP's .grad is the host gradient]
+                self._tensor_hooks.append(param.register_hook(_before_accumulation(self._optimizer, param)))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
         # (future, [(param, offset, numel, shape)]) of buckets reduced but not handed over yet
@@ -123,14 +143,25 @@ class DDPHandoff:
         self._callback_queued = False
         self._hand_over(block=True)
         # runs after DDP's finalize (queued after it), which writes the reduced buckets into param.grad
-        torch.autograd.Variable._execution_engine.queue_callback(self._clear_gradients)
+        torch.autograd.Variable._execution_engine.queue_callback(self._show_gradients)
 
-    def _clear_gradients(self) -> None:
-        """The host holds this backward's reduced gradients: drop the device's ``param.grad`` (never written:
-        a D2H may still read the bucket), so a later backward does not add them in again."""
+    def _show_gradients(self) -> None:
+        """The host holds this backward's reduced gradients: once they landed, each parameter's ``.grad`` shows
+        its host gradient instead of DDP's bucket (never written: a D2H may still read it), Note [DDP's .grad is
+        the host gradient]."""
         handed, self._handed = self._handed, []
+        optimizer = self._optimizer()
+        if optimizer is None or optimizer._closed:
+            for param in handed:
+                param.grad = None
+            return
+        optimizer._settle_worker()  # every D2H landed and summed: .grad is final when backward returns
         for param in handed:
-            param.grad = None
+            slot = optimizer._slot(param)
+            if slot.master.grad is None:  # lost (a failed copy): step() refuses the round
+                param.grad = slot.shown = None
+            else:
+                param.grad = slot.shown = optimizer._show(slot)
 
     def _hand_over(self, *, block: bool) -> None:
         optimizer = self._optimizer()
@@ -160,9 +191,41 @@ class DDPHandoff:
             optimizer._device.current_stream().wait_event(last)  # the next backward rewrites the buckets
 
     def close(self) -> None:
-        """Remove the module hooks (DDP cannot unregister a communication hook: keep the module or rebuild it)."""
+        """Remove the module and tensor hooks (DDP cannot unregister a communication hook: keep the module or
+        rebuild it)."""
         self._forward_handle.remove()
         self._state_dict_handle.remove()
+        for handle in self._tensor_hooks:
+            handle.remove()
+        self._tensor_hooks.clear()
+
+
+def _before_accumulation(ref: weakref.ref[OffloadOptimizer], param: torch.Tensor) -> Any:
+    """A tensor hook of a DDP parameter: before autograd accumulates a local gradient into ``param.grad``, what the
+    last backward showed there becomes a device ``.grad`` again or is cleared (Note [DDP's .grad is the host
+    gradient])."""
+    weak_param = weakref.ref(param)
+
+    def hook(grad: torch.Tensor) -> None:
+        optimizer, target = ref(), weak_param()
+        if optimizer is None or optimizer._closed or target is None:
+            return
+        slot = optimizer._slot(target)
+        shown, slot.shown = slot.shown, None
+        if shown is None:  # nothing shown since the last clear: autograd and DDP take it as plain DDP does
+            return
+        if target.grad is shown:  # not cleared: plain DDP adds into it on the device, then reduces the sum
+            with torch.no_grad():
+                device_grad = torch.empty_like(target)
+                device_grad.copy_(shown.host())
+            arrivals = slot.arrivals  # the sum is carried on: accumulation_steps counts on
+            optimizer._clear_host_gradient(slot)
+            slot.arrivals = arrivals
+            target.grad = device_grad
+        else:  # cleared (None), or a tensor of the user's that autograd adds into
+            optimizer._clear_host_gradient(slot)
+
+    return hook
 
 
 def attach_ddp(
