@@ -53,6 +53,19 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # The copy back costs one H2D of the gradient, only for a backward into a gradient not cleared.
 # ``step()`` sees ``model.zero_grad()`` / ``p.grad = t`` made after backward as without DDP
 # (``_sync_shown``). ``DDPHandoff.close()`` removes the tensor hooks.
+#
+# Note [Parameters DDP found unused]
+# With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
+# too (its bucket slice zeroed, or filled from a ``.grad`` not cleared), and at its finalize leaves the
+# ``.grad`` of a parameter *no* rank used as it was (None, or the last one), where it sets the others'
+# to the reduced gradient. Which of the two it is is known only after that finalize (the ranks' use
+# is all-reduced at the end of backward), so such a parameter -- no device ``.grad`` at its bucket's
+# hand-over, or its tensor hook did not run since the last show -- is not handed over from the bucket
+# but after DDP's finalize (``_show_gradients``), from what DDP left in ``.grad``: None: nothing (the
+# optimizer skips it, as torch's does); the shown gradient, untouched: the host gradient stays as it
+# is (with ``gradient_as_bucket_view=False`` DDP copies the reduced values into ``.grad``, and so into
+# the host gradient through the wrapper); another tensor (DDP's bucket view, or the user's): the host
+# gradient starts over from it. (Handing over the zeroed slice stepped a parameter no rank used.)
 """
 
 from __future__ import annotations
@@ -118,6 +131,7 @@ class DDPHandoff:
         self._callback_queued = False
         self._last_copy: Any = None
         self._handed: list[torch.Tensor] = []
+        self._unused: list[torch.Tensor] = []  # reduced without a local gradient (Note [Parameters DDP found unused])
         self.buckets_handed = 0
         self._forward_handle = model.register_forward_pre_hook(self._before_forward)
         self._state_dict_handle = model.register_state_dict_pre_hook(_wait_before_state_dict(self._optimizer))
@@ -150,11 +164,23 @@ class DDPHandoff:
         its host gradient instead of DDP's bucket (never written: a D2H may still read it), Note [DDP's .grad is
         the host gradient]."""
         handed, self._handed = self._handed, []
+        unused, self._unused = self._unused, []
         optimizer = self._optimizer()
         if optimizer is None or optimizer._closed:
             for param in handed:
                 param.grad = None
             return
+        for param in unused:  # Note [Parameters DDP found unused]
+            slot = optimizer._slot(param)
+            grad, shown = param.grad, slot.shown
+            if shown is not None and grad is shown:
+                continue  # left as it was (no rank used it), or DDP copied the reduced values into it: both shown
+            slot.shown = None
+            if shown is not None:  # cleared, or replaced (by DDP's bucket view, or a tensor of the user's)
+                optimizer._clear_host_gradient(slot)
+            if grad is not None:  # another rank used it: DDP's reduced gradient (or the user's tensor DDP left)
+                self._last_copy = optimizer.accept_gradient(param, grad)
+                handed.append(param)
         optimizer._settle_worker()  # every D2H landed and summed: .grad is final when backward returns
         for param in handed:
             slot = optimizer._slot(param)
@@ -175,6 +201,10 @@ class DDPHandoff:
                 continue
             flat = reduced.view(-1)
             for param, offset, numel, shape in layout:
+                if param.grad is None or optimizer._slot(param).shown is not None:
+                    # no local gradient in this backward (find_unused_parameters=True): DDP's finalize decides
+                    self._unused.append(param)
+                    continue
                 self._last_copy = optimizer.accept_gradient(param, flat.narrow(0, offset, numel).view(shape))
                 self._handed.append(param)
             self.buckets_handed += 1
@@ -184,6 +214,7 @@ class DDPHandoff:
         # a step that did not happen, so they are dropped, never handed to the next step
         self._pending.clear()
         self._handed.clear()
+        self._unused.clear()
         self._callback_queued = False
         last, self._last_copy = self._last_copy, None
         optimizer = self._optimizer()

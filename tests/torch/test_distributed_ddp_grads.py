@@ -179,3 +179,103 @@ def test_ddp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case:
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"
         assert all(g is not None for grads in got["grads"] for g in grads), f"{where}: a .grad was None"
     assert results[0][(case, True)]["params"] == results[1][(case, True)]["params"], "replicas differ"
+
+
+# -- find_unused_parameters=True: parameters some or all ranks leave out of a forward -----------------------------
+
+# case -> (who leaves the middle layer out: "all" ranks on even steps, "one" rank per step; clear after step(),
+# gradient_as_bucket_view of the offloaded run)
+UNUSED_CASES: dict[str, tuple[str, bool, bool]] = {
+    "all_ranks_cleared": ("all", True, True),
+    "all_ranks_kept": ("all", False, False),
+    "one_rank_cleared": ("one", True, False),
+    "one_rank_kept": ("one", False, True),
+}
+
+
+class _Branchy(torch.nn.Module):
+    """Three linear layers; the middle one is skipped when ``skip`` is true (DDP needs find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h if skip else self.b(h)).square().mean()
+
+
+def _train_unused(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
+    import offcore_torch
+
+    who, clear, bucket_view = UNUSED_CASES[case]
+    device = ctx.make_device()
+    out: dict[str, Any] = {"grads": [], "norms": []}
+    with device:
+        model = ctx.place(_Branchy(), device)
+        if offload:
+            ddp = wrap(ctx, model, "ddp", find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+            opt: Any = offcore_torch.OffloadOptimizer(ddp.parameters(), torch.optim.AdamW, device=device, **ADAMW)
+            offcore_torch.attach_ddp(ddp, opt)
+        else:
+            ddp = wrap(ctx, model, "ddp", find_unused_parameters=True)
+            opt = PlainDDPOptimizer(ddp)
+        try:
+            for step in range(4):
+                # "all": no rank uses b at step 0 (the first backward) and 2; "one": rank (step % 2) skips it
+                skip = step % 2 == 0 if who == "all" else step % 2 == ctx.rank
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + ctx.rank))
+                ddp(x.to(device.torch_device), skip).backward()
+                out["grads"].append(_grads(model))
+                out["norms"].append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP).detach().cpu().clone())
+                opt.step()
+                if clear:
+                    model.zero_grad()
+            if offload:
+                opt.synchronize()
+            out["params"] = fingerprint(list(model.parameters()))
+        finally:
+            if offload:
+                opt.close()
+    device.synchronize()
+    if ctx.kind == "cpu":
+        device.check_sanitizer()
+    return out
+
+
+def _all_unused_cases(ctx: RankContext) -> dict[tuple[str, bool], dict[str, Any]]:
+    import offcore
+
+    results: dict[tuple[str, bool], dict[str, Any]] = {}
+    for case in UNUSED_CASES:
+        for offload in (False, True):
+            try:
+                results[(case, offload)] = _train_unused(ctx, case, offload)
+            except offcore.OffcoreError:
+                results[(case, offload)] = {"error": traceback.format_exc()}
+    return results
+
+
+_UNUSED_RESULTS: dict[str, list[Any]] = {}
+
+
+@pytest.mark.parametrize("case", list(UNUSED_CASES))
+def test_ddp_parameters_left_out_of_a_forward_match_plain_ddp(backend_name: str, case: str) -> None:
+    """A parameter no rank used keeps its ``.grad`` as plain DDP leaves it (None after a clear: not stepped; the last
+    one when kept), one some rank used gets the reduced gradient, bit for bit (on the old code the zeroed bucket
+    slice of a parameter no rank used was stepped, moving it by weight decay, and a later one was refused)."""
+    reason = skip_reason(backend_name)
+    if reason is not None:
+        pytest.skip(reason)
+    if backend_name not in _UNUSED_RESULTS:
+        _UNUSED_RESULTS[backend_name] = run_ranks(_all_unused_cases, backend_name=backend_name)
+    for rank, result in enumerate(_UNUSED_RESULTS[backend_name]):
+        got, want = result[(case, True)], result[(case, False)]
+        where = f"rank {rank} {case}"
+        assert "error" not in got, f"{where} raised:\n{got['error']}"
+        assert got["grads"] == want["grads"], f"{where}: .grad after backward differs from plain DDP's"
+        assert_same(got["norms"], want["norms"], f"{where} clip norms")
+        assert got["params"] == want["params"], f"{where}: parameters differ"
+    if UNUSED_CASES[case][0] == "all":  # the first backward left b's .grad None: nothing to step
+        assert want["grads"][0][2] is None and want["grads"][0][3] is None
