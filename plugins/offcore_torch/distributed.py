@@ -106,7 +106,8 @@ def _wait_before_state_dict(ref: weakref.ref[OffloadOptimizer]) -> Any:
 
 
 class DDPHandoff:
-    """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`.
+    """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`: the module's
+    forward and state-dict pre-hooks, a tensor hook per parameter and the communication hook's state.
 
     ``buckets_handed`` counts reduced buckets given to the optimizer (tests read it).
     """
@@ -268,7 +269,10 @@ def attach_ddp(
     first backward. The all-reduce is DDP's default (mean over ``process_group``, DDP's own by default);
     ``model.no_sync()`` accumulates on the device as usual and the reduced sum arrives at the synchronizing
     backward. DDP keeps its gradient buckets on the device (``gradient_as_bucket_view=True`` avoids a second
-    copy in ``param.grad``); what leaves the device is the optimizer state and step.
+    copy in ``param.grad``); what leaves the device is the optimizer state and step. When backward returns,
+    each parameter's ``.grad`` shows its reduced gradient on the host (Note [DDP's .grad is the host gradient]):
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips what ``step()`` uses, and
+    ``model.zero_grad()`` clears it, with plain DDP's numbers.
 
         >>> ddp = DistributedDataParallel(dev.adopt(model), gradient_as_bucket_view=True)   # doctest: +SKIP
         >>> opt = OffloadOptimizer(ddp.parameters(), torch.optim.AdamW, device=dev, lr=1e-3) # doctest: +SKIP
