@@ -52,7 +52,9 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # tensor of the user's clears the host gradient (autograd adds into the user's tensor on the device).
 # The copy back costs one H2D of the gradient, only for a backward into a gradient not cleared.
 # ``step()`` sees ``model.zero_grad()`` / ``p.grad = t`` made after backward as without DDP
-# (``_sync_shown``). ``DDPHandoff.close()`` removes the tensor hooks.
+# (``_sync_shown``). The hook also runs for ``torch.autograd.grad(..., inputs=params)``, which writes no
+# ``.grad``: it asks the engine whether the parameter's AccumulateGrad node runs, and does nothing
+# when not. ``DDPHandoff.close()`` removes the tensor hooks.
 #
 # Note [Parameters DDP found unused]
 # With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
@@ -124,7 +126,10 @@ class DDPHandoff:
                 continue
             self._members.add(id(param))
             if param.requires_grad:  # Note [DDP's .grad is the host gradient]
-                self._tensor_hooks.append(param.register_hook(_before_accumulation(self._optimizer, param)))
+                with torch.enable_grad():
+                    accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad node
+                hook = _before_accumulation(self._optimizer, param, accumulator)
+                self._tensor_hooks.append(param.register_hook(hook))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
         # (future, [(param, offset, numel, shape)]) of buckets reduced but not handed over yet
@@ -232,15 +237,25 @@ class DDPHandoff:
         self._tensor_hooks.clear()
 
 
-def _before_accumulation(ref: weakref.ref[OffloadOptimizer], param: torch.Tensor) -> Any:
+def _accumulates(accumulator: Any) -> bool:
+    """Whether this backward runs the parameter's AccumulateGrad node, i.e. writes ``.grad`` (not
+    ``torch.autograd.grad``, whose captured gradients run the parameter's tensor hooks too, nor a
+    ``backward(inputs=...)`` leaving it out)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # "... currently running autograd.grad(). This is currently not supported."
+        return False
+
+
+def _before_accumulation(ref: weakref.ref[OffloadOptimizer], param: torch.Tensor, accumulator: Any) -> Any:
     """A tensor hook of a DDP parameter: before autograd accumulates a local gradient into ``param.grad``, what the
     last backward showed there becomes a device ``.grad`` again or is cleared (Note [DDP's .grad is the host
-    gradient])."""
+    gradient]). ``accumulator``: the parameter's AccumulateGrad node (held: DDP holds it too)."""
     weak_param = weakref.ref(param)
 
     def hook(grad: torch.Tensor) -> None:
         optimizer, target = ref(), weak_param()
-        if optimizer is None or optimizer._closed or target is None:
+        if optimizer is None or optimizer._closed or target is None or not _accumulates(accumulator):
             return
         slot = optimizer._slot(target)
         shown, slot.shown = slot.shown, None

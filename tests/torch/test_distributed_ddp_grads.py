@@ -33,6 +33,8 @@ CASES: dict[str, tuple[int, bool, str, dict[str, Any]]] = {
     "no_sync_zeros": (2, True, "ddp.zero_grad(set_to_none=False)", {}),
     "no_sync_bucket_copies": (2, True, "model.zero_grad()", {"gradient_as_bucket_view": False}),
     "sync_every_micro_step": (2, False, "model.zero_grad()", {}),
+    # torch.autograd.grad over the parameters between backward and clipping: no .grad written
+    "autograd_grad_between": (1, False, "model.zero_grad()", {}),
     # step 0's .grad is kept into step 1 (DDP's bucket rebuild at the 2nd forward copies it into the bucket) and
     # step 1's into step 2 (added to on the device)
     "cleared_every_third_step": (1, False, "model.zero_grad() every third step", {}),
@@ -113,6 +115,10 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                         loss.backward()
                     out["losses"].append(loss.detach().cpu())
                     out["grads"].append(_grads(model))
+                if case == "autograd_grad_between":
+                    extra = torch.autograd.grad(loss_fn(model, data), list(model.parameters()))
+                    out["extra"] = fingerprint(extra)
+                    out["grads"].append(_grads(model))
                 out["norms"].append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP).detach().cpu().clone())
                 out["clipped"].append(_grads(model))
                 opt.step()
@@ -176,6 +182,7 @@ def test_ddp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case:
         assert_same(got["state"], want["state"], f"{where} optimizer state")
         assert got["params"] == want["params"], f"{where}: parameters differ"
         assert got["after"] == want["after"], f"{where}: .grad after the last step differs"
+        assert got.get("extra") == want.get("extra"), f"{where}: torch.autograd.grad's result differs"
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"
         assert all(g is not None for grads in got["grads"] for g in grads), f"{where}: a .grad was None"
     assert results[0][(case, True)]["params"] == results[1][(case, True)]["params"], "replicas differ"
