@@ -81,7 +81,7 @@ import torch.distributed as dist
 from offcore.errors import ConfigurationError, OffcoreError
 from offcore_torch.optimizer.clip import clip_grad_norm_ as _clip_replicated
 from offcore_torch.optimizer.optimizer import OffloadOptimizer
-from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _unhooked_step
+from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _accumulates, _grad_accumulator, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
 
@@ -126,9 +126,7 @@ class DDPHandoff:
                 continue
             self._members.add(id(param))
             if param.requires_grad:  # Note [DDP's .grad is the host gradient]
-                with torch.enable_grad():
-                    accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad node
-                hook = _before_accumulation(self._optimizer, param, accumulator)
+                hook = _before_accumulation(self._optimizer, param, _grad_accumulator(param))
                 self._tensor_hooks.append(param.register_hook(hook))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
@@ -235,16 +233,6 @@ class DDPHandoff:
         for handle in self._tensor_hooks:
             handle.remove()
         self._tensor_hooks.clear()
-
-
-def _accumulates(accumulator: Any) -> bool:
-    """Whether this backward runs the parameter's AccumulateGrad node, i.e. writes ``.grad`` (not
-    ``torch.autograd.grad``, whose captured gradients run the parameter's tensor hooks too, nor a
-    ``backward(inputs=...)`` leaving it out)."""
-    try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
-    except RuntimeError:  # "... currently running autograd.grad(). This is currently not supported."
-        return False
 
 
 def _before_accumulation(ref: weakref.ref[OffloadOptimizer], param: torch.Tensor, accumulator: Any) -> Any:

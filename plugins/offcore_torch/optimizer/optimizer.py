@@ -173,7 +173,8 @@ next forward waiting per parameter on its own event.
 # operator on the host gradient -- ``clip_grad_norm_`` computes torch's norm over the host gradients and
 # its in-place ``mul_`` scales what ``step()`` uses; results go to the parameter's device. Clearing is
 # seen where torch would see it: a tensor hook (``_pre_gradient``) runs before autograd accumulates into
-# ``.grad``: the shown gradient still there means "not cleared" (it is removed, so autograd makes a fresh
+# ``.grad`` (and does nothing under ``torch.autograd.grad``, which runs it too but writes no ``.grad``: it asks
+# the engine whether the parameter's AccumulateGrad node runs, ``_accumulates``): the shown gradient still there means "not cleared" (it is removed, so autograd makes a fresh
 # one, and the host keeps summing: torch adds into a ``.grad`` not cleared); None means cleared (the host
 # gradient starts over: ``_clear_host_gradient``); a tensor of the user's is added into by autograd and
 # copied over as the first gradient. ``step()`` and the host-gradient readers check the same before
@@ -328,7 +329,9 @@ from offcore_torch.optimizer.slots import (
     _MASTER,
     _NO_STEPS_UNDER_BACKWARD,
     MASTER_WEIGHTS_KEY,
+    _accumulates,
     _check_params,
+    _grad_accumulator,
     _lead_and_rest,
     _mark_worker_thread,
     _params_of,
@@ -1282,10 +1285,11 @@ def _grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], N
 
 def _pre_grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(opt)
+    accumulator = _grad_accumulator(slot.param)  # torch.autograd.grad runs the hook too, writing no .grad
 
     def hook(grad: torch.Tensor) -> None:
         optimizer = ref()
-        if optimizer is not None and not optimizer._closed:
+        if optimizer is not None and not optimizer._closed and _accumulates(accumulator):
             optimizer._pre_gradient(slot)
 
     return hook
