@@ -262,11 +262,14 @@ def _grad_accumulator(param: torch.Tensor) -> Any:
 
 
 def _accumulates(accumulator: Any) -> bool:
-    """Inside a parameter's tensor hook: whether this backward runs its AccumulateGrad node, i.e. writes ``.grad``.
-    False under ``torch.autograd.grad(..., inputs=params)`` (its captured gradients run the parameter's tensor hooks
-    too, and torch refuses the question there) and ``backward(inputs=...)`` leaving the parameter out: such a pass
-    neither reads nor clears ``.grad`` (Note [The host gradient is the device parameter's .grad])."""
+    """Inside a parameter's tensor hook: whether this pass writes ``.grad`` (runs the parameter's AccumulateGrad
+    node). False under ``torch.autograd.grad(..., inputs=params)``: its captured gradients run the parameter's tensor
+    hooks too, it neither reads nor clears ``.grad`` (Note [The host gradient is the device parameter's .grad]), and
+    torch refuses the question for a leaf there. Otherwise True: a ``backward(inputs=...)`` leaving the parameter out
+    does not run its hooks, and the engine's "no" may be about a node torch replaced (``p.data =`` a tensor of
+    another dtype makes a new AccumulateGrad), so it is not trusted."""
     try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
+        torch._C._will_engine_execute_node(accumulator)
     except RuntimeError:  # "... currently running autograd.grad(). This is currently not supported."
         return False
+    return True
