@@ -119,6 +119,9 @@ class DDPHandoff:
         self.process_group = process_group
         self._members: set[int] = set()
         self._tensor_hooks: list[Any] = []
+        # id(param) -> its AccumulateGrad node, held here and not in the hook (which the parameter holds: the node
+        # holds the parameter, a cycle through C++ that the garbage collector cannot see)
+        self._accumulators: dict[int, Any] = {}
         for param in model.parameters():
             try:
                 optimizer.master(param)
@@ -126,8 +129,8 @@ class DDPHandoff:
                 continue
             self._members.add(id(param))
             if param.requires_grad:  # Note [DDP's .grad is the host gradient]
-                hook = _before_accumulation(self._optimizer, param, _grad_accumulator(param))
-                self._tensor_hooks.append(param.register_hook(hook))
+                self._accumulators[id(param)] = _grad_accumulator(param)
+                self._tensor_hooks.append(param.register_hook(_before_accumulation(weakref.ref(self), param)))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
         # (future, [(param, offset, numel, shape)]) of buckets reduced but not handed over yet
@@ -233,17 +236,21 @@ class DDPHandoff:
         for handle in self._tensor_hooks:
             handle.remove()
         self._tensor_hooks.clear()
+        self._accumulators.clear()
 
 
-def _before_accumulation(ref: weakref.ref[OffloadOptimizer], param: torch.Tensor, accumulator: Any) -> Any:
+def _before_accumulation(ref: weakref.ref[DDPHandoff], param: torch.Tensor) -> Any:
     """A tensor hook of a DDP parameter: before autograd accumulates a local gradient into ``param.grad``, what the
     last backward showed there becomes a device ``.grad`` again or is cleared (Note [DDP's .grad is the host
-    gradient]). ``accumulator``: the parameter's AccumulateGrad node (held: DDP holds it too)."""
+    gradient])."""
     weak_param = weakref.ref(param)
 
     def hook(grad: torch.Tensor) -> None:
-        optimizer, target = ref(), weak_param()
-        if optimizer is None or optimizer._closed or target is None or not _accumulates(accumulator):
+        handoff, target = ref(), weak_param()
+        if handoff is None or target is None:
+            return
+        optimizer = handoff._optimizer()
+        if optimizer is None or optimizer._closed or not _accumulates(handoff._accumulators[id(target)]):
             return
         slot = optimizer._slot(target)
         shown, slot.shown = slot.shown, None
