@@ -11,7 +11,9 @@ the clip norms, ``.grad`` after clipping, the optimizer state and the parameters
 from __future__ import annotations
 
 import contextlib
+import gc
 import traceback
+import weakref
 from typing import Any
 
 import pytest
@@ -131,7 +133,11 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
             del data, loss
         finally:
             if offload:
-                opt.close()
+                opt.close()  # attach_ddp's handoff is left to go with the DDP module
+    kept = weakref.ref(next(model.parameters()))
+    del model, ddp, opt
+    gc.collect()
+    out["freed"] = kept() is None
     device.synchronize()
     if ctx.kind == "cpu":
         device.check_sanitizer()
@@ -183,6 +189,7 @@ def test_ddp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case:
         assert got["params"] == want["params"], f"{where}: parameters differ"
         assert got["after"] == want["after"], f"{where}: .grad after the last step differs"
         assert got.get("extra") == want.get("extra"), f"{where}: torch.autograd.grad's result differs"
+        assert got["freed"] and want["freed"], f"{where}: the model outlived the run"
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"
         assert all(g is not None for grads in got["grads"] for g in grads), f"{where}: a .grad was None"
     assert results[0][(case, True)]["params"] == results[1][(case, True)]["params"], "replicas differ"

@@ -400,7 +400,7 @@ class _HostGradient(torch.Tensor):
 
     _host: torch.Tensor
     _owner: weakref.ref[OffloadOptimizer]
-    _slot: _Slot
+    _index: int  # its slot's, found through the owner: the parameter holds its .grad, the slot holds the parameter
     _round: int
 
     @staticmethod
@@ -410,16 +410,20 @@ class _HostGradient(torch.Tensor):
         marker = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, host.shape, dtype=dtype, device=device, requires_grad=False
         )
-        marker._host, marker._owner, marker._slot, marker._round = host, owner, slot, slot.clears
+        marker._host, marker._owner, marker._index, marker._round = host, owner, slot.index, slot.clears
         return marker
+
+    def _slot(self) -> _Slot | None:
+        owner = self._owner()
+        return None if owner is None or owner._closed else owner._slots[self._index]
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"HostGradient(shape={tuple(self.shape)}, device={self.device}, host dtype={self._host.dtype})"
 
     def host(self) -> torch.Tensor:
         """The host tensor behind this gradient; refused once the round it belongs to was cleared."""
-        owner = self._owner()
-        if owner is None or owner._closed or self._slot.clears != self._round or self._slot.master.grad is None:
+        slot = self._slot()
+        if slot is None or slot.clears != self._round or slot.master.grad is None:
             raise OffcoreError(
                 "this .grad belonged to an OffloadOptimizer's host gradient that was cleared since (opt.zero_grad(), "
                 "model.zero_grad(), or the optimizer was closed): read the parameter's current .grad instead"
@@ -456,7 +460,9 @@ class _HostGradient(torch.Tensor):
 
             def rewrap(t: Any) -> Any:
                 if isinstance(t, torch.Tensor):
-                    return _HostGradient(t, first.dtype, first.device, first._owner, first._slot)
+                    slot = first._slot()
+                    assert slot is not None  # its host() was read just now
+                    return _HostGradient(t, first.dtype, first.device, first._owner, slot)
                 return t
 
             return pytree.tree_map(rewrap, out)
