@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from offcore.errors import ConfigurationError, OffcoreError
 from offcore_torch.optimizer.clip import clip_grad_norm_ as _clip_replicated
-from offcore_torch.optimizer.optimizer import OffloadOptimizer
+from offcore_torch.optimizer.optimizer import OffloadOptimizer, _HostGradient
 from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _accumulates, _grad_accumulator, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
@@ -122,6 +122,7 @@ class DDPHandoff:
         # id(param) -> its AccumulateGrad node, held here and not in the hook (which the parameter holds: the node
         # holds the parameter, a cycle through C++ that the garbage collector cannot see)
         self._accumulators: dict[int, Any] = {}
+        self._params: list[torch.Tensor] = []  # the parameters with a tensor hook
         for param in model.parameters():
             try:
                 optimizer.master(param)
@@ -130,6 +131,7 @@ class DDPHandoff:
             self._members.add(id(param))
             if param.requires_grad:  # Note [DDP's .grad is the host gradient]
                 self._accumulators[id(param)] = _grad_accumulator(param)
+                self._params.append(param)
                 self._tensor_hooks.append(param.register_hook(_before_accumulation(weakref.ref(self), param)))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
@@ -142,6 +144,7 @@ class DDPHandoff:
         self.buckets_handed = 0
         self._forward_handle = model.register_forward_pre_hook(self._before_forward)
         self._state_dict_handle = model.register_state_dict_pre_hook(_wait_before_state_dict(self._optimizer))
+        self._step_handle = optimizer.register_step_pre_hook(_unreduced_before_step(weakref.ref(self)))
 
     # the communication hook (main thread, inside backward)
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -233,10 +236,35 @@ class DDPHandoff:
         rebuild it)."""
         self._forward_handle.remove()
         self._state_dict_handle.remove()
+        self._step_handle.remove()
         for handle in self._tensor_hooks:
             handle.remove()
         self._tensor_hooks.clear()
         self._accumulators.clear()
+
+
+def _unreduced_before_step(ref: weakref.ref[DDPHandoff]) -> Any:
+    """A step pre-hook: refuse a ``step()`` while a parameter's ``.grad`` holds a local gradient DDP never reduced
+    (accumulated by autograd after the last show: a backward under ``no_sync()`` with no synchronizing one after
+    it). The host has no gradient for it (the copy back cleared it), so the step would skip it silently, where plain
+    DDP steps the unreduced local sum (and the replicas drift apart)."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        handoff = ref()
+        if handoff is None or optimizer._closed:
+            return
+        for param in handoff._params:
+            grad = param.grad
+            if grad is None or isinstance(grad, _HostGradient) or optimizer._slot(param).shown is not None:
+                continue  # cleared, shown, or a tensor the user set after the show (step() takes it)
+            raise OffcoreError(
+                f"OffloadOptimizer.step() under DDP: a parameter ({tuple(param.shape)}) has a local gradient that DDP "
+                "did not reduce (the last backward ran under model.no_sync()), so no reduced gradient reached the "
+                "optimizer for it. Run the last micro-step's backward outside no_sync() before step() (or clear "
+                ".grad to drop the micro-steps)"
+            )
+
+    return hook
 
 
 def _before_accumulation(ref: weakref.ref[DDPHandoff], param: torch.Tensor) -> Any:

@@ -40,6 +40,8 @@ CASES: dict[str, tuple[int, bool, str, dict[str, Any]]] = {
     # step 0's .grad is kept into step 1 (DDP's bucket rebuild at the 2nd forward copies it into the bucket) and
     # step 1's into step 2 (added to on the device)
     "cleared_every_third_step": (1, False, "model.zero_grad() every third step", {}),
+    # the last micro-step under no_sync() too: nothing reduced before step()
+    "no_sync_only": (1, True, "model.zero_grad()", {}),
 }
 
 
@@ -109,7 +111,7 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
         try:
             for step in range(STEPS):
                 for micro in range(micro_steps):
-                    last = micro == micro_steps - 1
+                    last = micro == micro_steps - 1 and case != "no_sync_only"
                     with ddp.no_sync() if quiet and not last else contextlib.nullcontext():
                         data = tuple(t.to(device.torch_device) for t in batch(step * micro_steps + micro, ctx.rank))
                         torch.manual_seed(1000 * ctx.rank + 10 * step + micro)  # dropout
@@ -171,7 +173,7 @@ def _results(backend_name: str) -> list[Any]:
     return _RESULTS[backend_name]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case in CASES if case != "no_sync_only"])
 def test_ddp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case: str) -> None:
     """Every number the user's loop sees matches plain DDP's; clipping through ``ddp.parameters()`` scaled every
     step (on the old code ``.grad`` was None after backward: the norm was 0 and nothing was clipped, and a gradient
@@ -193,6 +195,17 @@ def test_ddp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case:
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"
         assert all(g is not None for grads in got["grads"] for g in grads), f"{where}: a .grad was None"
     assert results[0][(case, True)]["params"] == results[1][(case, True)]["params"], "replicas differ"
+
+
+def test_a_step_after_only_no_sync_backwards_is_refused(backend_name: str) -> None:
+    """A ``step()`` whose micro-steps all ran under ``no_sync()``: plain DDP steps each rank's unreduced local sum
+    (the replicas drift apart); the host has no reduced gradient, so offcore refuses it on every rank, naming the fix
+    (on the old code the step skipped every parameter silently)."""
+    results = _results(backend_name)
+    for rank, result in enumerate(results):
+        said = result[("no_sync_only", True)].get("error", "")
+        assert "did not reduce" in said and "outside no_sync()" in said, f"rank {rank}: {said or 'no error'}"
+        assert "error" not in result[("no_sync_only", False)]
 
 
 # -- find_unused_parameters=True: parameters some or all ranks leave out of a forward -----------------------------
