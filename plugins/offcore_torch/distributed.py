@@ -54,7 +54,10 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # ``step()`` sees ``model.zero_grad()`` / ``p.grad = t`` made after backward as without DDP
 # (``_sync_shown``). The hook also runs for ``torch.autograd.grad(..., inputs=params)``, which writes no
 # ``.grad``: it asks the engine whether the parameter's AccumulateGrad node runs, and does nothing
-# when not. ``DDPHandoff.close()`` removes the tensor hooks.
+# when not. A ``step()`` while a ``.grad`` holds a local gradient autograd accumulated after the last show
+# (every micro-step under ``no_sync()``) is refused by a step pre-hook: the host has no reduced gradient
+# for it and would skip it, where plain DDP steps the unreduced local sum. ``DDPHandoff.close()`` removes
+# the tensor hooks and the step pre-hook.
 #
 # Note [Parameters DDP found unused]
 # With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
