@@ -28,14 +28,49 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # at the next bucket's hook (the host asks the future, ``done()``; ``wait()`` then orders the
 # current stream after the collective on hardware) and, for the rest, in an autograd callback
 # at the end of backward (queued before DDP's own finalize). A second callback, queued from the
-# first and so run after DDP's finalize wrote the reduced values into ``param.grad``, sets those
-# gradients to None: the host has them, and a later backward (accumulation without ``no_sync``)
-# must not add them in again. The bucket is rewritten by the next backward: the compute stream
-# waits for the last D2H before the DDP module's next forward. Under FSDP2 the sharded
+# first and so run after DDP's finalize wrote the reduced values into ``param.grad``, waits until
+# every handed gradient landed on the host and shows it as ``param.grad`` (Note [DDP's .grad is the
+# host gradient]). The bucket is rewritten by the next backward: the compute stream waits for
+# the last D2H before the DDP module's next forward. Under FSDP2 the sharded
 # parameter's hooks run after the reduce-scatter (and only when gradients are synchronized:
 # ``set_requires_gradient_sync(False)`` accumulates unsharded on the device, then one reduced
 # shard arrives), on whatever stream FSDP2 made current: OffloadOptimizer records its events
 # on ``device.current_stream()`` read at that moment, never a stream captured earlier.
+#
+# Note [DDP's .grad is the host gradient]
+# torch's contracts hold under DDP as without it (Note [The host gradient is the device parameter's
+# .grad] in optimizer/optimizer.py): when backward returns, each parameter DDP reduced has the
+# optimizer's ``_HostGradient`` as ``.grad``, whose values are the reduced gradient on the host, so
+# ``clip_grad_norm_(ddp.parameters())`` clips what ``step()`` uses and ``model.zero_grad()`` clears it.
+# Plain DDP *adds* a local gradient into a ``.grad`` nobody cleared and then reduces the sum
+# (``no_sync`` micro-steps, or a backward reduced on top of the last one): reduce(g + l), not
+# g + reduce(l), which differ in their last bits. So a tensor hook on each parameter
+# (``_before_accumulation``, run before autograd accumulates into ``.grad``) looks at what the
+# previous backward showed: the shown gradient still there (not cleared, or zeroed through it) is
+# copied back to the device as a plain ``.grad`` for autograd to add into and DDP to reduce, and the
+# host gradient starts over (the reduced sum arrives as its first gradient); None (cleared) or a
+# tensor of the user's clears the host gradient (autograd adds into the user's tensor on the device).
+# The copy back costs one H2D of the gradient, only for a backward into a gradient not cleared.
+# ``step()`` sees ``model.zero_grad()`` / ``p.grad = t`` made after backward as without DDP
+# (``_sync_shown``). The hook also runs for ``torch.autograd.grad(..., inputs=params)``, which writes no
+# ``.grad``: it asks the engine whether the parameter's AccumulateGrad node runs, and does nothing
+# when not. A ``step()`` while a ``.grad`` holds a local gradient autograd accumulated after the last show
+# (every micro-step under ``no_sync()``) is refused by a step pre-hook: the host has no reduced gradient
+# for it and would skip it, where plain DDP steps the unreduced local sum. ``DDPHandoff.close()`` removes
+# the tensor hooks and the step pre-hook.
+#
+# Note [Parameters DDP found unused]
+# With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
+# too (its bucket slice zeroed, or filled from a ``.grad`` not cleared), and at its finalize leaves the
+# ``.grad`` of a parameter *no* rank used as it was (None, or the last one), where it sets the others'
+# to the reduced gradient. Which of the two it is is known only after that finalize (the ranks' use
+# is all-reduced at the end of backward), so such a parameter -- no device ``.grad`` at its bucket's
+# hand-over, or its tensor hook did not run since the last show -- is not handed over from the bucket
+# but after DDP's finalize (``_show_gradients``), from what DDP left in ``.grad``: None: nothing (the
+# optimizer skips it, as torch's does); the shown gradient, untouched: the host gradient stays as it
+# is (with ``gradient_as_bucket_view=False`` DDP copies the reduced values into ``.grad``, and so into
+# the host gradient through the wrapper); another tensor (DDP's bucket view, or the user's): the host
+# gradient starts over from it. (Handing over the zeroed slice stepped a parameter no rank used.)
 """
 
 from __future__ import annotations
@@ -48,8 +83,8 @@ import torch.distributed as dist
 
 from offcore.errors import ConfigurationError, OffcoreError
 from offcore_torch.optimizer.clip import clip_grad_norm_ as _clip_replicated
-from offcore_torch.optimizer.optimizer import OffloadOptimizer
-from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _unhooked_step
+from offcore_torch.optimizer.optimizer import OffloadOptimizer, _HostGradient
+from offcore_torch.optimizer.slots import MASTER_WEIGHTS_KEY, _accumulates, _grad_accumulator, _unhooked_step
 
 __all__ = ["DDPHandoff", "FSDPOffloadOptimizer", "attach_ddp", "clip_grad_norm_"]
 
@@ -76,7 +111,8 @@ def _wait_before_state_dict(ref: weakref.ref[OffloadOptimizer]) -> Any:
 
 
 class DDPHandoff:
-    """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`.
+    """The link between a DDP module and an :class:`OffloadOptimizer` made by :func:`attach_ddp`: the module's
+    forward and state-dict pre-hooks, a tensor hook per parameter and the communication hook's state.
 
     ``buckets_handed`` counts reduced buckets given to the optimizer (tests read it).
     """
@@ -85,12 +121,21 @@ class DDPHandoff:
         self._optimizer = weakref.ref(optimizer)
         self.process_group = process_group
         self._members: set[int] = set()
+        self._tensor_hooks: list[Any] = []
+        # id(param) -> its AccumulateGrad node, held here and not in the hook (which the parameter holds: the node
+        # holds the parameter, a cycle through C++ that the garbage collector cannot see)
+        self._accumulators: dict[int, Any] = {}
+        self._params: list[torch.Tensor] = []  # the parameters with a tensor hook
         for param in model.parameters():
             try:
                 optimizer.master(param)
             except ConfigurationError:
                 continue
             self._members.add(id(param))
+            if param.requires_grad:  # Note [DDP's .grad is the host gradient]
+                self._accumulators[id(param)] = _grad_accumulator(param)
+                self._params.append(param)
+                self._tensor_hooks.append(param.register_hook(_before_accumulation(weakref.ref(self), param)))
         if not self._members:
             raise ConfigurationError("attach_ddp: none of the DDP module's parameters belongs to the OffloadOptimizer")
         # (future, [(param, offset, numel, shape)]) of buckets reduced but not handed over yet
@@ -98,9 +143,11 @@ class DDPHandoff:
         self._callback_queued = False
         self._last_copy: Any = None
         self._handed: list[torch.Tensor] = []
+        self._unused: list[torch.Tensor] = []  # reduced without a local gradient (Note [Parameters DDP found unused])
         self.buckets_handed = 0
         self._forward_handle = model.register_forward_pre_hook(self._before_forward)
         self._state_dict_handle = model.register_state_dict_pre_hook(_wait_before_state_dict(self._optimizer))
+        self._step_handle = optimizer.register_step_pre_hook(_unreduced_before_step(weakref.ref(self)))
 
     # the communication hook (main thread, inside backward)
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -123,14 +170,37 @@ class DDPHandoff:
         self._callback_queued = False
         self._hand_over(block=True)
         # runs after DDP's finalize (queued after it), which writes the reduced buckets into param.grad
-        torch.autograd.Variable._execution_engine.queue_callback(self._clear_gradients)
+        torch.autograd.Variable._execution_engine.queue_callback(self._show_gradients)
 
-    def _clear_gradients(self) -> None:
-        """The host holds this backward's reduced gradients: drop the device's ``param.grad`` (never written:
-        a D2H may still read the bucket), so a later backward does not add them in again."""
+    def _show_gradients(self) -> None:
+        """The host holds this backward's reduced gradients: once they landed, each parameter's ``.grad`` shows
+        its host gradient instead of DDP's bucket (never written: a D2H may still read it), Note [DDP's .grad is
+        the host gradient]."""
         handed, self._handed = self._handed, []
+        unused, self._unused = self._unused, []
+        optimizer = self._optimizer()
+        if optimizer is None or optimizer._closed:
+            for param in handed:
+                param.grad = None
+            return
+        for param in unused:  # Note [Parameters DDP found unused]
+            slot = optimizer._slot(param)
+            grad, shown = param.grad, slot.shown
+            if shown is not None and grad is shown:
+                continue  # left as it was (no rank used it), or DDP copied the reduced values into it: both shown
+            slot.shown = None
+            if shown is not None:  # cleared, or replaced (by DDP's bucket view, or a tensor of the user's)
+                optimizer._clear_host_gradient(slot)
+            if grad is not None:  # another rank used it: DDP's reduced gradient (or the user's tensor DDP left)
+                self._last_copy = optimizer.accept_gradient(param, grad)
+                handed.append(param)
+        optimizer._settle_worker()  # every D2H landed and summed: .grad is final when backward returns
         for param in handed:
-            param.grad = None
+            slot = optimizer._slot(param)
+            if slot.master.grad is None:  # lost (a failed copy): step() refuses the round
+                param.grad = slot.shown = None
+            else:
+                param.grad = slot.shown = optimizer._show(slot)
 
     def _hand_over(self, *, block: bool) -> None:
         optimizer = self._optimizer()
@@ -144,6 +214,10 @@ class DDPHandoff:
                 continue
             flat = reduced.view(-1)
             for param, offset, numel, shape in layout:
+                if param.grad is None or optimizer._slot(param).shown is not None:
+                    # no local gradient in this backward (find_unused_parameters=True): DDP's finalize decides
+                    self._unused.append(param)
+                    continue
                 self._last_copy = optimizer.accept_gradient(param, flat.narrow(0, offset, numel).view(shape))
                 self._handed.append(param)
             self.buckets_handed += 1
@@ -153,6 +227,7 @@ class DDPHandoff:
         # a step that did not happen, so they are dropped, never handed to the next step
         self._pending.clear()
         self._handed.clear()
+        self._unused.clear()
         self._callback_queued = False
         last, self._last_copy = self._last_copy, None
         optimizer = self._optimizer()
@@ -160,9 +235,70 @@ class DDPHandoff:
             optimizer._device.current_stream().wait_event(last)  # the next backward rewrites the buckets
 
     def close(self) -> None:
-        """Remove the module hooks (DDP cannot unregister a communication hook: keep the module or rebuild it)."""
+        """Remove the module and tensor hooks (DDP cannot unregister a communication hook: keep the module or
+        rebuild it)."""
         self._forward_handle.remove()
         self._state_dict_handle.remove()
+        self._step_handle.remove()
+        for handle in self._tensor_hooks:
+            handle.remove()
+        self._tensor_hooks.clear()
+        self._accumulators.clear()
+
+
+def _unreduced_before_step(ref: weakref.ref[DDPHandoff]) -> Any:
+    """A step pre-hook: refuse a ``step()`` while a parameter's ``.grad`` holds a local gradient DDP never reduced
+    (accumulated by autograd after the last show: a backward under ``no_sync()`` with no synchronizing one after
+    it). The host has no gradient for it (the copy back cleared it), so the step would skip it silently, where plain
+    DDP steps the unreduced local sum (and the replicas drift apart)."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        handoff = ref()
+        if handoff is None or optimizer._closed:
+            return
+        for param in handoff._params:
+            grad = param.grad
+            if grad is None or isinstance(grad, _HostGradient) or optimizer._slot(param).shown is not None:
+                continue  # cleared, shown, or a tensor the user set after the show (step() takes it)
+            raise OffcoreError(
+                f"OffloadOptimizer.step() under DDP: a parameter ({tuple(param.shape)}) has a local gradient that DDP "
+                "did not reduce (the last backward ran under model.no_sync()), so no reduced gradient reached the "
+                "optimizer for it. Run the last micro-step's backward outside no_sync() before step() (or clear "
+                ".grad to drop the micro-steps)"
+            )
+
+    return hook
+
+
+def _before_accumulation(ref: weakref.ref[DDPHandoff], param: torch.Tensor) -> Any:
+    """A tensor hook of a DDP parameter: before autograd accumulates a local gradient into ``param.grad``, what the
+    last backward showed there becomes a device ``.grad`` again or is cleared (Note [DDP's .grad is the host
+    gradient])."""
+    weak_param = weakref.ref(param)
+
+    def hook(grad: torch.Tensor) -> None:
+        handoff, target = ref(), weak_param()
+        if handoff is None or target is None:
+            return
+        optimizer = handoff._optimizer()
+        if optimizer is None or optimizer._closed or not _accumulates(handoff._accumulators[id(target)]):
+            return
+        slot = optimizer._slot(target)
+        shown, slot.shown = slot.shown, None
+        if shown is None:  # nothing shown since the last clear: autograd and DDP take it as plain DDP does
+            return
+        if target.grad is shown:  # not cleared: plain DDP adds into it on the device, then reduces the sum
+            with torch.no_grad():
+                device_grad = torch.empty_like(target)
+                device_grad.copy_(shown.host())
+            arrivals = slot.arrivals  # the sum is carried on: accumulation_steps counts on
+            optimizer._clear_host_gradient(slot)
+            slot.arrivals = arrivals
+            target.grad = device_grad
+        else:  # cleared (None), or a tensor of the user's that autograd adds into
+            optimizer._clear_host_gradient(slot)
+
+    return hook
 
 
 def attach_ddp(
@@ -174,7 +310,10 @@ def attach_ddp(
     first backward. The all-reduce is DDP's default (mean over ``process_group``, DDP's own by default);
     ``model.no_sync()`` accumulates on the device as usual and the reduced sum arrives at the synchronizing
     backward. DDP keeps its gradient buckets on the device (``gradient_as_bucket_view=True`` avoids a second
-    copy in ``param.grad``); what leaves the device is the optimizer state and step.
+    copy in ``param.grad``); what leaves the device is the optimizer state and step. When backward returns,
+    each parameter's ``.grad`` shows its reduced gradient on the host (Note [DDP's .grad is the host gradient]):
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips what ``step()`` uses, and
+    ``model.zero_grad()`` clears it, with plain DDP's numbers.
 
         >>> ddp = DistributedDataParallel(dev.adopt(model), gradient_as_bucket_view=True)   # doctest: +SKIP
         >>> opt = OffloadOptimizer(ddp.parameters(), torch.optim.AdamW, device=dev, lr=1e-3) # doctest: +SKIP

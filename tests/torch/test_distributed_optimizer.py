@@ -84,7 +84,13 @@ def _train(
         model = wrap(ctx, ctx.place(model, device), engine, **options)
         opt: Any
         if not offload:
-            opt = HostReference(model, torch.optim.AdamW, ADAMW, master_weights=False) if engine == "ddp" else None
+            # DDP reducing every micro-step adds each local gradient into the reduced .grad of the last one, then
+            # reduces the sum (plain DDP's numbers): the reference reads .grad once, at the last micro-step
+            opt = (
+                HostReference(model, torch.optim.AdamW, ADAMW, master_weights=False, sum_on_device=case == "sync_accum")
+                if engine == "ddp"
+                else None
+            )
             opt = opt or ShardReference(model)
         elif engine == "ddp":
             opt = offcore_torch.OffloadOptimizer(model.parameters(), torch.optim.AdamW, device=device, **ADAMW)
@@ -119,7 +125,7 @@ def _train(
                         loss.backward()
                     out["losses"].append(loss.detach().cpu())
                     if not offload and sync and not (case == "clip" and engine == "fsdp"):
-                        opt.accumulate()
+                        opt.accumulate(**({"last": micro == accumulation - 1} if engine == "ddp" else {}))
                 if case == "clip":
                     if offload:
                         out["norms"].append(clip_grad_norm_(opt, CLIP))

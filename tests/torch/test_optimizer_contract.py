@@ -220,9 +220,29 @@ def test_grads_set_between_backward_and_step_are_what_step_uses(make_fake_device
         assert _equal(list(model.parameters()), list(plain.parameters()))
 
 
+def test_autograd_grad_over_the_parameters_leaves_grad_alone(make_fake_device: Any) -> None:
+    """``torch.autograd.grad(loss, model.parameters())`` between backward and clipping (a penalty term, a
+    sensitivity) writes no ``.grad`` in torch. The parameters' tensor hooks run for it too, and dropped the shown
+    host gradient: ``.grad`` read None, ``clip_grad_norm_(model.parameters())`` returned 0 and clipped nothing."""
+    with _paired(make_fake_device) as (dev, plain, ref, model, opt):
+        seen: dict[str, list[torch.Tensor]] = {"plain": [], "offcore": []}
+        for name, net, optimizer in (("plain", plain, ref), ("offcore", model, opt)):
+            for step in range(3):
+                _loss(net, step).backward()
+                seen[name].extend(torch.autograd.grad(_loss(net, step, micro=1), list(net.parameters())))
+                assert all(p.grad is not None for p in net.parameters()), name
+                seen[name].extend(p.grad.clone() for p in net.parameters())
+                seen[name].append(torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.05))
+                optimizer.step()
+                net.zero_grad()
+        assert _equal(seen["plain"], seen["offcore"])
+        assert all(n > 0.05 for n in seen["plain"][-1:])  # clipped
+        assert _equal(list(model.parameters()), list(plain.parameters()))
+
+
 def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make_fake_device: Any) -> None:
-    """Gradients handed over with ``accept_gradient`` (how DDP's and FSDP2's reach the optimizer) are not shown
-    as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
+    """Gradients handed over with ``accept_gradient`` without the optimizer's hooks (how FSDP2's reach the
+    optimizer; DDP's are shown by attach_ddp's own hooks) are not shown as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
     ``opt.zero_grad()`` since is refused naming the fix, not added to the last step's sum."""
     with _paired(make_fake_device) as (dev, _, _, model, opt):
         opt.remove_gradient_hooks()

@@ -365,8 +365,9 @@ class _Gradients:
 
     def _refuse_kept_gradient(self, slot: _Slot) -> None:
         # Note [Host gradients are cleared by opt.zero_grad()]
-        # Parameters whose gradients come through ``accept_gradient`` (DDP's communication hook, FSDP2's
-        # shard hooks) show no host gradient as ``.grad`` (Note [The host gradient is the device
+        # Parameters whose gradients come through ``accept_gradient`` without being shown as ``.grad``
+        # (FSDP2's shard hooks; DDP's show them: Note [DDP's .grad is the host gradient] in
+        # distributed.py) show no host gradient (Note [The host gradient is the device
         # parameter's .grad]): the sum of their round lives on the host only, so ``model.zero_grad()``
         # or ``p.grad = None`` cannot clear it. A gradient arriving after ``step()`` with no
         # ``opt.zero_grad()`` since would be *added* to the sum the last step used: torch's behaviour for
@@ -375,7 +376,7 @@ class _Gradients:
         # refused, before the gradient's copy starts, naming the fix -- never trained on silently.
         raise OffcoreError(
             f"OffloadOptimizer: parameter {slot.index} ({tuple(slot.param.shape)}) got a gradient after step() with "
-            "no opt.zero_grad() since. Its gradients reach the optimizer through DDP / FSDP2 (attach_ddp, "
+            "no opt.zero_grad() since. Its gradients reach the optimizer without the parameter's .grad (FSDP2: "
             "FSDPOffloadOptimizer), so model.zero_grad() and p.grad = None cannot clear the host gradients: call "
             "opt.zero_grad() after opt.step() (a framework: use its integration, e.g. "
             "offcore_torch.integrations.transformers / .accelerate / .lightning)"

@@ -173,17 +173,19 @@ next forward waiting per parameter on its own event.
 # operator on the host gradient -- ``clip_grad_norm_`` computes torch's norm over the host gradients and
 # its in-place ``mul_`` scales what ``step()`` uses; results go to the parameter's device. Clearing is
 # seen where torch would see it: a tensor hook (``_pre_gradient``) runs before autograd accumulates into
-# ``.grad``: the shown gradient still there means "not cleared" (it is removed, so autograd makes a fresh
+# ``.grad`` (and does nothing under ``torch.autograd.grad``, which runs it too but writes no ``.grad``: it asks
+# the engine whether the parameter's AccumulateGrad node runs, ``_accumulates``): the shown gradient still there means "not cleared" (it is removed, so autograd makes a fresh
 # one, and the host keeps summing: torch adds into a ``.grad`` not cleared); None means cleared (the host
 # gradient starts over: ``_clear_host_gradient``); a tensor of the user's is added into by autograd and
 # copied over as the first gradient. ``step()`` and the host-gradient readers check the same before
 # reading (``_sync_shown``), so a ``model.zero_grad()`` between backward and ``step()`` skips those
 # parameters, as torch's step skips a None ``.grad``. ``zero_grad(set_to_none=False)`` zeroes the host
 # gradient through the wrapper. A ``_HostGradient`` kept past a clear of its parameter (``_Slot.clears``)
-# refuses to be read: the host buffer is the next round's. DDP (``attach_ddp``) and FSDP2 hand gradients
-# over without the optimizer's hooks: their parameters show nothing, and only ``opt.zero_grad()`` clears
-# their host gradients (a gradient after a step with no ``opt.zero_grad()`` since is refused, Note [Host
-# gradients are cleared by opt.zero_grad()]).
+# refuses to be read: the host buffer is the next round's. DDP (``attach_ddp``) shows its reduced gradients
+# the same way, from its own tensor hooks and end-of-backward callback (Note [DDP's .grad is the host gradient]
+# in distributed.py). FSDP2 hands gradients over without the optimizer's hooks: its parameters show nothing,
+# and only ``opt.zero_grad()`` clears their host gradients (a gradient after a step with no ``opt.zero_grad()``
+# since is refused, Note [Host gradients are cleared by opt.zero_grad()]).
 #
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
@@ -327,7 +329,9 @@ from offcore_torch.optimizer.slots import (
     _MASTER,
     _NO_STEPS_UNDER_BACKWARD,
     MASTER_WEIGHTS_KEY,
+    _accumulates,
     _check_params,
+    _grad_accumulator,
     _lead_and_rest,
     _mark_worker_thread,
     _params_of,
@@ -396,7 +400,7 @@ class _HostGradient(torch.Tensor):
 
     _host: torch.Tensor
     _owner: weakref.ref[OffloadOptimizer]
-    _slot: _Slot
+    _index: int  # its slot's, found through the owner: the parameter holds its .grad, the slot holds the parameter
     _round: int
 
     @staticmethod
@@ -406,16 +410,20 @@ class _HostGradient(torch.Tensor):
         marker = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, host.shape, dtype=dtype, device=device, requires_grad=False
         )
-        marker._host, marker._owner, marker._slot, marker._round = host, owner, slot, slot.clears
+        marker._host, marker._owner, marker._index, marker._round = host, owner, slot.index, slot.clears
         return marker
+
+    def _slot(self) -> _Slot | None:
+        owner = self._owner()
+        return None if owner is None or owner._closed else owner._slots[self._index]
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"HostGradient(shape={tuple(self.shape)}, device={self.device}, host dtype={self._host.dtype})"
 
     def host(self) -> torch.Tensor:
         """The host tensor behind this gradient; refused once the round it belongs to was cleared."""
-        owner = self._owner()
-        if owner is None or owner._closed or self._slot.clears != self._round or self._slot.master.grad is None:
+        slot = self._slot()
+        if slot is None or slot.clears != self._round or slot.master.grad is None:
             raise OffcoreError(
                 "this .grad belonged to an OffloadOptimizer's host gradient that was cleared since (opt.zero_grad(), "
                 "model.zero_grad(), or the optimizer was closed): read the parameter's current .grad instead"
@@ -452,7 +460,9 @@ class _HostGradient(torch.Tensor):
 
             def rewrap(t: Any) -> Any:
                 if isinstance(t, torch.Tensor):
-                    return _HostGradient(t, first.dtype, first.device, first._owner, first._slot)
+                    slot = first._slot()
+                    assert slot is not None  # its host() was read just now
+                    return _HostGradient(t, first.dtype, first.device, first._owner, slot)
                 return t
 
             return pytree.tree_map(rewrap, out)
@@ -1281,10 +1291,11 @@ def _grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], N
 
 def _pre_grad_hook(opt: OffloadOptimizer, slot: _Slot) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(opt)
+    accumulator = _grad_accumulator(slot.param)  # torch.autograd.grad runs the hook too, writing no .grad
 
     def hook(grad: torch.Tensor) -> None:
         optimizer = ref()
-        if optimizer is not None and not optimizer._closed:
+        if optimizer is not None and not optimizer._closed and _accumulates(accumulator):
             optimizer._pre_gradient(slot)
 
     return hook

@@ -253,3 +253,23 @@ def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
         if size * _LEAD_FRACTION >= total:
             break
     return lead, slots[len(lead) :]
+
+
+def _grad_accumulator(param: torch.Tensor) -> Any:
+    """The AccumulateGrad node of a leaf ``param`` (the node that writes its ``.grad``)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _accumulates(accumulator: Any) -> bool:
+    """Inside a parameter's tensor hook: whether this pass writes ``.grad`` (runs the parameter's AccumulateGrad
+    node). False under ``torch.autograd.grad(..., inputs=params)``: its captured gradients run the parameter's tensor
+    hooks too, it neither reads nor clears ``.grad`` (Note [The host gradient is the device parameter's .grad]), and
+    torch refuses the question for a leaf there. Otherwise True: a ``backward(inputs=...)`` leaving the parameter out
+    does not run its hooks, and the engine's "no" may be about a node torch replaced (``p.data =`` a tensor of
+    another dtype makes a new AccumulateGrad), so it is not trusted."""
+    try:
+        torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:  # "... currently running autograd.grad(). This is currently not supported."
+        return False
+    return True
