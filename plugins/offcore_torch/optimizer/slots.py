@@ -256,8 +256,12 @@ def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
-    """The AccumulateGrad node of a leaf ``param`` (the node that writes its ``.grad``)."""
-    with torch.enable_grad():
+    """The AccumulateGrad node of a leaf ``param`` (the node that writes its ``.grad``).
+
+    The view is taken past the parameter's own ``__torch_function__``: an ``offload_parameters``
+    parameter would take it for a use outside a module and fetch (and hold) its device copy; the
+    view reads no data and its node is the parameter's, whatever its class."""
+    with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
         return param.view_as(param).grad_fn.next_functions[0][0]
 
 
