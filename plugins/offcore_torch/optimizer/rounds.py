@@ -178,7 +178,8 @@ class _HostRounds:
         except BaseException:
             for slot in done:
                 rs.started(slot.index, slot.h2d)
-            rs.refused(todo[len(done)].index, "failed")  # the rest stay offloaded: their use issues them
+            if len(done) < len(todo):
+                rs.refused(todo[len(done)].index, "failed")  # the rest stay offloaded: their use issues them
             raise
         for slot in todo:
             rs.started(slot.index, slot.h2d)
@@ -298,12 +299,13 @@ class _HostRounds:
 
     # Note [Uploads are issued in batches]
     # ``step()`` leaves every parameter's upload due at once and the core offers them in one trigger
-    # (``host_updated_all``). Where the backend has the optional ``copy_many``
-    # (offcore.protocols.OPTIONAL_MEMBERS), the uploads of one trigger are one call (``_upload_batch``):
-    # one event for all of them, which completes when the last landed (one copy stream, in order) and
-    # carries the failure of any (a stream's failure is sticky: Note [A failed copy is a completed copy] in
-    # runtime.py). Each parameter's ``h2d`` is that event, so the compute stream waits once per batch
-    # (``_wait_all``) and the next step's "the previous upload still reads the master" once per batch too.
+    # (``host_updated_all``); they are issued together (``_upload_batch``: one pass for the checks, then
+    # ``_copy_uploads``). Where the backend has the optional ``copy_many`` (offcore.protocols.OPTIONAL_MEMBERS)
+    # they are one call: one event for all of them, which completes when the last landed (one copy stream,
+    # in order) and carries the failure of any (a stream's failure is sticky: Note [A failed copy is a
+    # completed copy] in runtime.py). Each parameter's ``h2d`` is that event, so the compute stream waits
+    # once per batch (``_wait_all``) and the next step's "the previous upload still reads the master" once
+    # per batch too; without ``copy_many`` each upload is one ``copy_`` with its own event, as before.
     # The core is answered (``started``) after the batch is issued, so only while the upload budget
     # cannot refuse anything (unbounded: the offer does not depend on the answers); under
     # ``upload_budget`` each offered upload is answered before the next is offered, one ``copy_`` each. A
