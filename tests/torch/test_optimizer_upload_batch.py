@@ -3,8 +3,10 @@
 Where the backend has ``copy_many`` and no ``upload_budget`` is set, the uploads ``step()`` issues are
 one ``copy_many`` call (not one ``copy_`` per parameter) and the compute stream waits for them once
 (they share one event), with the numbers of the host reference, bit for bit (fp32, and bf16 parameters
-with fp32 masters: the casts into the stages are one ``_foreach_copy_``). Without ``copy_many`` (the
-backend does not offer it) each upload is its own ``copy_``, with the same numbers.
+with fp32 masters: the casts into the stages are one ``_foreach_copy_``). A batch holds consecutive
+uploads of up to ``_UPLOAD_BATCH_BYTES`` (a larger one is a ``copy_`` of its own), so a parameter's use
+waits for its own batch only. Without ``copy_many`` (the backend does not offer it) each upload is its
+own ``copy_``, with the same numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
+import offcore_torch.optimizer.rounds as rounds_module  # noqa: E402
 from offcore_torch.models import mlp_workload  # noqa: E402
 from optimizer_offload_helpers import OPTIMIZERS, assert_same, place, run  # noqa: E402
 
@@ -128,5 +131,62 @@ def test_without_copy_many_each_upload_is_a_copy(make_fake_device: Any, monkeypa
     for step, (calls, _, singles, events, waits) in enumerate(stats):
         assert (calls, singles) == (0, n), f"step {step}: {calls} copy_many, {singles} copy_ for {n} uploads"
         assert events == waits == n, f"step {step}: the compute stream waited {waits} times for {events} events"
+    assert_same(losses, want.losses, "losses")
+    assert_same(params, want.params, "params")
+
+
+def test_a_batch_holds_uploads_up_to_the_batch_bytes(make_fake_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of consecutive uploads of up to _UPLOAD_BATCH_BYTES, a larger upload alone: with
+    ``overlap_uploads=True`` a parameter's use waits for its own batch, not for every upload of the step."""
+    limit = 4096  # the MLP's parameters: 128 to 4096 bytes
+    monkeypatch.setattr(rounds_module, "_UPLOAD_BATCH_BYTES", limit)
+    want = run(MLP, device=make_fake_device(), offload=False, steps=STEPS, optimizer="adamw")
+    dev = make_fake_device(link="slow")
+    calls: list[list[int]] = []  # the bytes of each upload, per call (copy_many or copy_)
+    real_many, real_copy = dev.copy_many, dev.copy_
+    inside: list[bool] = []
+    uploads: list[Any] = []
+
+    def many(pairs: Any, *, stream: Any) -> Any:
+        if stream in uploads:
+            calls.append([dst.nbytes for dst, _ in pairs])
+        inside.append(True)
+        try:
+            return real_many(pairs, stream=stream)
+        finally:
+            inside.pop()
+
+    def copy(dst: Any, src: Any, **kwargs: Any) -> Any:
+        if kwargs.get("stream") in uploads and not inside:
+            calls.append([dst.nbytes])
+        return real_copy(dst, src, **kwargs)
+
+    dev.copy_many, dev.copy_ = many, copy
+    losses = []
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, overlap_uploads=True, **OPTIMIZERS["adamw"][1]
+        )
+        uploads.append(opt._runtime.h2d_stream)
+        n = len(opt._slots)
+        try:
+            for step in range(STEPS):
+                loss = MLP.loss(model, MLP.make_batch(step, torch.device("cpu")))
+                loss.backward()
+                losses.append(loss.detach().clone())
+                opt.step()
+                calls.clear()
+                opt.zero_grad()  # issues the step's uploads (Note [Who issues step()'s uploads])
+                assert sum(len(c) for c in calls) == n, calls
+                assert all(len(c) == 1 or sum(c) <= limit for c in calls), calls
+                assert sum(len(c) > 1 for c in calls) >= 1 and len(calls) > 1, calls  # batches, and more than one
+                events = {id(slot.h2d) for slot in opt._slots}
+                assert len(events) == len(calls), f"{len(events)} events for {len(calls)} calls"
+            opt.synchronize()
+            params = [p.detach().clone() for p in model.parameters()]
+        finally:
+            opt.close()
+            del dev.copy_many, dev.copy_
     assert_same(losses, want.losses, "losses")
     assert_same(params, want.params, "params")

@@ -25,6 +25,7 @@ from offcore_torch.optimizer.slots import (
     _COLLECT,
     _STEPPED,
     _UNBOUNDED,
+    _UPLOAD_BATCH_BYTES,
     _USES,
     _WORKER_THREAD,
     _Slot,
@@ -186,40 +187,59 @@ class _HostRounds:
 
     def _copy_uploads(self, slots: list[_Slot], done: list[_Slot] | None = None) -> None:
         """Issue the H2D of each of ``slots``' masters (its cast stage) into its device parameter, in order:
-        one ``copy_many`` where the backend has it and there are several (Note [Uploads are issued in
-        batches]), else one ``copy_`` each; each slot's ``h2d`` is its copy's event. Every upload goes
-        through here, once. ``done`` gets the slots issued so far, so that a CopyFailedError (a copy refused
-        twice at submission: Note [Failed copies in the optimizer]) says which were."""
+        where the backend has ``copy_many``, consecutive uploads of up to _UPLOAD_BATCH_BYTES together are one
+        call (Note [Uploads are issued in batches]), else one ``copy_`` each; each slot's ``h2d`` is its copy's
+        event. Every upload goes through here, once. ``done`` gets the slots issued so far, so that a
+        CopyFailedError (a copy refused twice at submission: Note [Failed copies in the optimizer]) says
+        which were."""
         done = [] if done is None else done
         stream = self._runtime.h2d_stream
-        if len(slots) > 1 and self._copy_many is not None:
-            params = [slot.param for slot in slots]
-            before = [param._version for param in params]
-            dsts = [param.detach() for param in params]
-            pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
-            try:
-                event = self._copy_many(pairs, stream=stream)
-            except Exception as first:
-                del pairs
-                self._runtime.recover(stream)  # the copies issued before the refused one land first
-                for slot in slots:  # then one by one (the versions read after those landed)
-                    self._copy_one(slot, stream)
-                    done.append(slot)
-                self._recovered(f"the copy of {len(slots)} parameters to the device (refused at submission)", first)
-                return
-            del pairs
-            with self._lock:
-                pending = self._pending_h2d
-                for slot, param, dst, was in zip(slots, params, dsts, before, strict=True):
-                    now = param._version  # a copy bumps it when issued (CUDA) or when it lands (the fake device)
-                    slot.h2d, slot.h2d_dst = event, dst
-                    slot.h2d_versions = (now,) if now != was else (was, was + 1)
-                    pending[id(param)] = slot
-            done.extend(slots)
+        if self._copy_many is None or len(slots) < 2:
+            for slot in slots:
+                self._copy_one(slot, stream)
+                done.append(slot)
             return
+        batch: list[_Slot] = []
+        size = 0
         for slot in slots:
-            self._copy_one(slot, stream)
-            done.append(slot)
+            nbytes = slot.param.nbytes
+            if batch and size + nbytes > _UPLOAD_BATCH_BYTES:
+                self._copy_batch(batch, stream, done)
+                batch, size = [], 0
+            batch.append(slot)
+            size += nbytes
+        self._copy_batch(batch, stream, done)
+
+    def _copy_batch(self, slots: list[_Slot], stream: Any, done: list[_Slot]) -> None:
+        """``_copy_uploads``' one ``copy_many`` (one ``copy_`` for a single slot); a batch refused at submission
+        is issued again one by one once what it issued landed (Note [Uploads are issued in batches])."""
+        if len(slots) == 1:
+            self._copy_one(slots[0], stream)
+            done.append(slots[0])
+            return
+        params = [slot.param for slot in slots]
+        before = [param._version for param in params]
+        dsts = [param.detach() for param in params]
+        pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
+        try:
+            event = self._copy_many(pairs, stream=stream)
+        except Exception as first:
+            del pairs
+            self._runtime.recover(stream)  # the copies issued before the refused one land first
+            for slot in slots:  # then one by one (the versions read after those landed)
+                self._copy_one(slot, stream)
+                done.append(slot)
+            self._recovered(f"the copy of {len(slots)} parameters to the device (refused at submission)", first)
+            return
+        del pairs
+        with self._lock:
+            pending = self._pending_h2d
+            for slot, param, dst, was in zip(slots, params, dsts, before, strict=True):
+                now = param._version  # a copy bumps it when issued (CUDA) or when it lands (the fake device)
+                slot.h2d, slot.h2d_dst = event, dst
+                slot.h2d_versions = (now,) if now != was else (was, was + 1)
+                pending[id(param)] = slot
+        done.extend(slots)
 
     def _copy_one(self, slot: _Slot, stream: Any) -> None:
         """One upload (``_copy_uploads``), retried once if refused at submission."""
@@ -305,7 +325,12 @@ class _HostRounds:
     # in order) and carries the failure of any (a stream's failure is sticky: Note [A failed copy is a
     # completed copy] in runtime.py). Each parameter's ``h2d`` is that event, so the compute stream waits
     # once per batch (``_wait_all``) and the next step's "the previous upload still reads the master" once
-    # per batch too; without ``copy_many`` each upload is one ``copy_`` with its own event, as before.
+    # per batch too; without ``copy_many`` each upload is one ``copy_`` with its own event, as before. A
+    # batch holds consecutive uploads (need order) of up to _UPLOAD_BATCH_BYTES, and a larger one is a
+    # ``copy_`` of its own: a parameter's use (``overlap_uploads=True``: the forward's pre-hook) waits for
+    # the uploads of its batch, never for all of the step's, so the later layers' copies still fly while the
+    # first layers compute (Note [Who issues step()'s uploads]); batching saves the per-copy overhead of
+    # small parameters, where it dominates.
     # The core is answered (``started``) after the batch is issued, so only while the upload budget
     # cannot refuse anything (unbounded: the offer does not depend on the answers); under
     # ``upload_budget`` each offered upload is answered before the next is offered, one ``copy_`` each. A

@@ -36,6 +36,7 @@ _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this 
 
 
 _UNBOUNDED = 1 << 62  # upload_budget=None: no budget (Note [Uploads are issued in batches])
+_UPLOAD_BATCH_BYTES = 1024**2  # uploads of up to this many bytes together are one copy_many (same Note)
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
 
