@@ -202,7 +202,7 @@ class _HostRounds:
         batch: list[_Slot] = []
         size = 0
         for slot in slots:
-            nbytes = slot.param.nbytes
+            nbytes = (slot.master if slot.stage is None else slot.stage).nbytes  # the upload's source: host tensors
             if batch and size + nbytes > _UPLOAD_BATCH_BYTES:
                 self._copy_batch(batch, stream, done)
                 batch, size = [], 0
