@@ -37,13 +37,13 @@ class _Reversed(torch.nn.Module):
 
 def _record_uploads(opt: Any) -> list[tuple[int, str]]:
     log: list[tuple[int, str]] = []
-    copy_up = opt._copy_up
+    copy_uploads = opt._copy_uploads  # every upload goes through it, once (a batch at a time)
 
-    def spy(slot: Any, **kwargs: Any) -> Any:
-        log.append((slot.index, opt._phase))
-        return copy_up(slot, **kwargs)
+    def spy(slots: Any, *args: Any) -> Any:
+        log.extend((slot.index, opt._phase) for slot in slots)
+        return copy_uploads(slots, *args)
 
-    opt._copy_up = spy
+    opt._copy_uploads = spy
     return log
 
 

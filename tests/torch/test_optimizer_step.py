@@ -47,13 +47,13 @@ def test_step_makes_two_optimizer_calls(
 
         monkeypatch.setattr(rounds_module, "_unhooked_step", counting)
         issued: list[int] = []
-        copy_up = opt._copy_up
+        copy_uploads = opt._copy_uploads  # every upload goes through it, once (a batch at a time)
 
-        def spy(slot: Any, **kwargs: Any) -> Any:
-            issued.append(slot.index)
-            return copy_up(slot, **kwargs)
+        def spy(slots: Any, *args: Any) -> Any:
+            issued.extend(slot.index for slot in slots)
+            return copy_uploads(slots, *args)
 
-        opt._copy_up = spy  # type: ignore[method-assign]
+        opt._copy_uploads = spy  # type: ignore[method-assign]
         try:
             n = len(list(model.parameters()))
             for step in range(3):

@@ -45,13 +45,13 @@ def _adamw(dev: Any) -> Iterator[tuple[Any, list[Any], Any]]:
 def _spy_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, threading.Thread]]:
     """(parameter index, thread) of every upload issued, in order."""
     flushes: list[tuple[int, threading.Thread]] = []
-    copy_up = optimizer_module.OffloadOptimizer._copy_up
+    copy_uploads = optimizer_module.OffloadOptimizer._copy_uploads  # every upload goes through it, once
 
-    def spy(self: Any, slot: Any, **kwargs: Any) -> Any:
-        flushes.append((slot.index, threading.current_thread()))
-        return copy_up(self, slot, **kwargs)
+    def spy(self: Any, slots: Any, *args: Any) -> Any:
+        flushes.extend((slot.index, threading.current_thread()) for slot in slots)
+        return copy_uploads(self, slots, *args)
 
-    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_copy_up", spy)
+    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_copy_uploads", spy)
     return flushes
 
 

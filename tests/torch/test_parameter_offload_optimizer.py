@@ -173,15 +173,15 @@ def test_public_api_composition_with_host_steps_under_backward(
     import offcore_torch.optimizer.optimizer as optimizer_module
 
     threads: list[threading.Thread] = []
-    copy_up = optimizer_module.OffloadOptimizer._copy_up
+    copy_uploads = optimizer_module.OffloadOptimizer._copy_uploads  # every upload goes through it, once
 
-    def spy(self: Any, slot: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread())
-        return copy_up(self, slot, **kwargs)
+    def spy(self: Any, slots: Any, *args: Any) -> Any:
+        threads.extend(threading.current_thread() for _ in slots)
+        return copy_uploads(self, slots, *args)
 
     options: dict[str, Any] = dict(steps=3, accumulation_steps=1, bf16=True)
     want = _train(make_fake_device(), _tiny_gpt, offload=False, **options)
-    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_copy_up", spy)
+    monkeypatch.setattr(optimizer_module.OffloadOptimizer, "_copy_uploads", spy)
     offload_kwargs = {"nvme": str(tmp_path)} if tier == "nvme" else {}
     for _ in range(3):  # the race showed about one run in two
         got = _train(

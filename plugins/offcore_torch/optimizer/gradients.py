@@ -383,11 +383,10 @@ class _Gradients:
         )
 
     def _count_state(self) -> None:
-        total = 0
-        for state in self.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
+        tensor = torch.Tensor
+        total = sum(
+            value.nbytes for state in self.state.values() for value in state.values() if isinstance(value, tensor)
+        )
         if total != self._state_bytes:
             if total > self._state_bytes:
                 self.ledger.add(Tier.PAGEABLE, Kind.OPTIMIZER_STATE, total - self._state_bytes)
@@ -406,24 +405,28 @@ class _Gradients:
         self._lost = None
         self._stepped_since_zero_grad = False
         self._taken = None
-        for slot in self._slots:
-            grad = slot.param.grad
-            if set_to_none:
+        if set_to_none:  # the loop below for set_to_none=True, with nothing asked twice (per parameter, per step)
+            for slot in self._slots:
                 slot.clears += 1
                 slot.shown = None
-            if grad is not None:
-                if set_to_none:
-                    slot.param.grad = None
-                else:
-                    if grad.grad_fn is not None:
-                        grad.detach_()
-                    else:
-                        grad.requires_grad_(False)
-                    grad.zero_()
-            if set_to_none:
                 slot.accumulated = False
-                slot.master.grad = None
-            elif slot.accumulated:
+                param, master = slot.param, slot.master
+                if param.grad is not None:
+                    param.grad = None
+                if master.grad is not None:
+                    master.grad = None
+                if not slot.stepped:
+                    slot.arrivals = 0
+            return
+        for slot in self._slots:
+            grad = slot.param.grad
+            if grad is not None:
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
+            if slot.accumulated:
                 slot.grad.zero_()
             if not slot.stepped:
                 # the gradients counted so far are gone: accumulation_steps counts again from here, or the next

@@ -328,6 +328,7 @@ from offcore_torch.optimizer.slots import (
     _LOW_PRECISION,
     _MASTER,
     _NO_STEPS_UNDER_BACKWARD,
+    _UNBOUNDED,
     MASTER_WEIGHTS_KEY,
     _accumulates,
     _check_params,
@@ -657,7 +658,9 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._backward_task = -1
         # the core scheduler (Note [The optimizer's moves go through the core])
         self._predictor = Scheduler(margin=0.0)
-        self._upload_budget = 1 << 62 if upload_budget is None else parse_size(upload_budget, what="upload_budget")
+        self._upload_budget = _UNBOUNDED if upload_budget is None else parse_size(upload_budget, what="upload_budget")
+        # Note [Uploads are issued in batches]: the backend's copy_many (an optional member), if it has one
+        self._copy_many: Callable[..., Any] | None = getattr(device, "copy_many", None)
         self._max_inflight = (
             None
             if max_inflight_gradients is None
@@ -997,8 +1000,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         if not self._overlap_uploads:  # host steps under backward uploaded: later reads see the step
             with self._lock:
                 pending = list(self._pending_h2d.values())
-            for slot in pending:
-                self._wait_parameter(slot, traced=False)
+            self._wait_all(pending, traced=False)
 
     def _settle_worker(self) -> None:
         """Wait for everything queued on the worker; a failure stays queued for ``step()`` / ``_drain`` to raise."""
@@ -1100,8 +1102,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             rs.make_plan()  # with this round's gradient arrivals
             keys = [s.index for s in self._slots if not s.stepped and s.accumulated]
             remaining = [self._slots[k] for k in rs.upload_order(keys)]  # first needed, first stepped
-        for slot in remaining:
-            self._check_fresh(slot)
+        self._check_fresh_all(remaining)
         self._h2d_after_compute()
         # Note [One host step at step()]
         try:

@@ -21,7 +21,17 @@ from offcore.errors import (
 from offcore.kinds import Kind
 from offcore.objects import State
 from offcore.residency import ActionKind, ResidencyScheduler
-from offcore_torch.optimizer.slots import _COLLECT, _STEPPED, _USES, _WORKER_THREAD, _Slot, _storage_id, _unhooked_step
+from offcore_torch.optimizer.slots import (
+    _COLLECT,
+    _STEPPED,
+    _UNBOUNDED,
+    _UPLOAD_BATCH_BYTES,
+    _USES,
+    _WORKER_THREAD,
+    _Slot,
+    _storage_id,
+    _unhooked_step,
+)
 
 
 class _HostRounds:
@@ -32,13 +42,22 @@ class _HostRounds:
         """Worker: one host optimizer step over ``slots`` only, the casts for their H2D copies, and
         (``rs``) the core's uploads due once they are updated."""
         assert self._host is not None
-        for slot in slots:
-            if slot.h2d is not None:  # the previous H2D still reads the master (or its stage)
-                with contextlib.suppress(Exception):  # a failed copy reads nothing any more; its use re-issues it
-                    slot.h2d.synchronize()
+        synced: set[int] = set()  # a batch's uploads share one event (Note [Uploads are issued in batches])
         chosen: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        stages: list[torch.Tensor] = []
+        masters: list[torch.Tensor] = []  # of the stages
         for slot in slots:
+            event = slot.h2d
+            if event is not None and id(event) not in synced:  # the previous H2D still reads the master (or stage)
+                synced.add(id(event))
+                try:
+                    event.synchronize()
+                except Exception:  # a failed copy reads nothing any more; its use re-issues it
+                    pass
             chosen[id(slot.group)].append(slot.master)
+            if slot.stage is not None:
+                stages.append(slot.stage)
+                masters.append(slot.master)
         saved = [(group, group["params"]) for group in self._host.param_groups]
         began = time.perf_counter()
         with self._host_work():  # on step()'s caller inside `with dev:` too: its temporaries are host memory
@@ -51,9 +70,8 @@ class _HostRounds:
                     group["params"] = params
             if self.trace is not None:
                 self.trace.span("host", "step", began, time.perf_counter() - began, params=len(slots))
-            for slot in slots:
-                if slot.stage is not None:
-                    slot.stage.copy_(slot.master)
+            if stages:  # the casts for the uploads: each stage.copy_(master), one call
+                torch._foreach_copy_(stages, masters)
         if rs is not None:
             self._host_updated(rs, slots)
 
@@ -132,6 +150,115 @@ class _HostRounds:
             stacklevel=3,
         )
 
+    def _upload_batch(self, rs: ResidencyScheduler, slots: list[_Slot]) -> None:
+        """Issue the uploads the core offered for ``slots`` together and answer the core (Note [Uploads are
+        issued in batches]; sched lock held). An upload of a parameter written by someone else since it
+        matched its master is cancelled, as in ``_copy_up``."""
+        pending = self._pending_h2d
+        todo: list[_Slot] = []
+        cancelled: list[_Slot] = []
+        with self._lock:
+            for slot in slots:  # _written, inlined
+                param = slot.param
+                if id(param) not in pending and (
+                    param._version != slot.synced_version or _storage_id(param) != slot.synced_storage
+                ):
+                    cancelled.append(slot)
+                else:
+                    todo.append(slot)
+        if cancelled:
+            nothing = self._device.new_event()
+            self._runtime.h2d_stream.record_event(nothing)
+            for slot in cancelled:
+                rs.started(slot.index, nothing)
+        if not todo:
+            return
+        done: list[_Slot] = []
+        try:
+            self._copy_uploads(todo, done)
+        except BaseException:
+            for slot in done:
+                rs.started(slot.index, slot.h2d)
+            if len(done) < len(todo):
+                rs.refused(todo[len(done)].index, "failed")  # the rest stay offloaded: their use issues them
+            raise
+        for slot in todo:
+            rs.started(slot.index, slot.h2d)
+
+    def _copy_uploads(self, slots: list[_Slot], done: list[_Slot] | None = None) -> None:
+        """Issue the H2D of each of ``slots``' masters (its cast stage) into its device parameter, in order:
+        where the backend has ``copy_many``, consecutive uploads of up to _UPLOAD_BATCH_BYTES together are one
+        call (Note [Uploads are issued in batches]), else one ``copy_`` each; each slot's ``h2d`` is its copy's
+        event. Every upload goes through here, once. ``done`` gets the slots issued so far, so that a
+        CopyFailedError (a copy refused twice at submission: Note [Failed copies in the optimizer]) says
+        which were."""
+        done = [] if done is None else done
+        stream = self._runtime.h2d_stream
+        if self._copy_many is None or len(slots) < 2:
+            for slot in slots:
+                self._copy_one(slot, stream)
+                done.append(slot)
+            return
+        batch: list[_Slot] = []
+        size = 0
+        for slot in slots:
+            nbytes = (slot.master if slot.stage is None else slot.stage).nbytes  # the upload's source: host tensors
+            if batch and size + nbytes > _UPLOAD_BATCH_BYTES:
+                self._copy_batch(batch, stream, done)
+                batch, size = [], 0
+            batch.append(slot)
+            size += nbytes
+        self._copy_batch(batch, stream, done)
+
+    def _copy_batch(self, slots: list[_Slot], stream: Any, done: list[_Slot]) -> None:
+        """``_copy_uploads``' one ``copy_many`` (one ``copy_`` for a single slot); a batch refused at submission
+        is issued again one by one once what it issued landed (Note [Uploads are issued in batches])."""
+        if len(slots) == 1:
+            self._copy_one(slots[0], stream)
+            done.append(slots[0])
+            return
+        params = [slot.param for slot in slots]
+        before = [param._version for param in params]
+        dsts = [param.detach() for param in params]
+        pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
+        try:
+            event = self._copy_many(pairs, stream=stream)
+        except Exception as first:
+            del pairs
+            self._runtime.recover(stream)  # the copies issued before the refused one land first
+            for slot in slots:  # then one by one (the versions read after those landed)
+                self._copy_one(slot, stream)
+                done.append(slot)
+            self._recovered(f"the copy of {len(slots)} parameters to the device (refused at submission)", first)
+            return
+        del pairs
+        with self._lock:
+            pending = self._pending_h2d
+            for slot, param, dst, was in zip(slots, params, dsts, before, strict=True):
+                now = param._version  # a copy bumps it when issued (CUDA) or when it lands (the fake device)
+                slot.h2d, slot.h2d_dst = event, dst
+                slot.h2d_versions = (now,) if now != was else (was, was + 1)
+                pending[id(param)] = slot
+        done.extend(slots)
+
+    def _copy_one(self, slot: _Slot, stream: Any) -> None:
+        """One upload (``_copy_uploads``), retried once if refused at submission."""
+        src = slot.stage if slot.stage is not None else slot.master
+        before = slot.param._version
+        dst = slot.param.detach()
+        event = self._copy_retrying(
+            dst,
+            src,
+            stream,
+            f"parameter {slot.index} to the device (its host master holds the stepped value: opt.synchronize() "
+            "uploads it again)",
+        )
+        after = slot.param._version  # a copy bumps the version when issued (CUDA) or when it lands (the fake device)
+        with self._lock:
+            slot.h2d, slot.h2d_dst = event, dst
+            slot.h2d_versions = (after,) if after != before else (before, before + 1)
+            self._pending_h2d[id(slot.param)] = slot
+
     def _copy_up(self, slot: _Slot, *, force: bool = False) -> Any:
         """Issue the H2D of ``slot``'s master (its cast stage) into the device parameter; its event.
 
@@ -141,22 +268,8 @@ class _HostRounds:
             cancelled = self._device.new_event()
             self._runtime.h2d_stream.record_event(cancelled)
             return cancelled
-        src = slot.stage if slot.stage is not None else slot.master
-        before = slot.param._version
-        dst = slot.param.detach()
-        event = self._copy_retrying(
-            dst,
-            src,
-            self._runtime.h2d_stream,
-            f"parameter {slot.index} to the device (its host master holds the stepped value: opt.synchronize() "
-            "uploads it again)",
-        )
-        after = slot.param._version  # a copy bumps the version when issued (CUDA) or when it lands (the fake device)
-        with self._lock:
-            slot.h2d, slot.h2d_dst = event, dst
-            slot.h2d_versions = (after,) if after != before else (before, before + 1)
-            self._pending_h2d[id(slot.param)] = slot
-        return event
+        self._copy_uploads([slot])
+        return slot.h2d
 
     # -- the core scheduler (Note [The optimizer's moves go through the core]) ---------------
     def _round(self) -> ResidencyScheduler:
@@ -204,8 +317,35 @@ class _HostRounds:
             for key in rs.upload_order(rest):
                 rs.reloaded(key, self._copy_up(self._slots[key]))
 
+    # Note [Uploads are issued in batches]
+    # ``step()`` leaves every parameter's upload due at once and the core offers them in one trigger
+    # (``host_updated_all``); they are issued together (``_upload_batch``: one pass for the checks, then
+    # ``_copy_uploads``). Where the backend has the optional ``copy_many`` (offcore.protocols.OPTIONAL_MEMBERS)
+    # they are one call: one event for all of them, which completes when the last landed (one copy stream,
+    # in order) and carries the failure of any (a stream's failure is sticky: Note [A failed copy is a
+    # completed copy] in runtime.py). Each parameter's ``h2d`` is that event, so the compute stream waits
+    # once per batch (``_wait_all``) and the next step's "the previous upload still reads the master" once
+    # per batch too; without ``copy_many`` each upload is one ``copy_`` with its own event, as before. A
+    # batch holds consecutive uploads (need order) of up to _UPLOAD_BATCH_BYTES, and a larger one is a
+    # ``copy_`` of its own: a parameter's use (``overlap_uploads=True``: the forward's pre-hook) waits for
+    # the uploads of its batch, never for all of the step's, so the later layers' copies still fly while the
+    # first layers compute (Note [Who issues step()'s uploads]); batching saves the per-copy overhead of
+    # small parameters, where it dominates.
+    # The core is answered (``started``) after the batch is issued, so only while the upload budget
+    # cannot refuse anything (unbounded: the offer does not depend on the answers); under
+    # ``upload_budget`` each offered upload is answered before the next is offered, one ``copy_`` each. A
+    # batch refused at submission may have issued the copies before the refused one: they land first
+    # (``recover`` waits for the stream), then every upload of the batch is issued again on its own (each
+    # master is intact; the versions are read after the first copies landed, so Note [Writes to parameters
+    # after step()] sees no foreign write), and it counts as one recovered failure.
     def _execute(self, rs: ResidencyScheduler, actions: Iterable[Any]) -> None:
         """Carry out the core's actions (sched lock held)."""
+        if self._upload_budget >= _UNBOUNDED:  # Note [Uploads are issued in batches]
+            slots = self._slots
+            batch = [slots[action.key] for action in actions if action.kind is ActionKind.PREFETCH]
+            if batch:
+                self._upload_batch(rs, batch)
+            return
         for action in actions:
             if action.kind is ActionKind.PREFETCH:
                 try:
@@ -300,22 +440,7 @@ class _HostRounds:
                 return
             event = slot.h2d
         began = time.perf_counter()
-        try:
-            self._device.current_stream().wait_event(event)
-        except Exception as exc:  # the upload failed on its stream: the master is intact, upload again
-            self._runtime.recover(self._runtime.h2d_stream)
-            self._copy_up(slot, force=True)
-            with self._lock:
-                self._pending_h2d.pop(id(slot.param), None)
-                event = slot.h2d
-            try:
-                self._device.current_stream().wait_event(event)
-            except Exception as again:
-                raise CopyFailedError(
-                    f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
-                    "host master holds the stepped value: fix the cause and call opt.synchronize()"
-                ) from again
-            self._recovered(f"the upload of parameter {slot.index}", exc)
+        self._order_after(slot, event, self._device.current_stream())
         if self.trace is not None and traced:
             self.trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
         # the compute stream is ordered after the upload now: everything it does later (a write of the
@@ -324,6 +449,48 @@ class _HostRounds:
         # (h2d_versions), and querying would leave a copy not landed yet unsynced, and its master refreshed
         # from the device (the fp32 master rounded to bf16) before the next step.
         self._mark_synced(slot)
+
+    def _order_after(self, slot: _Slot, event: Any, stream: Any) -> bool:
+        """``stream`` (the compute stream) waits for ``event``, ``slot``'s upload (popped from ``_pending_h2d``);
+        an upload that failed on its stream is issued again and waited for (False: ``event`` failed)."""
+        try:
+            stream.wait_event(event)
+            return True
+        except Exception as exc:  # the upload failed on its stream: the master is intact, upload again
+            self._runtime.recover(self._runtime.h2d_stream)
+            self._copy_up(slot, force=True)
+            with self._lock:
+                self._pending_h2d.pop(id(slot.param), None)
+                event = slot.h2d
+            try:
+                stream.wait_event(event)
+            except Exception as again:
+                raise CopyFailedError(
+                    f"OffloadOptimizer: the upload of parameter {slot.index} failed twice ({exc}; {again}); its "
+                    "host master holds the stepped value: fix the cause and call opt.synchronize()"
+                ) from again
+            self._recovered(f"the upload of parameter {slot.index}", exc)
+            return False
+
+    def _wait_all(self, slots: list[_Slot], *, traced: bool) -> None:
+        """``_wait_parameter`` of each of ``slots``, the compute stream waiting once per distinct event (a batch's
+        uploads share one: Note [Uploads are issued in batches]); a failed upload goes through its recovery."""
+        stream = self._device.current_stream()
+        pending = self._pending_h2d
+        trace = self.trace if traced else None
+        waited: set[int] = set()  # ids of the events waited for (alive: held by the slots)
+        with self._lock:  # each popped with its event, as _wait_parameter does, under one lock
+            popped = [(slot, slot.h2d) for slot in slots if pending.pop(id(slot.param), None) is not None]
+        for slot, event in popped:
+            began = time.perf_counter()
+            if id(event) not in waited and self._order_after(slot, event, stream):
+                waited.add(id(event))
+            if trace is not None:
+                trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
+            param = slot.param  # _mark_synced, inlined (as _wait_parameter)
+            version = param._version
+            if version in slot.h2d_versions and _storage_id(param) == slot.synced_storage:
+                slot.synced_version = version
 
     def _observe(self, slot: _Slot) -> bool:
         """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
@@ -359,6 +526,19 @@ class _HostRounds:
             if id(slot.param) in self._pending_h2d:
                 return False
         return self._changed(slot)
+
+    def _check_fresh_all(self, slots: list[_Slot]) -> None:
+        """``_check_fresh`` of each of ``slots`` (step(): the worker is drained)."""
+        pending = self._pending_h2d
+        for slot in slots:
+            if slot.host_param is not None:
+                continue
+            param = slot.param
+            if id(param) in pending and not self._observe(slot):
+                continue
+            if param._version != slot.synced_version or _storage_id(param) != slot.synced_storage:  # _changed
+                self._drain()
+                self._load_master(slot)
 
     def _check_fresh(self, slot: _Slot) -> None:
         """Note [Masters are refreshed when the device parameter changed] (main thread)."""
@@ -405,8 +585,7 @@ class _HostRounds:
                 self._upload_rest(self._rs)
         with self._lock:
             pending = list(self._pending_h2d.values())
-        for slot in pending:
-            self._wait_parameter(slot, traced=traced)
+        self._wait_all(pending, traced=traced)
         return len(pending)
 
     def _publish_uploads(self) -> None:

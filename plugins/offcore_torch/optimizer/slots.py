@@ -35,6 +35,8 @@ _MASTER = "offcore_master"  # the fp32 master's entry in a parameter's object on
 _INFLIGHT_DEFAULT_BYTES = 64 * 1024**2  # max_inflight_gradients: at least this (Note [In-flight gradients are capped])
 
 
+_UNBOUNDED = 1 << 62  # upload_budget=None: no budget (Note [Uploads are issued in batches])
+_UPLOAD_BATCH_BYTES = 1024**2  # uploads of up to this many bytes together are one copy_many (same Note)
 _COLLECT, _STEPPED, _USES = "collect", "stepped", "uses"  # phases of a round (Note [The optimizer's moves ...])
 
 
@@ -221,11 +223,19 @@ def _storage_id(param: torch.Tensor) -> int | None:
     """The identity of ``param``'s storage object: ``p.data = ...`` changes it; offload_parameters' freeing and
     re-allocating under the same storage does not (Note [Parameter storage is swapped, the Parameter object
     is not] in parameters.py), nor does it run that class's ``__torch_function__`` (None: no storage)."""
+    if type(param) in _NO_TORCH_FUNCTION:  # nothing to disable: spare the context manager (per parameter, per step)
+        try:
+            return int(param.untyped_storage()._cdata)
+        except Exception:
+            return None
     with torch._C.DisableTorchFunctionSubclass():
         try:
             return int(param.untyped_storage()._cdata)
         except Exception:
             return None
+
+
+_NO_TORCH_FUNCTION = (torch.Tensor, torch.nn.Parameter)  # torch dispatches no __torch_function__ for these
 
 
 def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -243,13 +253,15 @@ def _mark_worker_thread() -> None:
 def _lead_and_rest(slots: list[_Slot]) -> tuple[list[_Slot], list[_Slot]]:
     """``step()``'s two optimizer calls (Note [One host step at step()]): the first-needed parameters
     up to 1/_LEAD_FRACTION of the master bytes (none when there is little to step), then the rest."""
-    total = sum(s.master.numel() * s.master.element_size() for s in slots)
-    if len(slots) < 2 or total < _LEAD_MIN_BYTES:
+    if len(slots) < 2:
+        return [], slots
+    total = sum([s.master.nbytes for s in slots])
+    if total < _LEAD_MIN_BYTES:
         return [], slots
     lead, size = [], 0
     for slot in slots[:-1]:
         lead.append(slot)
-        size += slot.master.numel() * slot.master.element_size()
+        size += slot.master.nbytes
         if size * _LEAD_FRACTION >= total:
             break
     return lead, slots[len(lead) :]
