@@ -253,29 +253,33 @@ class Copies:
         state = stream._state
         if nbytes > _INLINE_COPY_LIMIT or self._gates.any_closed_for(state, direction):
             return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        with state.lock:
-            if not (state.pending or state.error is not None or state.closed):
-                enqueued = time.perf_counter()
-                span = self._link.reserve(direction, nbytes, state.busy_until)
-                if span is not None:
-                    start, end = span
-                    self._memmove(dst_address, src_address, nbytes)
-                    if end > state.busy_until:
-                        state.busy_until = end
-                    landed = True
-                else:
-                    landed = False
-            else:
-                landed = False
-        if not landed:
+        end = self._inline_small(state, stream.name, direction, nbytes, dst_address, src_address, number)
+        if end is None:
             return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        self._copy_log.append(
-            (stream.name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
-        )
         event = FakeEvent(self._compute, enable_timing=True)
         event._land_at(stream.name, end)
         return event
+
+    def _inline_small(
+        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
+    ) -> float | None:
+        """A small plain copy on the calling thread, if its stream is idle and the link free: what
+        ``_inline_copy`` does under ``try_inline``, for a pair small_pair accepted. Returns when it
+        lands (None: queue it)."""
+        with state.lock:
+            if state.pending or state.error is not None or state.closed:
+                return None
+            enqueued = time.perf_counter()
+            span = self._link.reserve(direction, nbytes, state.busy_until)
+            if span is None:  # a queued copy holds the link right now
+                return None
+            start, end = span
+            self._memmove(dst_address, src_address, nbytes)
+            if end > state.busy_until:
+                state.busy_until = end
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        self._copy_log.append((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
+        return end
 
     # Note [A batch of copies is one work item]
     # A binding that streams a module's parameters copies its weight and bias (two storages)
@@ -303,6 +307,7 @@ class Copies:
         state = None if stream is compute or not isinstance(stream, WorkerStream) else stream._state
         special = state is None or len(pairs) == 1 or self._sanitizer.enabled or stream not in self._streams
         checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
+        addresses: list[tuple[int, int] | None] = []  # per checked pair: (dst, src) when small_pair took it
         if not special:
             small, tier_of = self._small_pair, self._arena.tier_of
             for dst, src in pairs:
@@ -314,6 +319,7 @@ class Copies:
                         special = True
                         break
                     checked.append((ops, dst, src, direction, nbytes))
+                    addresses.append((pair[3], pair[4]))
                     continue
                 ops = ops_for(dst)
                 if ops is None or ops is not ops_for(src) or ops is NUMPY_OPS:
@@ -331,6 +337,7 @@ class Copies:
                     special = True
                     break
                 checked.append((ops, dst, src, direction, nbytes))
+                addresses.append(None)
         if not special:
             with self._fault_lock:  # numbered together, unless a fault is armed (copy_ counts to it)
                 if self._fault is None:
@@ -346,18 +353,31 @@ class Copies:
         name = stream.name
         at = 0
         inline: FakeEvent | None = None
-        for ops, dst, src, direction, nbytes in checked:  # leading small copies on an idle stream: inline
+        landed: float | None = None
+        for (ops, dst, src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
+            # leading small copies on an idle stream: inline
             if nbytes > _INLINE_COPY_LIMIT:
                 break
-            inline = stream.try_inline(
-                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, name, first + at)
-            )
-            if inline is None:
-                break
+            if small_pair is not None:  # Note [The small copy's fast path]
+                landed = self._inline_small(state, name, direction, nbytes, *small_pair, first + at)
+                if landed is None:
+                    break
+                inline = None
+            else:
+                inline = stream.try_inline(
+                    functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, name, first + at)
+                )
+                if inline is None:
+                    break
+                landed = None
             at += 1
         if at == len(checked):
-            assert inline is not None
-            return inline
+            if inline is not None:
+                return inline
+            assert landed is not None
+            event = FakeEvent(compute, enable_timing=True)
+            event._land_at(name, landed)
+            return event
         enqueued = time.perf_counter()
         items = [
             (ops, dst, src, direction, nbytes, 0.0, name, enqueued, first + i, state)
