@@ -678,7 +678,7 @@ class ResidencyScheduler:
             return NO_ACTIONS
         vtime = self.vtime = plan.virtual_time(key, now)  # _offer, inlined (once per unpack)
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
-        actions = self._prefetches(plan, due) if due else NO_ACTIONS
+        actions = self._prefetches(plan, due, managed_key) if due else NO_ACTIONS
         if self._on_nvme:  # Note [Two hops from NVMe]
             actions = self._with_stages(plan, vtime, actions)
         if self._budget_evictions:  # Note [One device budget across kinds]
@@ -735,8 +735,11 @@ class ResidencyScheduler:
             return NO_ACTIONS
         return self._prefetches(plan, due)
 
-    def _prefetches(self, plan: PrefetchPlan, due: list[int]) -> Iterator[Action]:
-        """Offer the due reloads in deadline order, within the budget and the device's room."""
+    def _prefetches(self, plan: PrefetchPlan, due: list[int], in_use: int | None = None) -> Iterator[Action]:
+        """Offer the due reloads in deadline order, within the budget and the device's room.
+
+        ``in_use``: the object backward reads at this trigger, never evicted for them (Note [The copy being
+        read is not a victim])."""
         if self._no_prefetch_round == (self.round if self.in_backward else self.round + 1):  # upcoming_round
             return  # Note [No speculative allocation after a refusal]
         objects = self.objects
@@ -764,7 +767,7 @@ class ResidencyScheduler:
                 self.counters["prefetch_behind_landing"] += 1
                 return  # Note [A copy still landing keeps its place in the budget]
             if not (outstanding + nbytes <= budget or (outstanding == 0 and budget > 0)):  # within_budget
-                victims = self._evict_for(plan, key, nbytes)
+                victims = self._evict_for(plan, key, nbytes, in_use)
                 if not victims:
                     return
                 for victim in victims:
@@ -862,16 +865,24 @@ class ResidencyScheduler:
         if self.plan is not None:
             self.plan.stage_reopen(key)
 
-    def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int) -> list[int]:
+    # Note [The copy being read is not a victim]
+    # A trigger is backward reading an object; the prefetches it offers may need budget room, made
+    # by evicting copies the plan says are needed after them. The plan is a prediction: the object
+    # read right now may be one it placed later (a step whose order differs from the one the
+    # predictor learnt, e.g. an evaluation or a frozen teacher in between), and it is still counted
+    # until the binding takes it over (awaited/consumed, after the trigger). Evicting it would drop
+    # the device copy the binding is about to hand to autograd. ``used`` passes its managed key
+    # down, and the victims are chosen among the others.
+    def _evict_for(self, plan: PrefetchPlan, key: int, nbytes: int, in_use: int | None = None) -> list[int]:
         """Belady: make budget room for ``key`` by evicting held or prefetched copies needed later.
 
         Victims are taken furthest next use first, and only among copies needed after
-        ``key``; their reloads are planned again. Returns the victims, none when that cannot
-        make enough room.
+        ``key``, never ``in_use`` (the copy being read now); their reloads are planned again.
+        Returns the victims, none when that cannot make enough room.
         """
         need = plan.need.get(key, math.inf)
         candidates = sorted(
-            (k for k in self._counted if plan.need.get(k, -math.inf) > need),
+            (k for k in self._counted if plan.need.get(k, -math.inf) > need and k != in_use),
             key=lambda k: (plan.need[k], k),
             reverse=True,
         )

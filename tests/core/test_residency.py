@@ -178,6 +178,22 @@ def test_belady_evicts_the_held_copy_needed_furthest_away() -> None:
     assert rs.outstanding == 2 * MiB
 
 
+def test_the_copy_being_read_is_never_the_victim() -> None:
+    # Note [The copy being read is not a victim]: as above, but the trigger is backward reading 0 itself,
+    # which the plan placed last (a step in another order than the one learnt). 0 is still counted (it is
+    # taken over after the trigger); making room for 2 must evict 1, not the copy being read.
+    rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)
+    forward(rs, [MiB] * 3, land=False)
+    run(rs.forward_ended(0.003), rs)
+    assert rs.landed(0).kind is ActionKind.HOLD
+    assert rs.landed(1).kind is ActionKind.HOLD
+    assert rs.landed(2).kind is ActionKind.FREE
+    rs.backward_began(1.0)
+    actions = run(rs.used(0, 1.0, managed_key=0), rs)
+    assert kinds(actions) == [("evict", 1), ("prefetch", 2)]
+    assert rs.is_outstanding(0)
+
+
 def test_an_object_still_alive_elsewhere_is_not_reloaded() -> None:
     rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=8 * MiB)
     forward(rs, [MiB] * 2)
