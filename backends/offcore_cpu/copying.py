@@ -260,6 +260,49 @@ class Copies:
         event._land_at(stream.name, end)
         return event
 
+    def _inline_run(
+        self,
+        state: Any,
+        name: str,
+        checked: list[tuple[BufferOps, Any, Any, Direction, int]],
+        addresses: list[tuple[int, int] | None],
+        first: int,
+    ) -> tuple[int, float | None]:
+        """The leading copies of a batch that small_pair took, on the calling thread under one hold of the
+        stream's lock, each booked on the link, logged and counted as ``_inline_small`` does it (the ledger once
+        per direction). Returns how many ran and when the last one lands (0, None: none could)."""
+        done = 0
+        end: float | None = None
+        counted: dict[Direction, list[float]] = {}
+        reserve, memmove, log = self._link.reserve, self._memmove, self._copy_log
+        with state.lock:
+            if state.pending or state.error is not None or state.closed:
+                return 0, None
+            for (_ops, _dst, _src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
+                if small_pair is None:
+                    break
+                enqueued = time.perf_counter()
+                span = reserve(direction, nbytes, state.busy_until)
+                if span is None:  # a queued copy holds the link right now
+                    break
+                start, end = span
+                dst_address, src_address = small_pair
+                memmove(dst_address, src_address, nbytes)
+                if end > state.busy_until:
+                    state.busy_until = end
+                log.append((name, direction, nbytes, enqueued, start, end, 0.0, first + done, src_address, dst_address))
+                totals = counted.get(direction)
+                if totals is None:
+                    counted[direction] = [nbytes, end - start, 1]
+                else:
+                    totals[0] += nbytes
+                    totals[1] += end - start
+                    totals[2] += 1
+                done += 1
+        for direction, (nbytes, seconds, copies) in counted.items():
+            self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
+        return done, end
+
     def _inline_small(
         self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
     ) -> float | None:
@@ -310,12 +353,13 @@ class Copies:
         addresses: list[tuple[int, int] | None] = []  # per checked pair: (dst, src) when small_pair took it
         if not special:
             small, tier_of = self._small_pair, self._arena.tier_of
+            gates = self._gates.any_copy_gates  # asked once: with no copy gate, no copy of the batch is held
             for dst, src in pairs:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
                     ops, nbytes = self._ops, pair[0]
                     direction = _DIRECTIONS[tier_of(pair[2]) is Tier.DEVICE, tier_of(pair[1]) is Tier.DEVICE]
-                    if self._gates.any_closed_for(state, direction):
+                    if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break
                     checked.append((ops, dst, src, direction, nbytes))
@@ -354,11 +398,12 @@ class Copies:
         at = 0
         inline: FakeEvent | None = None
         landed: float | None = None
-        for (ops, dst, src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
-            # leading small copies on an idle stream: inline
+        at, landed = self._inline_run(state, name, checked, addresses, first)  # Note [The small copy's fast path]
+        for (ops, dst, src, direction, nbytes), small_pair in zip(checked[at:], addresses[at:], strict=True):
+            # further leading copies on an idle stream: inline
             if nbytes > _INLINE_COPY_LIMIT:
                 break
-            if small_pair is not None:  # Note [The small copy's fast path]
+            if small_pair is not None:
                 landed = self._inline_small(state, name, direction, nbytes, *small_pair, first + at)
                 if landed is None:
                     break

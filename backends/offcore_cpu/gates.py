@@ -143,6 +143,11 @@ class GateSet:
                 self._copy_gates = [g for g in self._copy_gates if g.closed] + [gate]
         return gate
 
+    @property
+    def any_copy_gates(self) -> bool:
+        """Whether any copy gate was added and may still be closed (False: no copy can be held)."""
+        return bool(self._copy_gates)
+
     def any_closed_for(self, stream: Any, direction: Direction) -> bool:
         """Whether a copy on ``stream`` in ``direction`` would be held now (cheap when no gate exists)."""
         gates = self._copy_gates
