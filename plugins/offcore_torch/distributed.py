@@ -378,6 +378,11 @@ class FSDPOffloadOptimizer:
         self._state_dict_handle = model.register_state_dict_pre_hook(
             _wait_before_state_dict(weakref.ref(self.optimizer))
         )
+        # Note [FSDP2's .grad is the host gradient]: the DTensor each parameter shows as .grad (None: none shown)
+        self._shown: list[Any] = [None] * len(self.params)
+        self._handed: list[int] = []  # the parameters handed over in this backward, shown at its end
+        self._show_task = -1  # the autograd graph task whose end shows them
+        self._step_handle = self.optimizer.register_step_pre_hook(_follow_before_step(ref))
         self._closed = False
 
     # -- gradients and waits ------------------------------------------------------------
@@ -386,8 +391,60 @@ class FSDPOffloadOptimizer:
         grad = param.grad
         if grad is None:
             return
+        shown = self._shown[index]
+        if shown is not None and grad is shown:
+            # a second backward with no forward since (retain_graph=True): FSDP2 added its reduced shard into the
+            # shown .grad in place, i.e. into the host gradient through the wrapper: the host holds the sum
+            return
+        if shown is not None or self.shards[index].grad is not None:  # no forward since the show: cleared/replaced
+            self._shown[index] = None
+            self.optimizer._settle_worker()
+            self.optimizer._clear_host_gradient(self.optimizer._slot(self.shards[index]))
+            self.shards[index].grad = None
         self.optimizer.accept_gradient(self.shards[index], grad.to_local())
-        param.grad = None  # the host has it; the shard is freed once its copy landed
+        param.grad = None  # the host has it; the shard is freed once its copy landed; shown when backward ends
+        self._handed.append(index)
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            self._show_gradients()
+        elif task != self._show_task:
+            self._show_task = task
+            # queued after FSDP2's final callback (queued when backward began, it reduce-scatters the root's
+            # gradients) and after the optimizer's own, which waits for every copy: runs last
+            torch.autograd.Variable._execution_engine.queue_callback(_show_callback(weakref.ref(self)))
+
+    def _show_gradients(self) -> None:
+        """Every handed shard landed on the host: each parameter's ``.grad`` shows it (Note [FSDP2's .grad is the
+        host gradient])."""
+        from torch.distributed.tensor import DTensor
+
+        self._show_task = -1
+        handed, self._handed = self._handed, []
+        if self._closed:
+            return
+        optimizer = self.optimizer
+        optimizer._settle_worker()  # every D2H landed and summed: .grad is final when backward returns
+        for index in dict.fromkeys(handed):
+            param, shard = self.params[index], self.shards[index]
+            slot = optimizer._slot(shard)
+            if slot.master.grad is None or param.grad is not None:  # lost (step() refuses), or set by someone else
+                continue
+            local = optimizer._show(slot)
+            shard.grad = slot.shown = local  # the optimizer follows a clear of the shard's .grad (_sync_shown)
+            param.grad = self._shown[index] = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+
+    def _follow(self) -> None:
+        """A shown ``.grad`` cleared or replaced since (``model.zero_grad()``, ``p.grad = t``): the shard's ``.grad``
+        follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host)."""
+        for index, param in enumerate(self.params):
+            shown = self._shown[index]
+            if shown is None or param.grad is shown:
+                continue
+            self._shown[index] = None
+            grad = param.grad
+            self.shards[index].grad = None if grad is None else (grad.to_local() if _is_dtensor(grad) else grad)
 
     def _before_forward(self) -> None:
         for index, param in enumerate(self.params):
@@ -399,6 +456,44 @@ class FSDPOffloadOptimizer:
                 )
         # FSDP2's all-gather reads the shards: the compute stream waits for their H2D copies first
         self.optimizer.wait_for_parameters()
+        self._release_shown()
+
+    def _release_shown(self) -> None:
+        """Before the next backward: FSDP2 adds a reduced shard into a ``.grad`` not cleared, in place; a shown one
+        becomes a device copy of its host gradient for it to add into, and the host gradient starts over (the sum
+        arrives as its first gradient); a cleared or replaced one clears the host gradient."""
+        from torch.distributed.tensor import DTensor
+
+        optimizer = self.optimizer
+        settled = False
+        for index, param in enumerate(self.params):
+            shown, shard = self._shown[index], self.shards[index]
+            if shown is None and shard.grad is None:  # (the optimizer shows the shard's after a p.grad = t: step())
+                continue
+            if not settled:
+                optimizer._settle_worker()
+                settled = True
+            self._shown[index] = None
+            slot = optimizer._slot(shard)
+            if (
+                shown is not None and param.grad is shown
+            ):  # not cleared: plain FSDP2 adds the next reduced shard into it on the device
+                with torch.no_grad():
+                    local = torch.empty_like(shard)
+                    local.copy_(shown.to_local().host())
+                param.grad = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            arrivals = slot.arrivals  # the sum is carried on: accumulation_steps counts on
+            optimizer._clear_host_gradient(slot)
+            if param.grad is not None:
+                slot.arrivals = arrivals
+            slot.shown = shard.grad = None
 
     # -- the optimizer's surface ----------------------------------------------------------
     @property
@@ -414,9 +509,12 @@ class FSDPOffloadOptimizer:
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the host gradients and the parameters' ``.grad`` (``set_to_none=False``: zero the shown ones)."""
+        self._follow()
         self.optimizer.zero_grad(set_to_none)
-        for param in self.params:
-            param.grad = None
+        for index, param in enumerate(self.params):
+            if set_to_none or self._shown[index] is None:
+                param.grad = self._shown[index] = None
 
     def last_micro_step(self) -> Any:
         return self.optimizer.last_micro_step()
@@ -433,6 +531,7 @@ class FSDPOffloadOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, group: Any = None) -> torch.Tensor:
         """Clip the sharded host gradients to a global norm (:func:`clip_grad_norm_`)."""
+        self._follow()
         return _clip_sharded(self.optimizer, max_norm, norm_type, group=group, device=self._device)
 
     # -- state dicts (torch.distributed.checkpoint) ---------------------------------------
@@ -531,6 +630,11 @@ class FSDPOffloadOptimizer:
             handle.remove()
         self._forward_handle.remove()
         self._state_dict_handle.remove()
+        self._step_handle.remove()
+        for index, param in enumerate(self.params):
+            if self._shown[index] is not None and param.grad is self._shown[index]:
+                param.grad = None  # its host gradient goes with the optimizer
+            self._shown[index] = self.shards[index].grad = None
         self.optimizer.close()
 
     def __enter__(self) -> FSDPOffloadOptimizer:
@@ -561,6 +665,26 @@ def _shard_hook(ref: weakref.ref[FSDPOffloadOptimizer], index: int) -> Any:
         owner = ref()
         if owner is not None and not owner._closed:
             owner._on_gradient(index)
+
+    return hook
+
+
+def _show_callback(ref: weakref.ref[FSDPOffloadOptimizer]) -> Any:
+    def callback() -> None:
+        owner = ref()
+        if owner is not None:
+            owner._show_gradients()
+
+    return callback
+
+
+def _follow_before_step(ref: weakref.ref[FSDPOffloadOptimizer]) -> Any:
+    """A step pre-hook of the inner optimizer: ``step()`` sees the ``.grad`` cleared or replaced since the show."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None and not owner._closed:
+            owner._follow()
 
     return hook
 
