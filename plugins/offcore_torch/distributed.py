@@ -59,6 +59,25 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # for it and would skip it, where plain DDP steps the unreduced local sum. ``DDPHandoff.close()`` removes
 # the tensor hooks and the step pre-hook.
 #
+# Note [FSDP2's .grad is the host gradient]
+# The contracts of Note [DDP's .grad is the host gradient] hold under FSDP2: FSDPOffloadOptimizer hands each reduced
+# shard to the host from the sharded parameter's post-accumulate-grad hook (``_on_gradient``) and drops the device
+# ``.grad``; an autograd callback queued at the first hand-over of a backward (so after FSDP2's final callback,
+# queued when backward began, which reduce-scatters the root's gradients) waits until every shard landed and sets
+# each parameter's ``.grad`` to ``DTensor.from_local(_HostGradient, mesh, placements)`` (``_show_gradients``). The
+# shard's own ``.grad`` (the plain local tensor the OffloadOptimizer holds) is the same ``_HostGradient``, shown to
+# the optimizer (``slot.shown``), so its ``_sync_shown`` sees clears. torch's ``clip_grad_norm_`` over DTensor
+# gradients runs ``_foreach_norm`` on the local tensors (on the host, through the wrapper), all-reduces the partial
+# norms as FSDP2 does, and scales with an in-place ``_foreach_mul_`` (the host gradients). A ``model.zero_grad()`` /
+# ``p.grad = t`` since the show reaches the shard's ``.grad`` before anything reads the host gradients (``_follow``:
+# a step pre-hook of the OffloadOptimizer, ``clip_grad_norm_``, ``zero_grad``). Plain FSDP2 adds a reduced shard
+# into a ``.grad`` nobody cleared (``_local_tensor += shard`` in its foreach_reduce); adding into the wrapper would
+# run on the host, on the main thread, outside the optimizer's accounting, so the root's forward pre-hook
+# (``_release_shown``) makes a shown ``.grad`` still there a device copy of the host gradient, and a cleared or
+# replaced one clears it; either way the host gradient starts over and the next reduced shard (or sum) arrives
+# as its first gradient. (A second backward with no forward since, ``retain_graph=True``, does add through the
+# wrapper: the host holds the sum, as plain FSDP2's ``.grad`` does.) ``close()`` drops what it showed.
+#
 # Note [Parameters DDP found unused]
 # With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
 # too (its bucket slice zeroed, or filled from a ``.grad`` not cleared), and at its finalize leaves the
