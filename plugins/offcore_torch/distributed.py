@@ -448,15 +448,28 @@ class FSDPOffloadOptimizer:
             slot = optimizer._slot(shard)
             if slot.master.grad is None or param.grad is not None:  # lost (step() refuses), or set by someone else
                 continue
-            local = optimizer._show(slot)
-            shard.grad = slot.shown = local  # the optimizer follows a clear of the shard's .grad (_sync_shown)
-            param.grad = self._shown[index] = DTensor.from_local(
-                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            shard.grad = slot.shown = optimizer._show(slot)  # the optimizer follows a clear of it (_sync_shown)
+            self._wrap(index, DTensor)
+
+    def _wrap(self, index: int, dtensor: Any) -> None:
+        """Show the shard's ``.grad`` (the optimizer's ``_HostGradient``) as the parameter's, a DTensor over it."""
+        param = self.params[index]
+        param.grad = self._shown[index] = dtensor.from_local(
+            self.shards[index].grad,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
 
     def _follow(self) -> None:
         """A shown ``.grad`` cleared or replaced since (``model.zero_grad()``, ``p.grad = t``): the shard's ``.grad``
-        follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host)."""
+        follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host and shown instead,
+        as without distribution)."""
+        from torch.distributed.tensor import DTensor
+
+        changed = []
         for index, param in enumerate(self.params):
             shown = self._shown[index]
             if shown is None or param.grad is shown:
@@ -464,6 +477,16 @@ class FSDPOffloadOptimizer:
             self._shown[index] = None
             grad = param.grad
             self.shards[index].grad = None if grad is None else (grad.to_local() if _is_dtensor(grad) else grad)
+            changed.append(index)
+        if not changed:
+            return
+        optimizer = self.optimizer
+        optimizer._settle_worker()
+        optimizer._sync_shown()
+        for index in changed:
+            shard = self.shards[index]
+            if shard.grad is not None and shard.grad is optimizer._slot(shard).shown:
+                self._wrap(index, DTensor)
 
     def _before_forward(self) -> None:
         for index, param in enumerate(self.params):
@@ -529,10 +552,10 @@ class FSDPOffloadOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the host gradients and the parameters' ``.grad`` (``set_to_none=False``: zero the shown ones)."""
-        self._follow()
+        self._follow()  # a .grad of the user's is the shard's .grad now: zeroed with the host gradients
         self.optimizer.zero_grad(set_to_none)
-        for index, param in enumerate(self.params):
-            if set_to_none or self._shown[index] is None:
+        if set_to_none:
+            for index, param in enumerate(self.params):
                 param.grad = self._shown[index] = None
 
     def last_micro_step(self) -> Any:

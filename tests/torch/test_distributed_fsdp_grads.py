@@ -38,6 +38,10 @@ CASES: dict[str, tuple[int, bool, str]] = {
     "no_sync": (2, False, "model.zero_grad()"),
     # kept into the next step: FSDP2 adds the next reduced shard into it
     "cleared_every_third_step": (1, True, "model.zero_grad() every third step"),
+    # backward twice over one forward (retain_graph=True): FSDP2 adds the second reduced shard into the shown .grad
+    "retain_graph": (1, True, "model.zero_grad()"),
+    # the first parameter's .grad replaced by a tensor of the user's before step(); zeroed through the optimizer
+    "replaced": (1, True, "opt.zero_grad(set_to_none=False)"),
 }
 
 
@@ -58,9 +62,13 @@ class PlainFSDPOptimizer:
             for p, m in zip(self.params, self.masters, strict=True):
                 p.to_local().copy_(m)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim.Optimizer.zero_grad() over the parameters."""
         for p in self.params:
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return self.opt.state_dict()
@@ -82,6 +90,8 @@ def _grads(model: torch.nn.Module) -> list[bytes | None]:
 def _clear(model: torch.nn.Module, opt: Any, how: str, step: int) -> None:
     if how == "opt.zero_grad()":
         opt.zero_grad()
+    elif how == "opt.zero_grad(set_to_none=False)":
+        opt.zero_grad(set_to_none=False)
     elif how == "model.zero_grad()":
         model.zero_grad()
     elif how == "model.zero_grad(set_to_none=False)":
@@ -91,6 +101,21 @@ def _clear(model: torch.nn.Module, opt: Any, how: str, step: int) -> None:
             model.zero_grad()
     else:
         raise ValueError(how)
+
+
+def _replace_first_grad(model: torch.nn.Module, value: float) -> None:
+    """``p.grad = t`` for the first parameter: a DTensor of the user's, with the parameter's mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    first = next(model.parameters())
+    first.grad = DTensor.from_local(
+        torch.full_like(first.to_local(), value),
+        first.device_mesh,
+        first.placements,
+        run_check=False,
+        shape=first.shape,
+        stride=first.stride(),
+    )
 
 
 def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
@@ -114,6 +139,8 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                     data = tuple(t.to(device.torch_device) for t in batch(step * micro_steps + micro, ctx.rank))
                     torch.manual_seed(1000 * ctx.rank + 10 * step + micro)  # dropout
                     loss = loss_fn(model, data)
+                    if case == "retain_graph":
+                        loss.backward(retain_graph=True)
                     loss.backward()
                     out["losses"].append(loss.detach().cpu())
                     out["grads"].append(_grads(model))
@@ -121,6 +148,8 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                 # a DTensor over DTensor gradients (a plain 0 when no parameter has a .grad)
                 out["norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu().clone())
                 out["clipped"].append(_grads(model))
+                if case == "replaced":
+                    _replace_first_grad(model, 1e-3 * (step + 1))
                 opt.step()
                 _clear(model, opt, how, step)
             if offload:
