@@ -64,7 +64,7 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # shard to the host from the sharded parameter's post-accumulate-grad hook (``_on_gradient``) and drops the device
 # ``.grad``; an autograd callback queued at the first hand-over of a backward (so after FSDP2's final callback,
 # queued when backward began, which reduce-scatters the root's gradients) waits until every shard landed and sets
-# each parameter's ``.grad`` to ``DTensor.from_local(_HostGradient, mesh, placements)`` (``_show_gradients``). The
+# each parameter's ``.grad`` to a DTensor over a ``_HostGradient`` with the parameter's spec (``_show_gradients``). The
 # shard's own ``.grad`` (the plain local tensor the OffloadOptimizer holds) is the same ``_HostGradient``, shown to
 # the optimizer (``slot.shown``), so its ``_sync_shown`` sees clears. torch's ``clip_grad_norm_`` over DTensor
 # gradients runs ``_foreach_norm`` on the local tensors (on the host, through the wrapper), all-reduces the partial
@@ -435,8 +435,6 @@ class FSDPOffloadOptimizer:
     def _show_gradients(self) -> None:
         """Every handed shard landed on the host: each parameter's ``.grad`` shows it (Note [FSDP2's .grad is the
         host gradient])."""
-        from torch.distributed.tensor import DTensor
-
         self._show_task = -1
         handed, self._handed = self._handed, []
         if self._closed:
@@ -449,26 +447,17 @@ class FSDPOffloadOptimizer:
             if slot.master.grad is None or param.grad is not None:  # lost (step() refuses), or set by someone else
                 continue
             shard.grad = slot.shown = optimizer._show(slot)  # the optimizer follows a clear of it (_sync_shown)
-            self._wrap(index, DTensor)
+            self._wrap(index)
 
-    def _wrap(self, index: int, dtensor: Any) -> None:
+    def _wrap(self, index: int) -> None:
         """Show the shard's ``.grad`` (the optimizer's ``_HostGradient``) as the parameter's, a DTensor over it."""
         param = self.params[index]
-        param.grad = self._shown[index] = dtensor.from_local(
-            self.shards[index].grad,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        param.grad = self._shown[index] = _sharded_grad(param, self.shards[index].grad)
 
     def _follow(self) -> None:
         """A shown ``.grad`` cleared or replaced since (``model.zero_grad()``, ``p.grad = t``): the shard's ``.grad``
         follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host and shown instead,
         as without distribution)."""
-        from torch.distributed.tensor import DTensor
-
         changed = []
         for index, param in enumerate(self.params):
             shown = self._shown[index]
@@ -486,7 +475,7 @@ class FSDPOffloadOptimizer:
         for index in changed:
             shard = self.shards[index]
             if shard.grad is not None and shard.grad is optimizer._slot(shard).shown:
-                self._wrap(index, DTensor)
+                self._wrap(index)
 
     def _before_forward(self) -> None:
         for index, param in enumerate(self.params):
@@ -504,8 +493,6 @@ class FSDPOffloadOptimizer:
         """Before the next backward: FSDP2 adds a reduced shard into a ``.grad`` not cleared, in place; a shown one
         becomes a device copy of its host gradient for it to add into, and the host gradient starts over (the sum
         arrives as its first gradient); a cleared or replaced one clears the host gradient."""
-        from torch.distributed.tensor import DTensor
-
         optimizer = self.optimizer
         settled = False
         for index, param in enumerate(self.params):
@@ -523,14 +510,7 @@ class FSDPOffloadOptimizer:
                 with torch.no_grad():
                     local = torch.empty_like(shard)
                     local.copy_(shown.to_local().host())
-                param.grad = DTensor.from_local(
-                    local,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
+                param.grad = _sharded_grad(param, local)
             arrivals = slot.arrivals  # the sum is carried on: accumulation_steps counts on
             optimizer._clear_host_gradient(slot)
             if param.grad is not None:
@@ -684,6 +664,20 @@ class FSDPOffloadOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sharded_grad(param: Any, local: torch.Tensor) -> Any:
+    """A gradient of sharded parameter ``param`` over its local shard ``local``: a DTensor with the parameter's spec
+    (mesh, placements, global shape and stride), made as FSDP2 makes its gradients (``DTensor(local, spec)``: no
+    autograd, no view of ``local``), or with ``DTensor.from_local`` when the parameter has no spec."""
+    from torch.distributed.tensor import DTensor
+
+    spec = getattr(param, "_spec", None)
+    if spec is not None and spec.shape == param.shape:
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
