@@ -399,6 +399,7 @@ class FSDPOffloadOptimizer:
         )
         # Note [FSDP2's .grad is the host gradient]: the DTensor each parameter shows as .grad (None: none shown)
         self._shown: list[Any] = [None] * len(self.params)
+        self._copied: list[Any] = [None] * len(self.params)  # the device copy a shown .grad became at a forward
         self._handed: list[int] = []  # the parameters handed over in this backward, shown at its end
         self._show_task = -1  # the autograd graph task whose end shows them
         self._step_handle = self.optimizer.register_step_pre_hook(_follow_before_step(ref))
@@ -415,11 +416,19 @@ class FSDPOffloadOptimizer:
             # a second backward with no forward since (retain_graph=True): FSDP2 added its reduced shard into the
             # shown .grad in place, i.e. into the host gradient through the wrapper: the host holds the sum
             return
-        if shown is not None or self.shards[index].grad is not None:  # no forward since the show: cleared/replaced
+        shard, optimizer = self.shards[index], self.optimizer
+        slot = optimizer._slot(shard)
+        if shown is not None or shard.grad is not None or slot.shown is not None:
+            # the host gradient is not this .grad's (a device copy made at the forward, cleared, or replaced): it
+            # starts over, and the reduced shard (FSDP2 added it into a .grad not cleared) arrives as its first
             self._shown[index] = None
-            self.optimizer._settle_worker()
-            self.optimizer._clear_host_gradient(self.optimizer._slot(self.shards[index]))
-            self.shards[index].grad = None
+            optimizer._settle_worker()
+            arrivals = slot.arrivals
+            optimizer._clear_host_gradient(slot)
+            if grad is self._copied[index]:  # the sum is carried on: accumulation_steps counts on
+                slot.arrivals = arrivals
+            shard.grad = slot.shown = None
+        self._copied[index] = None
         self.optimizer.accept_gradient(self.shards[index], grad.to_local())
         param.grad = None  # the host has it; the shard is freed once its copy landed; shown when backward ends
         self._handed.append(index)
@@ -458,15 +467,7 @@ class FSDPOffloadOptimizer:
         """A shown ``.grad`` cleared or replaced since (``model.zero_grad()``, ``p.grad = t``): the shard's ``.grad``
         follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host and shown instead,
         as without distribution)."""
-        changed = []
-        for index, param in enumerate(self.params):
-            shown = self._shown[index]
-            if shown is None or param.grad is shown:
-                continue
-            self._shown[index] = None
-            grad = param.grad
-            self.shards[index].grad = None if grad is None else (grad.to_local() if _is_dtensor(grad) else grad)
-            changed.append(index)
+        changed = self._mirror()
         if not changed:
             return
         optimizer = self.optimizer
@@ -489,33 +490,33 @@ class FSDPOffloadOptimizer:
         self.optimizer.wait_for_parameters()
         self._release_shown()
 
-    def _release_shown(self) -> None:
-        """Before the next backward: FSDP2 adds a reduced shard into a ``.grad`` not cleared, in place; a shown one
-        becomes a device copy of its host gradient for it to add into, and the host gradient starts over (the sum
-        arrives as its first gradient); a cleared or replaced one clears the host gradient."""
-        optimizer = self.optimizer
-        settled = False
+    def _mirror(self) -> list[int]:
+        """Each shown ``.grad`` cleared or replaced since the show: the shard's ``.grad`` the same (None, or the new
+        tensor's local tensor), for the optimizer's ``_sync_shown`` to follow when it next reads the host gradients
+        (``step()``, clipping); the indices of those parameters."""
+        changed = []
         for index, param in enumerate(self.params):
-            shown, shard = self._shown[index], self.shards[index]
-            if shown is None and shard.grad is None:  # (the optimizer shows the shard's after a p.grad = t: step())
+            shown = self._shown[index]
+            if shown is None or param.grad is shown:
                 continue
-            if not settled:
-                optimizer._settle_worker()
-                settled = True
             self._shown[index] = None
-            slot = optimizer._slot(shard)
-            if (
-                shown is not None and param.grad is shown
-            ):  # not cleared: plain FSDP2 adds the next reduced shard into it on the device
+            grad = param.grad
+            self.shards[index].grad = None if grad is None else (grad.to_local() if _is_dtensor(grad) else grad)
+            changed.append(index)
+        return changed
+
+    def _release_shown(self) -> None:
+        """Before the next backward: FSDP2 adds a reduced shard into a ``.grad`` not cleared, in place (into the
+        host gradient, through the wrapper): a shown ``.grad`` becomes a device copy of its host gradient for it
+        to add into, as if the user had set it (a ``step()`` before any backward copies it back to the host)."""
+        for index, param in enumerate(self.params):
+            shown = self._shown[index]
+            if shown is not None and param.grad is shown:
                 with torch.no_grad():
-                    local = torch.empty_like(shard)
+                    local = torch.empty_like(self.shards[index])
                     local.copy_(shown.to_local().host())
-                param.grad = _sharded_grad(param, local)
-            arrivals = slot.arrivals  # the sum is carried on: accumulation_steps counts on
-            optimizer._clear_host_gradient(slot)
-            if param.grad is not None:
-                slot.arrivals = arrivals
-            slot.shown = shard.grad = None
+                param.grad = self._copied[index] = _sharded_grad(param, local)
+        self._mirror()
 
     # -- the optimizer's surface ----------------------------------------------------------
     @property
@@ -656,7 +657,7 @@ class FSDPOffloadOptimizer:
         for index, param in enumerate(self.params):
             if self._shown[index] is not None and param.grad is self._shown[index]:
                 param.grad = None  # its host gradient goes with the optimizer
-            self._shown[index] = self.shards[index].grad = None
+            self._shown[index] = self._copied[index] = self.shards[index].grad = None
         self.optimizer.close()
 
     def __enter__(self) -> FSDPOffloadOptimizer:

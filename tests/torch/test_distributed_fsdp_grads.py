@@ -40,6 +40,8 @@ CASES: dict[str, tuple[int, bool, str]] = {
     "cleared_every_third_step": (1, True, "model.zero_grad() every third step"),
     # backward twice over one forward (retain_graph=True): FSDP2 adds the second reduced shard into the shown .grad
     "retain_graph": (1, True, "model.zero_grad()"),
+    # a forward (under no_grad: an evaluation) between clipping and step(): step() takes the clipped gradients
+    "forward_before_step": (1, True, "model.zero_grad()"),
     # the first parameter's .grad replaced by a tensor of the user's before step(); zeroed through the optimizer
     "replaced": (1, True, "opt.zero_grad(set_to_none=False)"),
 }
@@ -148,6 +150,10 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                 # a DTensor over DTensor gradients (a plain 0 when no parameter has a .grad)
                 out["norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu().clone())
                 out["clipped"].append(_grads(model))
+                if case == "forward_before_step":
+                    with torch.no_grad():
+                        out["evaluated"] = loss_fn(model, data).detach().cpu()
+                    out["evaluated_grads"] = _grads(model)
                 if case == "replaced":
                     _replace_first_grad(model, 1e-3 * (step + 1))
                 opt.step()
@@ -218,6 +224,7 @@ def test_fsdp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case
         assert_same(got["state"], want["state"], f"{where} optimizer state")
         assert got["params"] == want["params"], f"{where}: shards differ"
         assert got["after"] == want["after"], f"{where}: .grad after the last step differs"
+        assert got.get("evaluated_grads") == want.get("evaluated_grads"), f"{where}: .grad after a forward differs"
         assert got["freed"] and want["freed"], f"{where}: the model outlived the run"
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"
         assert all(g is not None for grads in got["clipped"] for g in grads), f"{where}: a .grad was None"
