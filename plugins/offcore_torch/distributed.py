@@ -73,10 +73,13 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # a step pre-hook of the OffloadOptimizer, ``clip_grad_norm_``, ``zero_grad``). Plain FSDP2 adds a reduced shard
 # into a ``.grad`` nobody cleared (``_local_tensor += shard`` in its foreach_reduce); adding into the wrapper would
 # run on the host, on the main thread, outside the optimizer's accounting, so the root's forward pre-hook
-# (``_release_shown``) makes a shown ``.grad`` still there a device copy of the host gradient, and a cleared or
-# replaced one clears it; either way the host gradient starts over and the next reduced shard (or sum) arrives
-# as its first gradient. (A second backward with no forward since, ``retain_graph=True``, does add through the
-# wrapper: the host holds the sum, as plain FSDP2's ``.grad`` does.) ``close()`` drops what it showed.
+# (``_release_shown``) makes a shown ``.grad`` still there a device copy of the host gradient, as if the user had
+# set it: a ``step()`` or clipping before any backward (an evaluation forward) copies it back (``_sync_shown``),
+# and at the next hand-over the host gradient starts over (``_on_gradient``: the optimizer still shows an old
+# one, or the shard's ``.grad`` is set) and the reduced shard FSDP2 added into the copy arrives as its first
+# gradient. A cleared ``.grad`` restarts it the same way. (A second backward with no forward since,
+# ``retain_graph=True``, does add through the wrapper: the host holds the sum, as plain FSDP2's ``.grad`` does.)
+# ``close()`` drops what it showed.
 #
 # Note [Parameters DDP found unused]
 # With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
