@@ -515,9 +515,14 @@ class FSDPOffloadOptimizer:
         for index, param in enumerate(self.params):
             shown = self._shown[index]
             if shown is not None and param.grad is shown:
+                try:
+                    host = shown.to_local().host()
+                except OffcoreError:  # cleared since through the inner optimizer (opt.optimizer.zero_grad())
+                    param.grad = None
+                    continue
                 with torch.no_grad():
                     local = torch.empty_like(self.shards[index])
-                    local.copy_(shown.to_local().host())
+                    local.copy_(host)
                 param.grad = self._copied[index] = _sharded_grad(param, local)
         self._mirror()
 

@@ -146,6 +146,10 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                     loss.backward()
                     out["losses"].append(loss.detach().cpu())
                     out["grads"].append(_grads(model))
+                    if case == "clip":  # the whole gradients, all-gathered from the shown shards
+                        out.setdefault("full", []).append(
+                            fingerprint([p.grad.full_tensor() for p in model.parameters()])
+                        )
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
                 # a DTensor over DTensor gradients (a plain 0 when no parameter has a .grad)
                 out["norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu().clone())
@@ -224,6 +228,7 @@ def test_fsdp_gradients_keep_torch_contracts_bit_for_bit(backend_name: str, case
         assert_same(got["state"], want["state"], f"{where} optimizer state")
         assert got["params"] == want["params"], f"{where}: shards differ"
         assert got["after"] == want["after"], f"{where}: .grad after the last step differs"
+        assert got.get("full") == want.get("full"), f"{where}: .grad.full_tensor() differs"
         assert got.get("evaluated_grads") == want.get("evaluated_grads"), f"{where}: .grad after a forward differs"
         assert got["freed"] and want["freed"], f"{where}: the model outlived the run"
         assert all(float(n) > CLIP for n in got["norms"]), f"{where}: clipping never scaled ({got['norms']})"

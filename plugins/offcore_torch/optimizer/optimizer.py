@@ -441,6 +441,8 @@ class _HostGradient(torch.Tensor):
         if "out" in kwargs:
             target, in_place = kwargs["out"], True
         on_host = not in_place or isinstance(target, _HostGradient)
+        if func.namespace == "_c10d_functional" and not in_place:  # DTensor's full_tensor(): nccl needs the device
+            on_host = False
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, _HostGradient):
