@@ -42,6 +42,8 @@ CASES: dict[str, tuple[int, bool, str]] = {
     "retain_graph": (1, True, "model.zero_grad()"),
     # a forward (under no_grad: an evaluation) between clipping and step(): step() takes the clipped gradients
     "forward_before_step": (1, True, "model.zero_grad()"),
+    # torch's per-tensor norm (foreach=False), then clip_grad_value_
+    "per_tensor_and_value": (1, True, "model.zero_grad()"),
     # the first parameter's .grad replaced by a tensor of the user's before step(); zeroed through the optimizer
     "replaced": (1, True, "opt.zero_grad(set_to_none=False)"),
 }
@@ -147,10 +149,13 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
                     out["losses"].append(loss.detach().cpu())
                     out["grads"].append(_grads(model))
                     if case == "clip":  # the whole gradients, all-gathered from the shown shards
-                        out.setdefault("full", []).append(
-                            fingerprint([p.grad.full_tensor() for p in model.parameters()])
-                        )
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                        full = [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+                        out.setdefault("full", []).append([None if f is None else fingerprint([f])[0] for f in full])
+                norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), CLIP, foreach=False if case == "per_tensor_and_value" else None
+                )
+                if case == "per_tensor_and_value":
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
                 # a DTensor over DTensor gradients (a plain 0 when no parameter has a .grad)
                 out["norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu().clone())
                 out["clipped"].append(_grads(model))
@@ -184,16 +189,14 @@ def _train(ctx: RankContext, case: str, offload: bool) -> dict[str, Any]:
 
 
 def _all_cases(ctx: RankContext) -> dict[tuple[str, bool], dict[str, Any]]:
-    """Every case on this rank; an OffcoreError (both ranks raise it at the same point) is kept as the case's result,
-    so the other cases still run."""
-    import offcore
-
+    """Every case on this rank; an error (both ranks raise it at the same point: an OffcoreError, or torch's own when
+    no parameter has a ``.grad``) is kept as the case's result, so the other cases still run."""
     results: dict[tuple[str, bool], dict[str, Any]] = {}
     for case in CASES:
         for offload in (False, True):
             try:
                 results[(case, offload)] = _train(ctx, case, offload)
-            except offcore.OffcoreError:
+            except Exception:
                 results[(case, offload)] = {"error": traceback.format_exc()}
     return results
 
