@@ -59,6 +59,28 @@ adds is where the *reduced* gradients go and where the optimizer runs.
 # for it and would skip it, where plain DDP steps the unreduced local sum. ``DDPHandoff.close()`` removes
 # the tensor hooks and the step pre-hook.
 #
+# Note [FSDP2's .grad is the host gradient]
+# The contracts of Note [DDP's .grad is the host gradient] hold under FSDP2: FSDPOffloadOptimizer hands each reduced
+# shard to the host from the sharded parameter's post-accumulate-grad hook (``_on_gradient``) and drops the device
+# ``.grad``; an autograd callback queued at the first hand-over of a backward (so after FSDP2's final callback,
+# queued when backward began, which reduce-scatters the root's gradients) waits until every shard landed and sets
+# each parameter's ``.grad`` to a DTensor over a ``_HostGradient`` with the parameter's spec (``_show_gradients``). The
+# shard's own ``.grad`` (the plain local tensor the OffloadOptimizer holds) is the same ``_HostGradient``, shown to
+# the optimizer (``slot.shown``), so its ``_sync_shown`` sees clears. torch's ``clip_grad_norm_`` over DTensor
+# gradients runs ``_foreach_norm`` on the local tensors (on the host, through the wrapper), all-reduces the partial
+# norms as FSDP2 does, and scales with an in-place ``_foreach_mul_`` (the host gradients). A ``model.zero_grad()`` /
+# ``p.grad = t`` since the show reaches the shard's ``.grad`` before anything reads the host gradients (``_follow``:
+# a step pre-hook of the OffloadOptimizer, ``clip_grad_norm_``, ``zero_grad``). Plain FSDP2 adds a reduced shard
+# into a ``.grad`` nobody cleared (``_local_tensor += shard`` in its foreach_reduce); adding into the wrapper would
+# run on the host, on the main thread, outside the optimizer's accounting, so the root's forward pre-hook
+# (``_release_shown``) makes a shown ``.grad`` still there a device copy of the host gradient, as if the user had
+# set it: a ``step()`` or clipping before any backward (an evaluation forward) copies it back (``_sync_shown``),
+# and at the next hand-over the host gradient starts over (``_on_gradient``: the optimizer still shows an old
+# one, or the shard's ``.grad`` is set) and the reduced shard FSDP2 added into the copy arrives as its first
+# gradient. A cleared ``.grad`` restarts it the same way. (A second backward with no forward since,
+# ``retain_graph=True``, does add through the wrapper: the host holds the sum, as plain FSDP2's ``.grad`` does.)
+# ``close()`` drops what it showed.
+#
 # Note [Parameters DDP found unused]
 # With ``find_unused_parameters=True`` DDP reduces a parameter that took no part in a rank's forward
 # too (its bucket slice zeroed, or filled from a ``.grad`` not cleared), and at its finalize leaves the
@@ -378,6 +400,12 @@ class FSDPOffloadOptimizer:
         self._state_dict_handle = model.register_state_dict_pre_hook(
             _wait_before_state_dict(weakref.ref(self.optimizer))
         )
+        # Note [FSDP2's .grad is the host gradient]: the DTensor each parameter shows as .grad (None: none shown)
+        self._shown: list[Any] = [None] * len(self.params)
+        self._copied: list[Any] = [None] * len(self.params)  # the device copy a shown .grad became at a forward
+        self._handed: list[int] = []  # the parameters handed over in this backward, shown at its end
+        self._show_task = -1  # the autograd graph task whose end shows them
+        self._step_handle = self.optimizer.register_step_pre_hook(_follow_before_step(ref))
         self._closed = False
 
     # -- gradients and waits ------------------------------------------------------------
@@ -386,8 +414,72 @@ class FSDPOffloadOptimizer:
         grad = param.grad
         if grad is None:
             return
+        shown = self._shown[index]
+        if shown is not None and grad is shown:
+            # a second backward with no forward since (retain_graph=True): FSDP2 added its reduced shard into the
+            # shown .grad in place, i.e. into the host gradient through the wrapper: the host holds the sum
+            return
+        shard, optimizer = self.shards[index], self.optimizer
+        slot = optimizer._slot(shard)
+        if shown is not None or shard.grad is not None or slot.shown is not None:
+            # the host gradient is not this .grad's (a device copy made at the forward, cleared, or replaced): it
+            # starts over, and the reduced shard (FSDP2 added it into a .grad not cleared) arrives as its first
+            self._shown[index] = None
+            optimizer._settle_worker()
+            arrivals = slot.arrivals
+            optimizer._clear_host_gradient(slot)
+            if grad is self._copied[index]:  # the sum is carried on: accumulation_steps counts on
+                slot.arrivals = arrivals
+            shard.grad = slot.shown = None
+        self._copied[index] = None
         self.optimizer.accept_gradient(self.shards[index], grad.to_local())
-        param.grad = None  # the host has it; the shard is freed once its copy landed
+        param.grad = None  # the host has it; the shard is freed once its copy landed; shown when backward ends
+        self._handed.append(index)
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            self._show_gradients()
+        elif task != self._show_task:
+            self._show_task = task
+            # queued after FSDP2's final callback (queued when backward began, it reduce-scatters the root's
+            # gradients) and after the optimizer's own, which waits for every copy: runs last
+            torch.autograd.Variable._execution_engine.queue_callback(_show_callback(weakref.ref(self)))
+
+    def _show_gradients(self) -> None:
+        """Every handed shard landed on the host: each parameter's ``.grad`` shows it (Note [FSDP2's .grad is the
+        host gradient])."""
+        self._show_task = -1
+        handed, self._handed = self._handed, []
+        if self._closed:
+            return
+        optimizer = self.optimizer
+        optimizer._settle_worker()  # every D2H landed and summed: .grad is final when backward returns
+        for index in dict.fromkeys(handed):
+            param, shard = self.params[index], self.shards[index]
+            slot = optimizer._slot(shard)
+            if slot.master.grad is None or param.grad is not None:  # lost (step() refuses), or set by someone else
+                continue
+            shard.grad = slot.shown = optimizer._show(slot)  # the optimizer follows a clear of it (_sync_shown)
+            self._wrap(index)
+
+    def _wrap(self, index: int) -> None:
+        """Show the shard's ``.grad`` (the optimizer's ``_HostGradient``) as the parameter's, a DTensor over it."""
+        param = self.params[index]
+        param.grad = self._shown[index] = _sharded_grad(param, self.shards[index].grad)
+
+    def _follow(self) -> None:
+        """A shown ``.grad`` cleared or replaced since (``model.zero_grad()``, ``p.grad = t``): the shard's ``.grad``
+        follows, and the optimizer with it (``_sync_shown``: cleared, or ``t`` copied to the host and shown instead,
+        as without distribution)."""
+        changed = self._mirror()
+        if not changed:
+            return
+        optimizer = self.optimizer
+        optimizer._settle_worker()
+        optimizer._sync_shown()
+        for index in changed:
+            shard = self.shards[index]
+            if shard.grad is not None and shard.grad is optimizer._slot(shard).shown:
+                self._wrap(index)
 
     def _before_forward(self) -> None:
         for index, param in enumerate(self.params):
@@ -399,6 +491,40 @@ class FSDPOffloadOptimizer:
                 )
         # FSDP2's all-gather reads the shards: the compute stream waits for their H2D copies first
         self.optimizer.wait_for_parameters()
+        self._release_shown()
+
+    def _mirror(self) -> list[int]:
+        """Each shown ``.grad`` cleared or replaced since the show: the shard's ``.grad`` the same (None, or the new
+        tensor's local tensor), for the optimizer's ``_sync_shown`` to follow when it next reads the host gradients
+        (``step()``, clipping); the indices of those parameters."""
+        changed = []
+        for index, param in enumerate(self.params):
+            shown = self._shown[index]
+            if shown is None or param.grad is shown:
+                continue
+            self._shown[index] = None
+            grad = param.grad
+            self.shards[index].grad = None if grad is None else (grad.to_local() if _is_dtensor(grad) else grad)
+            changed.append(index)
+        return changed
+
+    def _release_shown(self) -> None:
+        """Before the next backward: FSDP2 adds a reduced shard into a ``.grad`` not cleared, in place (into the
+        host gradient, through the wrapper): a shown ``.grad`` becomes a device copy of its host gradient for it
+        to add into, as if the user had set it (a ``step()`` before any backward copies it back to the host)."""
+        for index, param in enumerate(self.params):
+            shown = self._shown[index]
+            if shown is not None and param.grad is shown:
+                try:
+                    host = shown.to_local().host()
+                except OffcoreError:  # cleared since through the inner optimizer (opt.optimizer.zero_grad())
+                    param.grad = None
+                    continue
+                with torch.no_grad():
+                    local = torch.empty_like(self.shards[index])
+                    local.copy_(host)
+                param.grad = self._copied[index] = _sharded_grad(param, local)
+        self._mirror()
 
     # -- the optimizer's surface ----------------------------------------------------------
     @property
@@ -414,9 +540,12 @@ class FSDPOffloadOptimizer:
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the host gradients and the parameters' ``.grad`` (``set_to_none=False``: zero the shown ones)."""
+        self._follow()  # a .grad of the user's is the shard's .grad now: zeroed with the host gradients
         self.optimizer.zero_grad(set_to_none)
-        for param in self.params:
-            param.grad = None
+        if set_to_none:
+            for index, param in enumerate(self.params):
+                param.grad = self._shown[index] = None
 
     def last_micro_step(self) -> Any:
         return self.optimizer.last_micro_step()
@@ -433,6 +562,7 @@ class FSDPOffloadOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, group: Any = None) -> torch.Tensor:
         """Clip the sharded host gradients to a global norm (:func:`clip_grad_norm_`)."""
+        self._follow()
         return _clip_sharded(self.optimizer, max_norm, norm_type, group=group, device=self._device)
 
     # -- state dicts (torch.distributed.checkpoint) ---------------------------------------
@@ -531,6 +661,11 @@ class FSDPOffloadOptimizer:
             handle.remove()
         self._forward_handle.remove()
         self._state_dict_handle.remove()
+        self._step_handle.remove()
+        for index, param in enumerate(self.params):
+            if self._shown[index] is not None and param.grad is self._shown[index]:
+                param.grad = None  # its host gradient goes with the optimizer
+            self._shown[index] = self._copied[index] = self.shards[index].grad = None
         self.optimizer.close()
 
     def __enter__(self) -> FSDPOffloadOptimizer:
@@ -538,6 +673,20 @@ class FSDPOffloadOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sharded_grad(param: Any, local: torch.Tensor) -> Any:
+    """A gradient of sharded parameter ``param`` over its local shard ``local``: a DTensor with the parameter's spec
+    (mesh, placements, global shape and stride), made as FSDP2 makes its gradients (``DTensor(local, spec)``: no
+    autograd, no view of ``local``), or with ``DTensor.from_local`` when the parameter has no spec."""
+    from torch.distributed.tensor import DTensor
+
+    spec = getattr(param, "_spec", None)
+    if spec is not None and spec.shape == param.shape:
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -561,6 +710,26 @@ def _shard_hook(ref: weakref.ref[FSDPOffloadOptimizer], index: int) -> Any:
         owner = ref()
         if owner is not None and not owner._closed:
             owner._on_gradient(index)
+
+    return hook
+
+
+def _show_callback(ref: weakref.ref[FSDPOffloadOptimizer]) -> Any:
+    def callback() -> None:
+        owner = ref()
+        if owner is not None:
+            owner._show_gradients()
+
+    return callback
+
+
+def _follow_before_step(ref: weakref.ref[FSDPOffloadOptimizer]) -> Any:
+    """A step pre-hook of the inner optimizer: ``step()`` sees the ``.grad`` cleared or replaced since the show."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None and not owner._closed:
+            owner._follow()
 
     return hook
 

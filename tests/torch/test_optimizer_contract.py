@@ -241,8 +241,8 @@ def test_autograd_grad_over_the_parameters_leaves_grad_alone(make_fake_device: A
 
 
 def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make_fake_device: Any) -> None:
-    """Gradients handed over with ``accept_gradient`` without the optimizer's hooks (how FSDP2's reach the
-    optimizer; DDP's are shown by attach_ddp's own hooks) are not shown as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
+    """Gradients handed over with ``accept_gradient`` without the optimizer's hooks (a caller's own hand-over; DDP's
+    and FSDP2's are shown by attach_ddp's and FSDPOffloadOptimizer's own hooks) are not shown as ``.grad``, so ``model.zero_grad()`` cannot clear them: a gradient after ``step()`` with no
     ``opt.zero_grad()`` since is refused naming the fix, not added to the last step's sum."""
     with _paired(make_fake_device) as (dev, _, _, model, opt):
         opt.remove_gradient_hooks()

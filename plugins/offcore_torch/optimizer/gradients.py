@@ -366,8 +366,8 @@ class _Gradients:
     def _refuse_kept_gradient(self, slot: _Slot) -> None:
         # Note [Host gradients are cleared by opt.zero_grad()]
         # Parameters whose gradients come through ``accept_gradient`` without being shown as ``.grad``
-        # (FSDP2's shard hooks; DDP's show them: Note [DDP's .grad is the host gradient] in
-        # distributed.py) show no host gradient (Note [The host gradient is the device
+        # (a caller's own hand-over; DDP and FSDP2 show them: Note [DDP's .grad is the host gradient],
+        # Note [FSDP2's .grad is the host gradient] in distributed.py) show no host gradient (Note [The host gradient is the device
         # parameter's .grad]): the sum of their round lives on the host only, so ``model.zero_grad()``
         # or ``p.grad = None`` cannot clear it. A gradient arriving after ``step()`` with no
         # ``opt.zero_grad()`` since would be *added* to the sum the last step used: torch's behaviour for
@@ -376,8 +376,8 @@ class _Gradients:
         # refused, before the gradient's copy starts, naming the fix -- never trained on silently.
         raise OffcoreError(
             f"OffloadOptimizer: parameter {slot.index} ({tuple(slot.param.shape)}) got a gradient after step() with "
-            "no opt.zero_grad() since. Its gradients reach the optimizer without the parameter's .grad (FSDP2: "
-            "FSDPOffloadOptimizer), so model.zero_grad() and p.grad = None cannot clear the host gradients: call "
+            "no opt.zero_grad() since. Its gradients reach the optimizer through accept_gradient() without the "
+            "parameter's .grad, so model.zero_grad() and p.grad = None cannot clear the host gradients: call "
             "opt.zero_grad() after opt.step() (a framework: use its integration, e.g. "
             "offcore_torch.integrations.transformers / .accelerate / .lightning)"
         )

@@ -183,9 +183,9 @@ next forward waiting per parameter on its own event.
 # gradient through the wrapper. A ``_HostGradient`` kept past a clear of its parameter (``_Slot.clears``)
 # refuses to be read: the host buffer is the next round's. DDP (``attach_ddp``) shows its reduced gradients
 # the same way, from its own tensor hooks and end-of-backward callback (Note [DDP's .grad is the host gradient]
-# in distributed.py). FSDP2 hands gradients over without the optimizer's hooks: its parameters show nothing,
-# and only ``opt.zero_grad()`` clears their host gradients (a gradient after a step with no ``opt.zero_grad()``
-# since is refused, Note [Host gradients are cleared by opt.zero_grad()]).
+# in distributed.py), and so does FSDPOffloadOptimizer, as DTensors over them (Note [FSDP2's .grad is the host
+# gradient]). Gradients handed over with ``accept_gradient`` and shown by no one are cleared by ``opt.zero_grad()``
+# only (Note [Host gradients are cleared by opt.zero_grad()]).
 #
 # Note [Step hooks run once per step]
 # torch runs its global step hooks (``register_optimizer_step_pre_hook``/``post_hook``) and an
@@ -442,6 +442,8 @@ class _HostGradient(torch.Tensor):
         if "out" in kwargs:
             target, in_place = kwargs["out"], True
         on_host = not in_place or isinstance(target, _HostGradient)
+        if func.namespace == "_c10d_functional" and not in_place:  # DTensor's full_tensor(): nccl needs the device
+            on_host = False
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, _HostGradient):
