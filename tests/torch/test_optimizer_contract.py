@@ -263,3 +263,36 @@ def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make
         model.zero_grad()  # cannot reach the host gradients
         with pytest.raises(offcore.OffcoreError, match=r"call opt.zero_grad\(\) after opt.step\(\)"):
             hand_over()
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01),
+        lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, foreach=True),
+        lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), 0.001),
+        lambda model: next(model.parameters()).grad.zero_(),
+    ],
+    ids=["clip_norm", "clip_norm_foreach", "clip_value", "zero_"],
+)
+def test_a_write_to_a_gradient_already_stepped_under_backward_is_refused(
+    make_fake_device: Any, write: Callable[[torch.nn.Module], Any]
+) -> None:
+    """Note [A gradient a host step already used is not written]: with accumulation_steps the host steps run under
+    the last backward, so a write to .grad after it (Trainer's clipping) could not change the update: refused,
+    never trained on silently. Reading the gradients (a norm for logging) is still allowed."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=2, **KWARGS
+        )
+        for micro in range(2):
+            _loss(model, 0, micro).backward()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        assert float(norm) > 0.01  # a clip to 0.01 would have changed the step
+        with pytest.raises(offcore.ConfigurationError, match="accumulation_steps=None"):
+            write(model)
+        opt.step()
+        opt.zero_grad()
+        opt.close()

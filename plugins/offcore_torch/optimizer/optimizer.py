@@ -421,6 +421,25 @@ class _HostGradient(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"HostGradient(shape={tuple(self.shape)}, device={self.device}, host dtype={self._host.dtype})"
 
+    # Note [A gradient a host step already used is not written]
+    # With ``accumulation_steps=N`` (or ``last_micro_step()``) a parameter's host step runs under the
+    # last backward, as soon as its gradient is complete: by the time backward returns, the update is
+    # made from that gradient. Code that then writes the gradient, as torch's contract lets it before
+    # ``step()`` (``clip_grad_norm_`` / ``clip_grad_value_`` over ``model.parameters()``, a scaler's
+    # ``unscale_``, ``p.grad.zero_()``), would change nothing the step uses: the training numbers would
+    # silently differ from torch's. Such a write is refused (ConfigurationError, naming the fix); reads
+    # (a norm for logging) stay allowed. ``opt.clip_grad_norm_`` refuses the same case up front.
+    def _check_unused(self, func: Any) -> None:
+        """Refuse an in-place write (``func``) once a host step of this round used the gradient."""
+        slot = self._slot()
+        if slot is not None and slot.stepped:
+            raise ConfigurationError(
+                f"{func.__name__} writes the .grad of a parameter whose host step already ran under backward "
+                "(OffloadOptimizer(accumulation_steps=N) / last_micro_step() steps each parameter as soon as its "
+                "gradient is complete), so the write could not change the update. To clip or modify gradients after "
+                "backward, build the optimizer with accumulation_steps=None (the host step then runs in step())"
+            )
+
     def host(self) -> torch.Tensor:
         """The host tensor behind this gradient; refused once the round it belongs to was cleared."""
         slot = self._slot()
@@ -441,6 +460,11 @@ class _HostGradient(torch.Tensor):
         # every other one runs on the host (a device scalar, clip_grad_norm_'s coefficient, comes over)
         if "out" in kwargs:
             target, in_place = kwargs["out"], True
+        if in_place:  # Note [A gradient a host step already used is not written]
+            written = args[0] if args and isinstance(args[0], (list, tuple)) else (target,)
+            for tensor in written:
+                if isinstance(tensor, _HostGradient):
+                    tensor._check_unused(func)
         on_host = not in_place or isinstance(target, _HostGradient)
         if func.namespace == "_c10d_functional" and not in_place:  # DTensor's full_tensor(): nccl needs the device
             on_host = False
