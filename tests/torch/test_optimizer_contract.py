@@ -296,3 +296,20 @@ def test_a_write_to_a_gradient_already_stepped_under_backward_is_refused(
         opt.step()
         opt.zero_grad()
         opt.close()
+
+
+def test_a_gradient_cleared_after_it_was_stepped_under_backward_is_refused(make_fake_device: Any) -> None:
+    """model.zero_grad() between the last backward and step(): torch would skip those parameters, but their host
+    steps already ran under backward, so step() refuses rather than differ silently."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=2, **KWARGS
+        )
+        for micro in range(2):
+            _loss(model, 0, micro).backward()
+        model.zero_grad()
+        with pytest.raises(offcore.ConfigurationError, match="cleared or replaced after backward"):
+            opt.step()
+        opt.close()

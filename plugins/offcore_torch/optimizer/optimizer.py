@@ -428,7 +428,9 @@ class _HostGradient(torch.Tensor):
     # ``step()`` (``clip_grad_norm_`` / ``clip_grad_value_`` over ``model.parameters()``, a scaler's
     # ``unscale_``, ``p.grad.zero_()``), would change nothing the step uses: the training numbers would
     # silently differ from torch's. Such a write is refused (ConfigurationError, naming the fix); reads
-    # (a norm for logging) stay allowed. ``opt.clip_grad_norm_`` refuses the same case up front.
+    # (a norm for logging) stay allowed. ``opt.clip_grad_norm_`` refuses the same case up front, and
+    # ``_sync_shown`` a ``.grad`` cleared or replaced then (``model.zero_grad()`` before ``step()``: torch
+    # would skip those parameters, which have stepped).
     def _check_unused(self, func: Any) -> None:
         """Refuse an in-place write (``func``) once a host step of this round used the gradient."""
         slot = self._slot()
@@ -1065,6 +1067,13 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             shown = slot.shown
             if shown is None or slot.param.grad is shown:
                 continue
+            if slot.stepped:  # Note [A gradient a host step already used is not written]
+                raise ConfigurationError(
+                    f"the .grad of parameter #{slot.index} was cleared or replaced after backward, but its host step ran "
+                    "under that backward (OffloadOptimizer(accumulation_steps=N) / last_micro_step()), so the change "
+                    "could not reach the update. Clear gradients after step() (or build the optimizer with "
+                    "accumulation_steps=None to change them between backward and step())"
+                )
             grad, slot.shown = slot.param.grad, None
             self._clear_host_gradient(slot)
             if grad is not None:
