@@ -22,7 +22,6 @@ benchmark registers it once, as a third-party plugin would::
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Any, ClassVar
 
@@ -30,62 +29,15 @@ import torch
 
 import offcore
 from offcore import Availability, Capability, CapacityExceededError, HostBufferPool, MemoryStats, Tier
+from offcore.immediate import ImmediateEvent, ImmediateStream
 from offcore.registry import backends
 
 __all__ = ["InstantDevice", "InstantEvent", "InstantStream", "register_instant"]
 
 
-class InstantEvent:
-    """An event that is complete as soon as it is recorded (and before: an unrecorded event is complete)."""
-
-    __slots__ = ("enable_timing", "time")
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.enable_timing = enable_timing
-        self.time: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self.time = time.perf_counter()
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end_event: Any) -> float:
-        """Milliseconds between two recorded timing events."""
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("elapsed_time needs two events created with enable_timing=True")
-        if self.time is None or end_event.time is None:
-            raise RuntimeError("both events must be recorded before elapsed_time")
-        return (end_event.time - self.time) * 1000.0
-
-
-class InstantStream:
-    """A stream whose work is done when it is enqueued."""
-
-    __slots__ = ("__weakref__",)
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Any:
-        event = event or InstantEvent()
-        event.record(self)
-        return event
+# the protocol's event and stream for a backend whose work is done when enqueued (offcore.immediate)
+InstantEvent = ImmediateEvent
+InstantStream = ImmediateStream
 
 
 def _storage_key(buffer: Any) -> int:

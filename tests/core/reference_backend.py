@@ -12,7 +12,6 @@ depending on the CPU fake device. Registered by hand, as a third-party plugin wo
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Any, ClassVar
 
@@ -20,50 +19,10 @@ import numpy as np
 
 import offcore
 from offcore import Availability, Capability, CapacityExceededError, HostBufferPool, MemoryStats, Tier
+from offcore.immediate import ImmediateEvent, ImmediateStream
 
-
-class ReferenceEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.enable_timing = enable_timing
-        self.time: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self.time = time.perf_counter()
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end_event: Any) -> float:
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("elapsed_time needs two events created with enable_timing=True")
-        if self.time is None or end_event.time is None:
-            raise RuntimeError("both events must be recorded before elapsed_time")
-        return (end_event.time - self.time) * 1000.0
-
-
-class ReferenceStream:
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Any:
-        event = event or ReferenceEvent()
-        event.record(self)
-        return event
+ReferenceEvent = ImmediateEvent  # work is complete when enqueued (offcore.immediate)
+ReferenceStream = ImmediateStream
 
 
 class ReferenceBackend:
