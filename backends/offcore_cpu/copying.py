@@ -269,28 +269,21 @@ class Copies:
         first: int,
     ) -> tuple[int, float | None]:
         """The leading copies of a batch that small_pair took, on the calling thread under one hold of the
-        stream's lock, each booked on the link, logged and counted as ``_inline_small`` does it (the ledger once
-        per direction). Returns how many ran and when the last one lands (0, None: none could)."""
+        stream's lock (``_move_inline`` each; the ledger once per direction). Returns how many ran and when the
+        last one lands (0, None: none could)."""
         done = 0
         end: float | None = None
         counted: dict[Direction, list[float]] = {}
-        reserve, memmove, log = self._link.reserve, self._memmove, self._copy_log
         with state.lock:
             if state.pending or state.error is not None or state.closed:
                 return 0, None
             for (_ops, _dst, _src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
                 if small_pair is None:
                     break
-                enqueued = time.perf_counter()
-                span = reserve(direction, nbytes, state.busy_until)
-                if span is None:  # a queued copy holds the link right now
+                span = self._move_inline(state, name, direction, nbytes, *small_pair, first + done)
+                if span is None:
                     break
                 start, end = span
-                dst_address, src_address = small_pair
-                memmove(dst_address, src_address, nbytes)
-                if end > state.busy_until:
-                    state.busy_until = end
-                log.append((name, direction, nbytes, enqueued, start, end, 0.0, first + done, src_address, dst_address))
                 totals = counted.get(direction)
                 if totals is None:
                     counted[direction] = [nbytes, end - start, 1]
@@ -312,17 +305,28 @@ class Copies:
         with state.lock:
             if state.pending or state.error is not None or state.closed:
                 return None
-            enqueued = time.perf_counter()
-            span = self._link.reserve(direction, nbytes, state.busy_until)
-            if span is None:  # a queued copy holds the link right now
-                return None
-            start, end = span
-            self._memmove(dst_address, src_address, nbytes)
-            if end > state.busy_until:
-                state.busy_until = end
+            span = self._move_inline(state, name, direction, nbytes, dst_address, src_address, number)
+        if span is None:
+            return None
+        start, end = span
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        self._copy_log.append((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
         return end
+
+    def _move_inline(
+        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
+    ) -> tuple[float, float] | None:
+        """(The stream's lock held, the stream idle.) Book the link, move the bytes and log one small copy;
+        its (start, end) on the link, or None while a queued copy holds the link."""
+        enqueued = time.perf_counter()
+        span = self._link.reserve(direction, nbytes, state.busy_until)
+        if span is None:
+            return None
+        start, end = span
+        self._memmove(dst_address, src_address, nbytes)
+        if end > state.busy_until:
+            state.busy_until = end
+        self._copy_log.append((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
+        return span
 
     # Note [A batch of copies is one work item]
     # A binding that streams a module's parameters copies its weight and bias (two storages)
@@ -395,31 +399,23 @@ class Copies:
                 event = self.copy_(dst, src, stream=stream)
             return event
         name = stream.name
-        at = 0
+        # the leading copies small_pair took: inline, under one hold of the stream's lock (Note [The small
+        # copy's fast path]); then any further leading copies on the still idle stream, the general way
+        at, landed = self._inline_run(state, name, checked, addresses, first)
         inline: FakeEvent | None = None
-        landed: float | None = None
-        at, landed = self._inline_run(state, name, checked, addresses, first)  # Note [The small copy's fast path]
-        for (ops, dst, src, direction, nbytes), small_pair in zip(checked[at:], addresses[at:], strict=True):
-            # further leading copies on an idle stream: inline
+        for ops, dst, src, direction, nbytes in checked[at:]:
             if nbytes > _INLINE_COPY_LIMIT:
                 break
-            if small_pair is not None:
-                landed = self._inline_small(state, name, direction, nbytes, *small_pair, first + at)
-                if landed is None:
-                    break
-                inline = None
-            else:
-                inline = stream.try_inline(
-                    functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, name, first + at)
-                )
-                if inline is None:
-                    break
-                landed = None
+            inline = stream.try_inline(
+                functools.partial(self._inline_copy, ops, dst, src, direction, nbytes, name, first + at)
+            )
+            if inline is None:
+                break
             at += 1
         if at == len(checked):
             if inline is not None:
                 return inline
-            assert landed is not None
+            assert landed is not None  # every copy ran in _inline_run (a batch has at least two)
             event = FakeEvent(compute, enable_timing=True)
             event._land_at(name, landed)
             return event
