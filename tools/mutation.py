@@ -142,9 +142,14 @@ MUTATIONS: list[Mutation] = [
         "device copy never freed: offcore keeps its device references after the D2H landed",
         [
             (
-                "plugins/offcore_torch/activations/offload.py",
+                "plugins/offcore_torch/activations/landings.py",
                 "        for item in entry.live_items() if items is None else items:\n"
-                "            self._release_keeper(item)\n        entry.src = None\n",
+                "            empty = empties.get(item.meta.dtype)\n"
+                "            if empty is None:\n"
+                "                self._release_keeper(item)\n"
+                "            else:  # _release_keeper, inlined (once per offloaded storage)\n"
+                "                item.keeper.data = empty\n"
+                "        entry.src = None\n",
                 "",
             )
         ],
@@ -157,11 +162,6 @@ MUTATIONS: list[Mutation] = [
                 "plugins/offcore_torch/activations/unpack.py",
                 "                    compute.wait_event(event)\n",
                 "                    pass\n",
-            ),
-            (
-                "plugins/offcore_torch/activations/offload.py",
-                "                self.device.current_stream().wait_event(event)  # ordering only; it has landed\n",
-                "                pass\n",
             ),
         ],
     ),
