@@ -112,9 +112,15 @@ class Copies:
         call fail (Note [Injected copy faults]).
         """
         small = self._small_pair
-        if small is not None and start_event is None and not self._closed:
+        if (
+            small is not None
+            and start_event is None
+            and type(stream) is WorkerStream
+            and stream._compute is self._compute
+            and not self._closed
+        ):  # a copy stream of this device: the pair is checked in one pass (Note [The small copy's fast path])
             pair = small(dst, src)
-            if pair is not None and type(stream) is WorkerStream and stream._compute is self._compute:
+            if pair is not None:
                 return self._copy_small(dst, src, pair, stream)
         self._check_open("copy_")
         ops = ops_for(dst)
