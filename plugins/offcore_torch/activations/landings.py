@@ -48,9 +48,9 @@ class _Residency:
             self._d2h_failed(entry, failure)
             return
         entry.state = EntryState.LANDED
-        refs = entry.items
-        if len(refs) == 1:  # entry.live_items(), inlined for the common case: one record per storage
-            item = refs[0]()
+        first = entry.items
+        if entry.more_items is None and first is not None:  # entry.live_items(), inlined: one record per storage
+            item = first()
             items = [] if item is None else [item]
         else:
             items = entry.live_items()

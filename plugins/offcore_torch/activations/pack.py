@@ -123,7 +123,7 @@ class _Pack:
             return self._keep(tensor, key, "host_budget")
         # _record, inlined (once per offloaded storage): a new entry has no record yet and has not landed
         item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
-        entry.items.append(weakref.ref(item))
+        entry.items = weakref.ref(item)  # entry.add_item(item), inlined: its first record
         self._stats.offloaded_tensors += 1
         entry.live = 1
         return item
@@ -148,7 +148,7 @@ class _Pack:
 
     def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
         item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
-        entry.items.append(weakref.ref(item))
+        entry.add_item(item)
         self._stats.offloaded_tensors += 1
         entry.live += 1
         if entry.state is EntryState.LANDED:
@@ -308,7 +308,8 @@ class _Pack:
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         entry = Entry(self, key, where, meta, nbytes, skey)
         ref = entry.storage_ref = StorageRef(storage, storage_died)  # records.storage_ref, inlined
-        ref.entry_ref = weakref.ref(entry)
+        ref.region_ref = self._weak_self
+        ref.key = key
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         if modes:  # raw_bytes(storage, meta.device), inlined

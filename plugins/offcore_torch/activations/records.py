@@ -47,6 +47,7 @@ class Region(Protocol):
     device: Any
     _sched: ResidencyScheduler
     _by_key: dict[int, Entry]
+    _weak_self: weakref.ref[Any]  # a weak reference to the region itself (its StorageRefs share it)
     _ledger: Ledger
     _host_tier: Tier
 
@@ -131,6 +132,17 @@ class Offloaded:
                 pass
 
 
+# Note [An entry's records]
+# An entry knows the records (Offloaded) autograd holds for its storage through weak references (a
+# record holds its entry; a strong reference back would be a cycle only the collector frees). The
+# first record's reference is ``items`` (None until the pack that made the entry made it); further
+# records on the same storage (dedupe) are the tuple ``more_items``, None while there are none. So
+# the common case, one saved tensor per storage, keeps no list: every object a saved tensor keeps
+# alive from forward to backward is promoted to the collector's oldest generation and scanned by
+# each full collection after, which at thousands of saves per step is a full collection or two
+# per step (issue: the host cost per object). Readers: live_items() and all_unpacked(), and the
+# landing (landings.py) and consumption (unpack.py) paths, which read ``items`` directly when
+# ``more_items`` is None.
 class Entry:
     """One offloaded storage: its copies, its host buffer and the records that use it."""
 
@@ -149,6 +161,7 @@ class Entry:
         "host_view",
         "version_at_copy",
         "items",
+        "more_items",
         "live",
         "restored",
         "restored_ref",
@@ -179,7 +192,9 @@ class Entry:
         self.host: Any = None
         self.host_view: torch.Tensor | None = None
         self.version_at_copy = 0
-        self.items: list[weakref.ref[Offloaded]] = []
+        # the records, weakly (Note [An entry's records])
+        self.items: weakref.ref[Offloaded] = None  # type: ignore[assignment]
+        self.more_items: tuple[weakref.ref[Offloaded], ...] | None = None
         self.live = 0
         self.restored: torch.UntypedStorage | None = None
         self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
@@ -208,17 +223,27 @@ class Entry:
         return name
 
     def live_items(self) -> list[Offloaded]:
-        items = self.items
-        if len(items) == 1:  # the common case: one saved tensor per storage
-            item = items[0]()
-            return [] if item is None else [item]
-        return [item for ref in items if (item := ref()) is not None]
+        """The records autograd still holds (first record first)."""
+        first = self.items
+        item = None if first is None else first()
+        out = [] if item is None else [item]
+        more = self.more_items
+        if more is not None:  # dedupe: further saved tensors on this storage
+            out.extend(item for ref in more if (item := ref()) is not None)
+        return out
+
+    def add_item(self, item: Offloaded) -> None:
+        """Know ``item`` as one more record of this storage (Note [An entry's records])."""
+        ref = weakref.ref(item)
+        if self.items is None:
+            self.items = ref
+        else:
+            self.more_items = (*(self.more_items or ()), ref)
 
     def all_unpacked(self, round_: int) -> bool:
         """Every record autograd still holds was unpacked in backward round ``round_``."""
-        for ref in self.items:
-            item = ref()
-            if item is not None and item.unpacked_round != round_:
+        for item in self.live_items():
+            if item.unpacked_round != round_:
                 return False
         return True
 
@@ -226,26 +251,34 @@ class Entry:
 class StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to an offloaded storage that tells its entry when the storage dies.
 
-    The entry is reached weakly (no entry -> weakref -> entry cycle); one shared callback
-    (:func:`storage_died`), no closure per storage. Made with ``StorageRef(storage,
-    storage_died)`` and ``entry_ref`` set after (no Python ``__init__`` on the hot path).
+    It finds the entry as its region's ``_by_key[key]``, the region reached through the weak
+    reference every StorageRef of the region shares (``region._weak_self``): no entry -> weakref
+    -> entry cycle, no weak reference to the entry per storage (Note [An entry's records]: what a
+    saved tensor keeps alive until backward, the cyclic collector scans), no closure per storage
+    (one shared callback, :func:`storage_died`). Made with ``StorageRef(storage, storage_died)``,
+    then ``region_ref`` and ``key`` set (no Python ``__init__`` on the hot path). An entry the
+    region disposed of is no longer in ``_by_key``: its storage's death has nothing left to tell
+    (the scheduler released the object, and the entry left ``_by_storage`` then).
     """
 
-    __slots__ = ("entry_ref",)
+    __slots__ = ("region_ref", "key")
 
 
 def storage_died(ref: StorageRef) -> None:
     """The weakref callback of every offloaded storage (Note [When may a device copy be freed?], point 2)."""
-    found = ref.entry_ref()
-    if found is not None:
-        try:
-            found.region._storage_died(found)
-        except Exception:  # pragma: no cover - weakref callbacks must not raise
-            pass
+    region = ref.region_ref()
+    if region is not None:
+        found = region._by_key.get(ref.key)
+        if found is not None and found.storage_ref is ref:
+            try:
+                region._storage_died(found)
+            except Exception:  # pragma: no cover - weakref callbacks must not raise
+                pass
 
 
 def storage_ref(storage: torch.UntypedStorage, entry: Entry) -> StorageRef:
-    """A :class:`StorageRef` to ``storage`` that reports its death to ``entry``."""
+    """A :class:`StorageRef` to ``storage`` that reports its death to ``entry`` (once its region knows it by key)."""
     ref = StorageRef(storage, storage_died)
-    ref.entry_ref = weakref.ref(entry)
+    ref.region_ref = entry.region._weak_self
+    ref.key = entry.key
     return ref

@@ -314,9 +314,8 @@ class _Unpack:
                 self._release_device(entry)
             if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
                 entry.keepers_pointed = False
-                items = entry.items
-                if len(items) == 1:  # the common case: one record per storage
-                    item = items[0]()
+                if entry.more_items is None:  # the common case: one record per storage
+                    item = entry.items()
                     if item is not None:
                         empty = self._empty.get(item.meta.dtype)
                         if empty is None:
