@@ -123,9 +123,19 @@ def raw_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
+# Note [Saved tensors share their metadata]
+# Every offloaded saved tensor needs its metadata (shape, stride, offset, dtype, device, conj/neg bits)
+# from forward until backward. A model saves a handful of distinct ones, thousands of times per step,
+# so :meth:`TensorMeta.of` returns one shared, frozen instance per distinct metadata (a bounded table,
+# emptied when full): no object per saved tensor for the cyclic garbage collector to promote and scan
+# at every full collection (Note [An entry's records] in records.py), and no constructor call per
+# save. Sharing is safe because the instances are frozen: nothing writes to one after it is made.
+_SHARED_META_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)  # frozen: one instance is shared by every save with that metadata
 class TensorMeta:
-    """Everything needed to rebuild a saved tensor as a view of a (restored) storage (treat as read-only).
+    """Everything needed to rebuild a saved tensor as a view of a (restored) storage (read-only).
 
     ``conj`` / ``neg``: the tensor's lazy conjugate and negative bits (Note [Lazy conj and neg bits]).
     """
@@ -140,9 +150,11 @@ class TensorMeta:
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
-        return TensorMeta(
+        """``tensor``'s metadata: the instance shared by every tensor with the same (Note [Saved tensors share
+        their metadata])."""
+        key = (
             # a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of ints at its
-            # first pass, a torch.Size (a subclass) it walks at every full collection until backward
+            # first pass, a torch.Size (a subclass) it walks at every full collection
             tuple(tensor.shape),
             tensor.stride(),  # a tuple
             tensor.storage_offset(),
@@ -151,6 +163,12 @@ class TensorMeta:
             tensor.is_conj(),
             tensor.is_neg(),
         )
+        meta = _SHARED_META.get(key)
+        if meta is None:
+            if len(_SHARED_META) >= _SHARED_META_MAX:
+                _SHARED_META.clear()
+            meta = _SHARED_META[key] = TensorMeta(*key)
+        return meta
 
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         """A tensor over ``storage`` with exactly this shape, stride, storage offset, dtype and conj/neg bits.
@@ -189,6 +207,9 @@ class TensorMeta:
     def describe(self) -> str:
         dims = "x".join(map(str, self.shape)) or "scalar"
         return f"{dims} {str(self.dtype).removeprefix('torch.')}"
+
+
+_SHARED_META: dict[tuple[Any, ...], TensorMeta] = {}
 
 
 def version_keeper(tensor: torch.Tensor) -> torch.Tensor:
