@@ -33,6 +33,9 @@ register_instant()
 pytestmark = pytest.mark.torch
 
 PER_SAVE = 6  # see the module doc
+# a few objects either way per step that are not one per save (the copy timings sampled every so many
+# copies, a table's resize): well under one more object per save, which is what this catches
+SLACK = 0.5
 
 
 def _kept_objects(dev: Any, x: Any, saves: int) -> int:
@@ -76,7 +79,7 @@ def test_an_offloaded_saved_tensor_keeps_six_objects_for_the_collector() -> None
         # the difference of two step lengths: what the region holds once (its hooks, its tables) cancels
         few, many = _kept_objects(dev, x, 100), _kept_objects(dev, x, 400)
     per_save = (many - few) / 300
-    assert per_save <= PER_SAVE, (
+    assert per_save <= PER_SAVE + SLACK, (
         f"an offloaded saved tensor keeps {per_save:.2f} objects for the cyclic collector until backward "
         f"(bound {PER_SAVE}): each is walked by every full collection (Note [An entry's records])"
     )
