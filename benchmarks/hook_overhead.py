@@ -6,8 +6,9 @@ Two reports; ``--objects`` (the default) is offcore's own cost apart from the ba
 (N saved tensors) on the CPU fake device (unlimited link, no latency) and on the *instant*
 backend (:mod:`offcore_torch.instant`: copies are a plain ``Tensor.copy_`` on the calling thread,
 events complete at once: no emulation), each over its own no-hooks step, per saved tensor. Rows:
-offcore on each backend, the fake device's emulation (the difference), save_on_cpu's hooks alone
-and the copies-only floor on the fake device; and per parameter, ``OffloadOptimizer``'s
+offcore on each backend, the fake device's emulation (the difference), save_on_cpu's hooks alone,
+the copies-only floor on each backend and offcore over that floor (its bookkeeping: what it adds
+to the copies it makes); and per parameter, ``OffloadOptimizer``'s
 ``step()`` + ``zero_grad()`` + the next forward's waits over one bare fused AdamW step on the same
 host tensors (its masters), with ``--params`` small parameters, on both backends. Every figure
 comes from worker processes, one per code tree: ``--compare-with DIR`` (a checkout of the code to
@@ -479,6 +480,11 @@ def measure_objects(args: argparse.Namespace) -> dict[str, Any]:
                     if times is not None:
                         per[f"{variant} ({backend})"] = (statistics.median(times) - base[backend]) / n * 1e6
             per["fake device's emulation"] = per["offcore (fake)"] - per["offcore (instant)"]
+            for backend in BACKENDS:  # what offcore adds to the copies it makes: its bookkeeping over the floor
+                if f"copies only ({backend})" in per:
+                    per[f"offcore over its copies ({backend})"] = (
+                        per[f"offcore ({backend})"] - per[f"copies only ({backend})"]
+                    )
             rows.append({"tree": tree.label, "objects": n, "us_per_save": per, "no_hooks_ms": base})
     param_rows = []
     for tree in trees:
