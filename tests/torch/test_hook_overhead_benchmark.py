@@ -69,6 +69,8 @@ def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.Captur
         "offcore (instant)",
         "copies only (instant)",
         "fake device's emulation",
+        "offcore over its copies (fake)",
+        "offcore over its copies (instant)",
     }
     assert {(row["tree"], row["backend"]) for row in result["params"]} == {
         (tree, backend) for tree in result["trees"] for backend in ("fake", "instant")
