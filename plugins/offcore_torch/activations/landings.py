@@ -106,7 +106,7 @@ class _Residency:
             else:  # _release_keeper, inlined (once per offloaded storage)
                 item.keeper.data = empty
         entry.src = None
-        if entry.storage_ref() is not None:
+        if entry() is not None:  # its storage lives on
             entry.alive_elsewhere = True
             self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
             if entry.fate is DeviceFate.UNKNOWN and not entry.used:

@@ -80,7 +80,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -163,7 +162,6 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         self._rules = PackRules(policy, device)  # the pack decisions (policy.py)
         self._by_storage: dict[int, Entry] = {}
         self._by_key: dict[int, Entry] = {}
-        self._weak_self = weakref.ref(self)  # every StorageRef of the region reaches it through this one
         self._next_key = 0
         self._t_enter = 0.0
         self._t_exit = 0.0

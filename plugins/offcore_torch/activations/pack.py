@@ -19,7 +19,7 @@ from offcore.inflight import must_wait
 from offcore.kinds import Direction, Kind, Tier
 from offcore.objects import State
 from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
-from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded, StorageRef, storage_died
+from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
@@ -105,7 +105,7 @@ class _Pack:
             return self._keep(tensor, key, reason)
 
         entry = self._by_storage.get(skey)
-        if entry is not None and entry.storage_ref() is storage and entry.state is not EntryState.DISPOSED:
+        if entry is not None and entry() is storage and entry.state is not EntryState.DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
         reason = rules.for_new_storage(nbytes, marked)
@@ -306,10 +306,7 @@ class _Pack:
             buffer, host_view, tier = host
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
-        entry = Entry(self, key, where, meta, nbytes, skey)
-        ref = entry.storage_ref = StorageRef(storage, storage_died)  # records.storage_ref, inlined
-        ref.region_ref = self._weak_self
-        ref.key = key
+        entry = Entry(storage, self, key, where, meta, nbytes, skey)  # the weak reference to ``storage``
         entry.host, entry.host_view = buffer, host_view
         entry.version_at_copy = tensor._version
         if modes:  # raw_bytes(storage, meta.device), inlined

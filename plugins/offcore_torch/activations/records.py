@@ -47,7 +47,6 @@ class Region(Protocol):
     device: Any
     _sched: ResidencyScheduler
     _by_key: dict[int, Entry]
-    _weak_self: weakref.ref[Any]  # a weak reference to the region itself (its StorageRefs share it)
     _ledger: Ledger
     _host_tier: Tier
 
@@ -133,18 +132,28 @@ class Offloaded:
 
 
 # Note [An entry's records]
-# An entry knows the records (Offloaded) autograd holds for its storage through weak references (a
-# record holds its entry; a strong reference back would be a cycle only the collector frees). The
-# first record's reference is ``items`` (None until the pack that made the entry made it); further
-# records on the same storage (dedupe) are the tuple ``more_items``, None while there are none. So
-# the common case, one saved tensor per storage, keeps no list: every object a saved tensor keeps
-# alive from forward to backward is promoted to the collector's oldest generation and scanned by
-# each full collection after, which at thousands of saves per step is a full collection or two
-# per step (issue: the host cost per object). Readers: live_items() and all_unpacked(), and the
+# Every object a saved tensor keeps alive from forward to backward is promoted to the cyclic
+# collector's oldest generation and walked by each full collection after; at thousands of saves
+# per step that is a full collection or two per step, on the thread that launches kernels. So an
+# offloaded saved tensor keeps five: its record (Offloaded, what autograd holds), the record's
+# version keeper (a tensor), the entry's weak reference to the record, the entry, and the core's
+# ManagedObject (tests/torch/test_offload_footprint.py counts them). The entry *is* the weak
+# reference to its storage (its callback reports the storage's death), its metadata is shared
+# (Note [Saved tensors share their metadata] in storage.py), and it knows its records through
+# weak references (a record holds its entry; a strong reference back would be a cycle only the
+# collector frees) kept without a list: the first record's is ``items`` (None until the pack that
+# made the entry made the record), further records on the same storage (dedupe) are the tuple
+# ``more_items``, None while there are none. Readers: live_items() and all_unpacked(), and the
 # landing (landings.py) and consumption (unpack.py) paths, which read ``items`` directly when
 # ``more_items`` is None.
-class Entry:
-    """One offloaded storage: its copies, its host buffer and the records that use it."""
+class Entry(weakref.ref):  # type: ignore[type-arg]
+    """One offloaded storage: its copies, its host buffer and the records that use it.
+
+    An entry is the weak reference to its storage (``entry()``: the storage while it lives, else
+    None) whose callback, :func:`storage_died`, tells the region when the storage dies (Note [When
+    may a device copy be freed?], point 2): no reference object of its own per storage, and no
+    entry -> weakref -> entry cycle (Note [An entry's records]).
+    """
 
     __slots__ = (
         "region",
@@ -155,7 +164,6 @@ class Entry:
         "nbytes",
         "obj",
         "skey",
-        "storage_ref",
         "src",
         "host",
         "host_view",
@@ -174,10 +182,31 @@ class Entry:
         "keepers_pointed",
         "alive_elsewhere",
         "nvme",
-        "__weakref__",
     )
 
-    def __init__(self, region: Region, key: int, where: str, meta: TensorMeta, nbytes: int, skey: int) -> None:
+    def __new__(
+        cls,
+        storage: torch.UntypedStorage,
+        region: Region,
+        key: int,
+        where: str,
+        meta: TensorMeta,
+        nbytes: int,
+        skey: int,
+    ) -> Entry:
+        return weakref.ref.__new__(cls, storage, storage_died)
+
+    def __init__(
+        self,
+        storage: torch.UntypedStorage,
+        region: Region,
+        key: int,
+        where: str,
+        meta: TensorMeta,
+        nbytes: int,
+        skey: int,
+    ) -> None:
+        # weakref.ref's own __init__ only checks its two arguments (__new__ took them)
         self.region = region
         self.key = key
         self.where = where
@@ -187,7 +216,6 @@ class Entry:
         # registered with the region's scheduler once its device-to-host copy was submitted
         self.obj: ManagedObject = None  # type: ignore[assignment]
         self.skey = skey
-        self.storage_ref: StorageRef = None  # type: ignore[assignment]
         self.src: torch.Tensor | None = None
         self.host: Any = None
         self.host_view: torch.Tensor | None = None
@@ -248,37 +276,9 @@ class Entry:
         return True
 
 
-class StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to an offloaded storage that tells its entry when the storage dies.
-
-    It finds the entry as its region's ``_by_key[key]``, the region reached through the weak
-    reference every StorageRef of the region shares (``region._weak_self``): no entry -> weakref
-    -> entry cycle, no weak reference to the entry per storage (Note [An entry's records]: what a
-    saved tensor keeps alive until backward, the cyclic collector scans), no closure per storage
-    (one shared callback, :func:`storage_died`). Made with ``StorageRef(storage, storage_died)``,
-    then ``region_ref`` and ``key`` set (no Python ``__init__`` on the hot path). An entry the
-    region disposed of is no longer in ``_by_key``: its storage's death has nothing left to tell
-    (the scheduler released the object, and the entry left ``_by_storage`` then).
-    """
-
-    __slots__ = ("region_ref", "key")
-
-
-def storage_died(ref: StorageRef) -> None:
-    """The weakref callback of every offloaded storage (Note [When may a device copy be freed?], point 2)."""
-    region = ref.region_ref()
-    if region is not None:
-        found = region._by_key.get(ref.key)
-        if found is not None and found.storage_ref is ref:
-            try:
-                region._storage_died(found)
-            except Exception:  # pragma: no cover - weakref callbacks must not raise
-                pass
-
-
-def storage_ref(storage: torch.UntypedStorage, entry: Entry) -> StorageRef:
-    """A :class:`StorageRef` to ``storage`` that reports its death to ``entry`` (once its region knows it by key)."""
-    ref = StorageRef(storage, storage_died)
-    ref.region_ref = entry.region._weak_self
-    ref.key = entry.key
-    return ref
+def storage_died(entry: Entry) -> None:
+    """The callback of every entry, the weak reference to its storage (Note [When may a device copy be freed?], point 2)."""
+    try:
+        entry.region._storage_died(entry)
+    except Exception:  # pragma: no cover - weakref callbacks must not raise
+        pass

@@ -178,7 +178,7 @@ class _Unpack:
             if actions is not NO_ACTIONS:
                 self._execute(actions)
             return self._await_prefetch(entry)
-        live = entry.storage_ref()
+        live = entry()  # the storage, if it still lives
         in_flight = False
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
