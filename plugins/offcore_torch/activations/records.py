@@ -184,6 +184,12 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         "nvme",
     )
 
+    # identity, not weakref.ref's equality and hash of the referent: two entries on one storage (a
+    # disposed one and its successor) are two entries
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
     def __new__(
         cls,
         storage: torch.UntypedStorage,
