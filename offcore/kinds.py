@@ -16,6 +16,16 @@ from offcore.units import format_bandwidth, format_bytes, parse_bandwidth, parse
 
 __all__ = ["Kind", "Tier", "TierSpec", "Direction"]
 
+# Note [Enum members are read once per module]
+# On Python 3.11 ``enum.EnumType`` defines ``__getattr__``, so CPython reads *every* attribute of an
+# enum class through its slow ``__getattr__`` hook: ``State.OFFLOADING`` costs about 80 ns where a
+# module global costs 15 (3.12 dropped the hook). The per-object paths (a saved tensor's pack,
+# landing, prefetch, restore and release; a parameter's upload) read ~50 members per object, a
+# few µs of host time each, so the modules on those paths bind the members they read to private
+# module globals once, under a comment naming this Note (``_OFFLOADING = State.OFFLOADING``), and
+# their function bodies read those. Signatures, class bodies and module-level tables keep the
+# enum's own spelling (they run once). The members are the same objects: ``is`` and ``==`` agree.
+
 
 class Kind(str, enum.Enum):
     """The four kinds of training state, each next used at a different moment."""

@@ -46,6 +46,18 @@ class State(str, enum.Enum):
     """Neither copy is held any more (consumed or abandoned)."""
 
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_OFFLOADED, _OFFLOADING, _PREFETCHING, _RELEASED, _RESIDENT, _RESTORED = (
+    State.OFFLOADED,
+    State.OFFLOADING,
+    State.PREFETCHING,
+    State.RELEASED,
+    State.RESIDENT,
+    State.RESTORED,
+)
+_DEVICE, _PINNED = Tier.DEVICE, Tier.PINNED
+
+
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.RESIDENT: frozenset({State.OFFLOADING, State.RELEASED}),
     State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
@@ -115,15 +127,15 @@ class ManagedObject:
     def start_offload(self, event: Any, host_tier: Tier = Tier.PINNED) -> None:
         """A D2H copy was enqueued; ``event`` completes when it lands."""
         if self.state in _FROM_FOR_OFFLOADING:  # Note [Transitions checked inline]
-            self.state = State.OFFLOADING
+            self.state = _OFFLOADING
         else:
-            self._move(State.OFFLOADING)
+            self._move(_OFFLOADING)
         self.d2h_event = event
         self.host_tier = host_tier
 
     def release_device_copy(self) -> None:
         """Drop the device copy. Refused while the D2H copy is still in flight (see the Note above)."""
-        if self.state is not State.OFFLOADING:
+        if self.state is not _OFFLOADING:
             # explicit: RESTORED -> OFFLOADED is legal (drop_restored_copy), but not through here,
             # and a half-done _move must never leave the state changed under a raised error
             raise IllegalTransitionError(
@@ -136,34 +148,34 @@ class ManagedObject:
                 f"refusing to free the device copy of {self.describe()}: its device-to-host copy has not "
                 "completed. Wait for (or synchronize) the copy's event before releasing the device copy."
             )
-        self.state = State.OFFLOADED  # OFFLOADING -> OFFLOADED, checked above (Note [Transitions checked inline])
-        self.tier = self.host_tier or Tier.PINNED
+        self.state = _OFFLOADED  # OFFLOADING -> OFFLOADED, checked above (Note [Transitions checked inline])
+        self.tier = self.host_tier or _PINNED
         # the landed copy's event is not asked again (only an OFFLOADING object's is): let it go now rather
         # than keep an event (and a backend's marker) alive per saved tensor until backward
         self.d2h_event = None
 
     def cancel_offload(self) -> None:
         """Keep the device copy after all (e.g. the host pool refused); the host copy is dropped."""
-        self._move(State.RESIDENT)
+        self._move(_RESIDENT)
         self.d2h_event = None
         self.host_tier = None
 
     def start_prefetch(self, event: Any) -> None:
         if self.state in _FROM_FOR_PREFETCHING:  # Note [Transitions checked inline]
-            self.state = State.PREFETCHING
+            self.state = _PREFETCHING
         else:
-            self._move(State.PREFETCHING)
+            self._move(_PREFETCHING)
         self.h2d_event = event
 
     def fail_prefetch(self) -> None:
         """The host-to-device copy failed: its device buffer is garbage, the host copy is still the data."""
-        if self.state is not State.PREFETCHING:
+        if self.state is not _PREFETCHING:
             raise IllegalTransitionError(
                 f"object {self.describe()} is {self.state.value}: only a prefetching object can fail its prefetch"
             )
-        self._move(State.OFFLOADED)
+        self._move(_OFFLOADED)
         self.h2d_event = None
-        self.tier = self.host_tier or Tier.PINNED
+        self.tier = self.host_tier or _PINNED
 
     def finish_prefetch(self, *, stream_waited: bool = False) -> None:
         """The device copy is usable.
@@ -172,25 +184,21 @@ class ManagedObject:
         stream wait on the copy's event (``stream_waited=True``): then later work on
         that stream is ordered after the copy even though the host has not seen it land.
         """
-        if (
-            self.state is State.PREFETCHING
-            and not stream_waited
-            and (self.h2d_event is None or not self.h2d_event.query())
-        ):
+        if self.state is _PREFETCHING and not stream_waited and (self.h2d_event is None or not self.h2d_event.query()):
             raise IllegalTransitionError(
                 f"{self.describe()} is not on the device yet: wait for its host-to-device copy's event "
                 "on the consuming stream before using it."
             )
         if self.state in _FROM_FOR_RESTORED:  # Note [Transitions checked inline]
-            self.state = State.RESTORED
+            self.state = _RESTORED
         else:
-            self._move(State.RESTORED)
-        self.tier = Tier.DEVICE
+            self._move(_RESTORED)
+        self.tier = _DEVICE
 
     def drop_restored_copy(self) -> None:
         """Drop the restored device copy again while the host copy stays valid (reused by a later
         backward over a retained graph). Only from RESTORED: a prefetch in flight must land first."""
-        if self.state is not State.RESTORED:
+        if self.state is not _RESTORED:
             # from OFFLOADING the table allows OFFLOADED too, but only release_device_copy may
             # take that edge: it checks that the device-to-host copy has landed
             raise IllegalTransitionError(
@@ -198,13 +206,13 @@ class ManagedObject:
                 "restored device copy (an offloading one releases it with release_device_copy once its "
                 "device-to-host copy has completed)"
             )
-        self.state = State.OFFLOADED  # RESTORED -> OFFLOADED, checked above (Note [Transitions checked inline])
+        self.state = _OFFLOADED  # RESTORED -> OFFLOADED, checked above (Note [Transitions checked inline])
         self.h2d_event = None
-        self.tier = self.host_tier or Tier.PINNED
+        self.tier = self.host_tier or _PINNED
 
     def release(self) -> None:
         """Drop every copy (consumed by backward, or the step was abandoned)."""
         if self.state in _FROM_FOR_RELEASED:  # Note [Transitions checked inline]
-            self.state = State.RELEASED
+            self.state = _RELEASED
         else:
-            self._move(State.RELEASED)
+            self._move(_RELEASED)

@@ -164,6 +164,24 @@ class ActionKind(str, enum.Enum):
     [Two hops from NVMe])."""
 
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_EVICT, _FREE, _HOLD, _PREFETCH, _STAGE = (
+    ActionKind.EVICT,
+    ActionKind.FREE,
+    ActionKind.HOLD,
+    ActionKind.PREFETCH,
+    ActionKind.STAGE,
+)
+_OFFLOADED, _OFFLOADING, _PREFETCHING, _RESIDENT, _RESTORED = (
+    State.OFFLOADED,
+    State.OFFLOADING,
+    State.PREFETCHING,
+    State.RESIDENT,
+    State.RESTORED,
+)
+_NVME, _PINNED = Tier.NVME, Tier.PINNED
+
+
 class _Completed:
     """The event of a copy that needs none: the host already holds the data (host_updated)."""
 
@@ -364,7 +382,7 @@ class ResidencyScheduler:
         if self.plan is not None:
             self.plan.reopen(key)
         self.counters["evicted_shared"] += 1
-        self._budget_evictions.append(Action(ActionKind.EVICT, key, obj.nbytes))
+        self._budget_evictions.append(Action(_EVICT, key, obj.nbytes))
 
     def _with_evictions_list(self, evictions: list[Action], actions: Iterator[Action]) -> Iterator[Action]:
         for action in evictions:
@@ -455,7 +473,7 @@ class ResidencyScheduler:
         # a new object is RESIDENT, and RESIDENT -> OFFLOADING is allowed: start_offload's transition,
         # made by the constructor (one call per saved tensor less)
         obj = objects[key] = ManagedObject(
-            kind=kind, nbytes=nbytes, state=State.OFFLOADING, name=name, d2h_event=event, host_tier=host_tier
+            kind=kind, nbytes=nbytes, state=_OFFLOADING, name=name, d2h_event=event, host_tier=host_tier
         )
         return obj
 
@@ -484,7 +502,7 @@ class ResidencyScheduler:
         if self.record:
             self._log("landed", key, needed=needed)
         held = self._land(key, needed)
-        return self._emit(Action(ActionKind.HOLD if held else ActionKind.FREE, key, self.objects[key].nbytes))
+        return self._emit(Action(_HOLD if held else _FREE, key, self.objects[key].nbytes))
 
     def landed_held(self, key: int, *, needed: bool = True) -> bool:
         """:meth:`landed`, answering only whether the copy is held (``HOLD``; otherwise it was freed).
@@ -493,7 +511,7 @@ class ResidencyScheduler:
         recording (then it is :meth:`landed` itself, so the log and the actions are the same).
         """
         if self.record:
-            return self.landed(key, needed=needed).kind is ActionKind.HOLD
+            return self.landed(key, needed=needed).kind is _HOLD
         return self._land(key, needed)
 
     def _land(self, key: int, needed: bool) -> bool:
@@ -510,7 +528,7 @@ class ResidencyScheduler:
             self._held[key] = None
             plan.issued(key)
             return True
-        if obj.state is State.OFFLOADING:
+        if obj.state is _OFFLOADING:
             obj.release_device_copy()  # refuses unless the D2H event completed
         return False
 
@@ -621,8 +639,8 @@ class ResidencyScheduler:
     def _host_copy_is_data(self, key: int) -> None:
         self._awaiting_host.discard(key)
         obj = self.objects[key]
-        if obj.state is State.RESIDENT:
-            obj.start_offload(_COMPLETED, obj.host_tier or Tier.PINNED)
+        if obj.state is _RESIDENT:
+            obj.start_offload(_COMPLETED, obj.host_tier or _PINNED)
             obj.release_device_copy()
 
     def upload_order(self, keys: list[int]) -> list[int]:
@@ -712,12 +730,12 @@ class ResidencyScheduler:
         if self.record:
             self._log("awaited", key)
         obj = self.objects[key]
-        if obj.state is State.PREFETCHING:
+        if obj.state is _PREFETCHING:
             obj.finish_prefetch(stream_waited=True)
 
     def _free_held(self, key: int) -> None:
         obj = self.objects[key]
-        if obj.state is State.OFFLOADING:
+        if obj.state is _OFFLOADING:
             obj.release_device_copy()  # its D2H landed when it was held
 
     def _offer(self, vtime: float) -> Iterator[Action]:
@@ -748,17 +766,17 @@ class ResidencyScheduler:
         for key in due:
             obj = objects.get(key)
             state = None if obj is None else obj.state
-            if state is State.OFFLOADING or state is State.PREFETCHING:
+            if state is _OFFLOADING or state is _PREFETCHING:
                 # a copy in flight: its D2H (the device copy is still there, see landed), or an
                 # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
-                if state is State.OFFLOADING and key not in alive and key not in released:
+                if state is _OFFLOADING and key not in alive and key not in released:
                     reserved += obj.nbytes  # type: ignore[union-attr]
                 continue
             if key in awaiting:
                 continue  # its host copy is not the data yet (Note [Objects produced on the host])
             if key in self._on_nvme:
                 continue  # not in host memory yet: its stage comes first (Note [Two hops from NVMe])
-            if state is not State.OFFLOADED or key in alive or key in released:
+            if state is not _OFFLOADED or key in alive or key in released:
                 plan.issued(key)
                 continue
             nbytes = obj.nbytes  # type: ignore[union-attr]
@@ -771,7 +789,7 @@ class ResidencyScheduler:
                 if not victims:
                     return
                 for victim in victims:
-                    yield self._emit(Action(ActionKind.EVICT, victim, objects[victim].nbytes))
+                    yield self._emit(Action(_EVICT, victim, objects[victim].nbytes))
             shared = self.shared_budget
             if shared is not None:
                 if not self._admit_shared(key, nbytes):
@@ -785,7 +803,7 @@ class ResidencyScheduler:
                     shared.release(self, key)
                 return
             self._refused = False
-            yield self._emit(Action(ActionKind.PREFETCH, key, nbytes))
+            yield self._emit(Action(_PREFETCH, key, nbytes))
             if self._refused:
                 if shared is not None and key not in self._counted:
                     shared.release(self, key)
@@ -802,7 +820,7 @@ class ResidencyScheduler:
                 plan.stage_issued(key)
                 continue
             self._refused = False
-            yield self._emit(Action(ActionKind.STAGE, key, obj.nbytes))
+            yield self._emit(Action(_STAGE, key, obj.nbytes))
             if self._refused:
                 break
             plan.stage_issued(key)
@@ -814,12 +832,12 @@ class ResidencyScheduler:
         if self.record:
             self._log("spilled", key)
         obj = self.objects[key]
-        if obj.state is not State.OFFLOADED:
+        if obj.state is not _OFFLOADED:
             raise IllegalTransitionError(
                 f"object {obj.describe()} is {obj.state.value}: only an offloaded object (its host copy the data, "
                 "no device copy) can live on NVMe"
             )
-        obj.host_tier = Tier.NVME
+        obj.host_tier = _NVME
         self._on_nvme.add(key)
         if self.plan is not None:
             self.plan.add_stage(key)
@@ -850,7 +868,7 @@ class ResidencyScheduler:
             self._log("staged", key, t)
         self._staging.discard(key)
         self._on_nvme.discard(key)
-        self.objects[key].host_tier = Tier.PINNED
+        self.objects[key].host_tier = _PINNED
         plan = self.plan
         if plan is None:
             return NO_ACTIONS
@@ -954,7 +972,7 @@ class ResidencyScheduler:
             self._free_held(key)
         if dropped:
             obj = self.objects[key]
-            if obj.state is State.RESTORED:
+            if obj.state is _RESTORED:
                 obj.drop_restored_copy()
         return held
 
@@ -974,7 +992,7 @@ class ResidencyScheduler:
             self._log("dropped", key)
         self._uncount(key)
         obj = self.objects[key]
-        if obj.state is State.RESTORED:
+        if obj.state is _RESTORED:
             obj.drop_restored_copy()
 
     def drop_landed(self, key: int) -> None:
@@ -982,7 +1000,7 @@ class ResidencyScheduler:
         if self.record:
             self._log("drop_landed", key)
         obj = self.objects[key]
-        if obj.state is State.PREFETCHING:
+        if obj.state is _PREFETCHING:
             obj.finish_prefetch(stream_waited=True)
             obj.drop_restored_copy()
 
@@ -1016,5 +1034,5 @@ class ResidencyScheduler:
         for key in held:
             self._uncount(key)
             self._free_held(key)
-            out.append(self._emit(Action(ActionKind.FREE, key, self.objects[key].nbytes)))
+            out.append(self._emit(Action(_FREE, key, self.objects[key].nbytes)))
         return out

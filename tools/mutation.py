@@ -171,8 +171,8 @@ MUTATIONS: list[Mutation] = [
         [
             (
                 "plugins/offcore_torch/activations/landings.py",
-                "        if state is not State.PREFETCHING and state is not State.OFFLOADING:\n",
-                "        if state is not State.OFFLOADING:\n",
+                "        if state is not _PREFETCHING and state is not _OFFLOADING:\n",
+                "        if state is not _OFFLOADING:\n",
             )
         ],
     ),

@@ -32,6 +32,9 @@ from offcore import Availability, Capability, CapacityExceededError, HostBufferP
 from offcore.immediate import ImmediateEvent, ImmediateStream
 from offcore.registry import backends
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_DEVICE = Tier.DEVICE
+
 __all__ = ["InstantDevice", "InstantEvent", "InstantStream", "register_instant"]
 
 
@@ -104,7 +107,7 @@ class InstantDevice:
 
     def allocate(self, nbytes: int, tier: Tier) -> torch.Tensor:
         """A 1-D uint8 buffer of ``nbytes`` in ``tier`` (device buffers count against ``capacity``)."""
-        if tier is not Tier.DEVICE:
+        if tier is not _DEVICE:
             return self._host_buffer(nbytes)
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:

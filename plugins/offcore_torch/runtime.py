@@ -76,6 +76,9 @@ from offcore.protocols import Capability
 from offcore.scheduler import BandwidthEstimator, Scheduler
 from offcore.trace import TraceRecorder
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_D2H = Direction.D2H
+
 __all__ = ["DeviceRuntime", "runtime_for", "runtime_of", "check_device", "check_bool"]
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
@@ -319,7 +322,7 @@ class DeviceRuntime:
         plain one in the binding's CPU time on the fake device); the link estimate and the
         per-region bandwidth figures need a sample, not every copy.
         """
-        if direction is Direction.D2H:
+        if direction is _D2H:
             count = self._sampled_d2h
             self._sampled_d2h = count + 1
         else:
@@ -400,7 +403,7 @@ class DeviceRuntime:
             item.ledger.record_wait(seconds, what=item.label)
             track = "wait"
         else:
-            (self.d2h_link if direction is Direction.D2H else self.h2d_link).observe(item.nbytes, seconds)
+            (self.d2h_link if direction is _D2H else self.h2d_link).observe(item.nbytes, seconds)
             item.ledger.record_timing(direction, item.nbytes, seconds)
             track = direction.value
         if item.trace is not None:

@@ -18,6 +18,15 @@ from offcore.residency import ActionKind
 from offcore_torch.activations.copies import _is_oom
 from offcore_torch.activations.records import DeviceFate, Entry, EntryState, Offloaded
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_EVICT, _PREFETCH, _STAGE = ActionKind.EVICT, ActionKind.PREFETCH, ActionKind.STAGE
+_FREED, _HELD_ELSEWHERE, _UNKNOWN = DeviceFate.FREED, DeviceFate.HELD_ELSEWHERE, DeviceFate.UNKNOWN
+_H2D = Direction.H2D
+_COPYING, _DISPOSED, _FAILED, _LANDED = EntryState.COPYING, EntryState.DISPOSED, EntryState.FAILED, EntryState.LANDED
+_ACTIVATION = Kind.ACTIVATION
+_OFFLOADING, _PREFETCHING, _RELEASED = State.OFFLOADING, State.PREFETCHING, State.RELEASED
+_DEVICE, _PINNED = Tier.DEVICE, Tier.PINNED
+
 
 def _release_buffers(
     pool: Any, host: Any, host_view: Any, poison: Any, ledger: Ledger, obj: ManagedObject, *_keep: Any
@@ -31,8 +40,8 @@ def _release_buffers(
     elif poison is not None and host_view is not None:
         poison.poison(host_view)
     if host_view is not None:  # a failed offload returned its host buffer already
-        ledger.remove(obj.host_tier or Tier.PINNED, Kind.ACTIVATION, obj.nbytes)
-    if obj.state is not State.RELEASED:
+        ledger.remove(obj.host_tier or _PINNED, _ACTIVATION, obj.nbytes)
+    if obj.state is not _RELEASED:
         obj.release()
 
 
@@ -42,12 +51,12 @@ class _Residency:
     # -- landing -------------------------------------------------------------------------
     def _on_landed(self, entry: Entry, failure: Exception | None) -> None:
         """The device-to-host copy of ``entry`` landed (or failed): see :func:`poll`."""
-        if entry.state is not EntryState.COPYING:  # disposed meanwhile
+        if entry.state is not _COPYING:  # disposed meanwhile
             return
         if failure is not None:
             self._d2h_failed(entry, failure)
             return
-        entry.state = EntryState.LANDED
+        entry.state = _LANDED
         first = entry.items
         if entry.more_items is None and first is not None:  # entry.live_items(), inlined: one record per storage
             item = first()
@@ -80,15 +89,15 @@ class _Residency:
     def _d2h_failed(self, entry: Entry, exc: Exception) -> None:
         """The D2H copy failed on its stream: the device copy stays the data, the host buffer goes back."""
         self.runtime.recover(self.runtime.d2h_stream)
-        entry.state = EntryState.FAILED
-        tier = entry.obj.host_tier or Tier.PINNED
+        entry.state = _FAILED
+        tier = entry.obj.host_tier or _PINNED
         self._sched.offload_failed(entry.key)
         host, host_view = entry.host, entry.host_view
         entry.host = entry.host_view = None
         if host is not None:
             self._pool().release(host)
         if host_view is not None:
-            self._ledger.remove(tier, Kind.ACTIVATION, entry.nbytes)
+            self._ledger.remove(tier, _ACTIVATION, entry.nbytes)
         self._stats.offloaded_bytes -= entry.nbytes
         self._stats.offloaded_storages -= 1
         self._kept["copy_failed"] += entry.live
@@ -96,7 +105,7 @@ class _Residency:
 
     def _release_device(self, entry: Entry, items: list[Offloaded] | None = None) -> None:
         """Drop offcore's device references of a landed entry; count what that really freed."""
-        if entry.obj.state is State.OFFLOADING:
+        if entry.obj.state is _OFFLOADING:
             entry.obj.release_device_copy()  # refuses unless the D2H event completed
         empties = self._empty
         for item in entry.live_items() if items is None else items:
@@ -109,9 +118,9 @@ class _Residency:
         if entry() is not None:  # its storage lives on
             entry.alive_elsewhere = True
             self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
-            if entry.fate is DeviceFate.UNKNOWN and not entry.used:
+            if entry.fate is _UNKNOWN and not entry.used:
                 # still alive although backward has not used it: something else references it
-                entry.fate = DeviceFate.HELD_ELSEWHERE
+                entry.fate = _HELD_ELSEWHERE
                 self._stats.held_elsewhere_bytes += entry.nbytes
 
     def _storage_died(self, entry: Entry) -> None:
@@ -121,10 +130,10 @@ class _Residency:
         if entry.alive_elsewhere:  # only a copy the scheduler was told lives on can die for it
             entry.alive_elsewhere = False
             self._sched.device_copy_died(entry.key)
-        if entry.state is EntryState.LANDED and entry.fate is not DeviceFate.FREED and not entry.used:
-            if entry.fate is DeviceFate.HELD_ELSEWHERE:
+        if entry.state is _LANDED and entry.fate is not _FREED and not entry.used:
+            if entry.fate is _HELD_ELSEWHERE:
                 self._stats.held_elsewhere_bytes -= entry.nbytes
-            entry.fate = DeviceFate.FREED
+            entry.fate = _FREED
             self._stats.freed_device_bytes += entry.nbytes
 
     # -- prefetch ------------------------------------------------------------------------
@@ -137,12 +146,12 @@ class _Residency:
         try:
             for action in actions:
                 entry = by_key.get(action.key)
-                if action.kind is ActionKind.PREFETCH:
+                if action.kind is _PREFETCH:
                     assert entry is not None  # the scheduler offers only registered, unreleased objects
                     self._start_prefetch(entry)
-                elif action.kind is ActionKind.EVICT and entry is not None:
+                elif action.kind is _EVICT and entry is not None:
                     self._evict(entry)
-                elif action.kind is ActionKind.STAGE and entry is not None:  # NVMe -> host (activations/nvme.py)
+                elif action.kind is _STAGE and entry is not None:  # NVMe -> host (activations/nvme.py)
                     if self._spill is not None and self._spill.stage(entry):
                         self._sched.stage_started(action.key)
                     else:
@@ -165,7 +174,7 @@ class _Residency:
     # later prefetch of the same object.
     def _evict(self, entry: Entry) -> None:
         """Drop a held or prefetched device copy the scheduler evicted (the host copy stays the data)."""
-        if entry.obj.state is State.OFFLOADING:  # held on landing
+        if entry.obj.state is _OFFLOADING:  # held on landing
             self._release_device(entry)
         else:
             self._drop_restored(entry)
@@ -189,7 +198,7 @@ class _Residency:
                 return False
         try:
             if self._checked_allocation:  # _allocate_device, inlined (once per prefetch)
-                dst = self.device.allocate(entry.nbytes, Tier.DEVICE)
+                dst = self.device.allocate(entry.nbytes, _DEVICE)
             else:
                 dst = self._allocate_device(entry.nbytes)
         except Exception as exc:
@@ -199,7 +208,7 @@ class _Residency:
             raise
         self._in_use.allocated(entry.nbytes)
         try:
-            done = self._copy(Direction.H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
+            done = self._copy(_H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it
             del dst
             self._copy_failed(entry, exc, "host-to-device prefetch could not be submitted")
@@ -216,7 +225,7 @@ class _Residency:
     # -- release -------------------------------------------------------------------------
     def _item_died(self, entry: Entry) -> None:
         entry.live -= 1
-        if entry.state is EntryState.DISPOSED:
+        if entry.state is _DISPOSED:
             return
         if entry.live <= 0:
             self._dispose(entry)
@@ -225,7 +234,7 @@ class _Residency:
 
     def _dispose(self, entry: Entry) -> None:
         """No record uses ``entry`` any more: return its host buffer and device references once copies landed."""
-        entry.state = EntryState.DISPOSED
+        entry.state = _DISPOSED
         if self._by_storage.get(entry.skey) is entry:  # usually gone already: the storage died after its copy
             with self._lock:
                 if self._by_storage.get(entry.skey) is entry:
@@ -242,7 +251,7 @@ class _Residency:
         host, host_view = entry.host, entry.host_view
         pool = (self._host_pool or self._pool()) if host is not None else None
         poison = self.device if self._sanitize else None
-        if state is not State.PREFETCHING and state is not State.OFFLOADING:
+        if state is not _PREFETCHING and state is not _OFFLOADING:
             # nothing in flight touches its buffers (the common case, after backward): _release_buffers, inlined
             entry.host = entry.host_view = entry.src = entry.restored = None
             if pool is not None:
@@ -250,12 +259,12 @@ class _Residency:
             elif poison is not None and host_view is not None:
                 poison.poison(host_view)
             if host_view is not None:  # a failed offload returned its host buffer already
-                self._ledger.remove(obj.host_tier or Tier.PINNED, Kind.ACTIVATION, obj.nbytes)
-            if state is not State.RELEASED:
+                self._ledger.remove(obj.host_tier or _PINNED, _ACTIVATION, obj.nbytes)
+            if state is not _RELEASED:
                 obj.release()
             return
         runtime = self.runtime
-        if state is State.PREFETCHING:
+        if state is _PREFETCHING:
             pending, stream = obj.h2d_event, runtime.h2d_stream
         else:
             pending, stream = obj.d2h_event, runtime.d2h_stream

@@ -32,6 +32,13 @@ from offcore_torch.runtime import (
     _TIMING_BATCH,
 )
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_D2H, _H2D = Direction.D2H, Direction.H2D
+_DISPOSED, _LANDED = EntryState.DISPOSED, EntryState.LANDED
+_ACTIVATION = Kind.ACTIVATION
+_OFFLOADED, _OFFLOADING = State.OFFLOADED, State.OFFLOADING
+_PAGEABLE = Tier.PAGEABLE
+
 
 class _Pack:
     """OffloadHandle's pack methods (see offload.py, Note [Batched bookkeeping])."""
@@ -105,7 +112,7 @@ class _Pack:
             return self._keep(tensor, key, reason)
 
         entry = self._by_storage.get(skey)
-        if entry is not None and entry() is storage and entry.state is not EntryState.DISPOSED:
+        if entry is not None and entry() is storage and entry.state is not _DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
         reason = rules.for_new_storage(nbytes, marked)
@@ -151,7 +158,7 @@ class _Pack:
         entry.add_item(item)
         self._stats.offloaded_tensors += 1
         entry.live += 1
-        if entry.state is EntryState.LANDED:
+        if entry.state is _LANDED:
             self._release_keeper(item)
         return item
 
@@ -167,7 +174,7 @@ class _Pack:
 
     def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
         """A further tensor on an already offloaded storage: share its copy (dedupe)."""
-        if entry.obj.state not in (State.OFFLOADING, State.OFFLOADED) or self._sched.in_backward:
+        if entry.obj.state not in (_OFFLOADING, _OFFLOADED) or self._sched.in_backward:
             return self._keep(tensor, key, "shared_storage_busy")
         if tensor._version != entry.version_at_copy:
             # modified in place since the copy was taken: the copy is stale for this tensor.
@@ -200,10 +207,10 @@ class _Pack:
         if self.policy.fallback == "keep":
             return None
         try:
-            view = self.device.allocate(nbytes, Tier.PAGEABLE)
+            view = self.device.allocate(nbytes, _PAGEABLE)
         except (CapacityExceededError, MemoryError, RuntimeError):
             return None
-        return None, view, Tier.PAGEABLE
+        return None, view, _PAGEABLE
 
     def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: Entry) -> Any:
         """Enqueue one copy on its direction's stream, ordered after the compute stream as it is now.
@@ -216,7 +223,7 @@ class _Pack:
         sample (:meth:`DeviceRuntime.sample`), for the link estimate.
         """
         device, runtime = self.device, self.runtime
-        if direction is Direction.D2H:
+        if direction is _D2H:
             stream, count = runtime.d2h_stream, self._d2h_copies
             self._d2h_copies = count + 1
             self._d2h_bytes += nbytes
@@ -230,7 +237,7 @@ class _Pack:
         if runtime.timing:
             if self._tracing or count < 2:
                 timed = True
-            elif direction is Direction.D2H:  # runtime.sample(direction), inlined (once per copy)
+            elif direction is _D2H:  # runtime.sample(direction), inlined (once per copy)
                 asked = runtime._sampled_d2h
                 runtime._sampled_d2h = asked + 1
                 timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
@@ -242,15 +249,15 @@ class _Pack:
             return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
         if order is None:  # Note [Ordering events are recorded again]
             order = device.new_event()
-            if direction is Direction.D2H:
+            if direction is _D2H:
                 self._d2h_order = order
             else:
                 self._h2d_order = order
-        if direction is Direction.D2H or not self._h2d_ordered:
+        if direction is _D2H or not self._h2d_ordered:
             stream.wait_event(device.current_stream().record_event(order))
             # the prefetches of one trigger start back to back: nothing reaches the compute stream
             # in between, so the first one's wait orders them all (Note [Ordering events are recorded again])
-            self._h2d_ordered = direction is not Direction.D2H
+            self._h2d_ordered = direction is not _D2H
         return device.copy_(dst, src, stream=stream)
 
     def _copy_timed(
@@ -283,9 +290,9 @@ class _Pack:
         now = (self._d2h_copies, self._d2h_bytes, self._h2d_copies, self._h2d_bytes)
         last, self._flushed = self._flushed, now
         if now[0] != last[0]:
-            self._ledger.record_copy(Direction.D2H, now[1] - last[1], copies=now[0] - last[0])
+            self._ledger.record_copy(_D2H, now[1] - last[1], copies=now[0] - last[0])
         if now[2] != last[2]:
-            self._ledger.record_copy(Direction.H2D, now[3] - last[3], copies=now[2] - last[2])
+            self._ledger.record_copy(_H2D, now[3] - last[3], copies=now[2] - last[2])
 
     def _offload(
         self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
@@ -315,7 +322,7 @@ class _Pack:
         else:
             entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
         try:
-            done = self._copy(Direction.D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
+            done = self._copy(_D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
         except BaseException as exc:
             # nothing was enqueued: the host buffer goes back now, and the tensor stays on the device
             if buffer is not None:
@@ -324,12 +331,12 @@ class _Pack:
                 self._copy_failed(entry, exc, "device-to-host copy could not be submitted")
                 raise _CopyRefused from exc
             raise
-        entry.obj = self._sched.register_offloading(key, Kind.ACTIVATION, nbytes, done, tier, name=f"#{key} {where}")
+        entry.obj = self._sched.register_offloading(key, _ACTIVATION, nbytes, done, tier, name=f"#{key} {where}")
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
         self.runtime.track_d2h(done, entry, nbytes)
-        self._ledger.add(tier, Kind.ACTIVATION, nbytes)
+        self._ledger.add(tier, _ACTIVATION, nbytes)
         stats = self._stats
         stats.offloaded_bytes += nbytes
         stats.offloaded_storages += 1

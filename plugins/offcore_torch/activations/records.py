@@ -85,6 +85,11 @@ class DeviceFate(enum.Enum):
     """It died on the device after its copy landed: counted in ``freed_device_bytes``."""
 
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_UNKNOWN = DeviceFate.UNKNOWN
+_COPYING = EntryState.COPYING
+
+
 class Kept:
     """What autograd holds for a tensor offcore did not offload: the tensor (detached) and its version."""
 
@@ -232,8 +237,8 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         self.live = 0
         self.restored: torch.UntypedStorage | None = None
         self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
-        self.state = EntryState.COPYING
-        self.fate = DeviceFate.UNKNOWN
+        self.state = _COPYING
+        self.fate = _UNKNOWN
         self.used = False  # unpacked at least once (in any round, or read by hand outside backward)
         self.used_round = -1  # the last backward round that unpacked it
         # pack keys of every record that reads this storage: a tuple of ints, which the cyclic garbage

@@ -32,6 +32,12 @@ from offcore_torch.runtime import (
     _TIMING_BATCH,
 )
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_H2D = Direction.H2D
+_DISPOSED = EntryState.DISPOSED
+_PREFETCHING, _RESTORED = State.PREFETCHING, State.RESTORED
+_DEVICE = Tier.DEVICE
+
 
 class _Unpack:
     """OffloadHandle's unpack methods (see offload.py, Note [Saved-tensor version checks])."""
@@ -53,9 +59,7 @@ class _Unpack:
     def _readers(self) -> dict[int, list[int]]:
         """Every save key reading each offloaded storage (an object is needed at the first of their uses)."""
         # a storage read by its own save only is the plan's default: only shared storages are listed
-        return {
-            e.key: list(e.keys) for e in self._by_key.values() if len(e.keys) > 1 and e.state is not EntryState.DISPOSED
-        }
+        return {e.key: list(e.keys) for e in self._by_key.values() if len(e.keys) > 1 and e.state is not _DISPOSED}
 
     def _end_backward(self) -> None:
         """Called by autograd when the backward pass that used this region ends."""
@@ -65,10 +69,10 @@ class _Unpack:
                 self._trace.span("compute", f"backward {self._round}", self._t_backward, now - self._t_backward)
             for action in self._sched.backward_ended(now):  # frees what was held
                 entry = self._by_key.get(action.key)
-                if entry is not None and entry.state is not EntryState.DISPOSED:
+                if entry is not None and entry.state is not _DISPOSED:
                     self._release_device(entry)
             for entry in list(self._by_key.values()):
-                if entry.restored is not None and entry.state is not EntryState.DISPOSED:
+                if entry.restored is not None and entry.state is not _DISPOSED:
                     self._drop_restored(entry)
             if self._sched.shared_budget is not None:  # the round is over: its reservations go back
                 self._sched.shared_budget.release_owner(self._sched)
@@ -183,7 +187,7 @@ class _Unpack:
         if live is None and entry.restored_ref is not None:
             live = entry.restored_ref()  # a retained graph: autograd still holds the last restore
             # Note [An evicted prefetch still in flight]: or the buffer a dropped prefetch still writes
-            in_flight = live is not None and entry.obj.state is State.PREFETCHING
+            in_flight = live is not None and entry.obj.state is _PREFETCHING
         if live is not None:
             sched.reused(entry.key)
             self._execute(sched.used(key, now, managed_key=entry.key))
@@ -215,7 +219,7 @@ class _Unpack:
                     f"({type(exc).__name__}: {exc}); its host copy is intact, but this backward cannot go on. "
                     "Drop the graph (the step) and run it again."
                 ) from exc
-            for nbytes, direction in ((entry.nbytes, Direction.H2D), (0, None)):  # a copy, and a wait
+            for nbytes, direction in ((entry.nbytes, _H2D), (0, None)):  # a copy, and a wait
                 runtime.end_timing(
                     device,
                     compute,
@@ -244,7 +248,7 @@ class _Unpack:
             spill.ensure_host(entry)
 
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
-        dst = self.device.allocate(nbytes, Tier.DEVICE)
+        dst = self.device.allocate(nbytes, _DEVICE)
         if self._checked_allocation:  # a backend's buffers are all alike: checked on the first one
             return dst
         if dst.storage_offset() == 0 and dst.untyped_storage().nbytes() == nbytes:
@@ -268,7 +272,7 @@ class _Unpack:
         restored = entry.restored
         assert restored is not None
         obj = entry.obj
-        if obj.state is not State.PREFETCHING:
+        if obj.state is not _PREFETCHING:
             return restored
         event = obj.h2d_event
         try:
@@ -308,7 +312,7 @@ class _Unpack:
 
     def _consumed(self, entry: Entry) -> None:
         """Every live record of ``entry`` was unpacked this round: autograd owns the storage now."""
-        if entry.restored is not None and entry.obj.state is State.RESTORED:
+        if entry.restored is not None and entry.obj.state is _RESTORED:
             # the common case (a copy restored and awaited): consumed and dropped in one call
             if self._sched.consumed(entry.key, dropped=True):  # it was held on landing
                 self._release_device(entry)
@@ -348,7 +352,7 @@ class _Unpack:
         entry.restored = None
         obj, sched = entry.obj, self._sched
         sched.dropped(entry.key)  # a restored copy is dropped now; one in flight once it landed
-        if obj.state is State.PREFETCHING:
+        if obj.state is _PREFETCHING:
             event = obj.h2d_event
 
             def finish(sched: ResidencyScheduler = sched, key: int = entry.key, keep: Any = storage) -> None:
