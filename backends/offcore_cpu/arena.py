@@ -73,21 +73,29 @@ class MemoryArena:
         self._ledger: Any = None
         self._probe: Callable[[Any], bool] | None = None
         self._take_over: Callable[[Any], bool] | None = None
+        # probe by a storage's data pointer: the small copy's fast path asks it (Note [The small copy's fast path])
+        self._owns: Callable[[int], bool] | None = None
 
     def use_ledger(
-        self, ledger: Any, probe: Callable[[Any], bool], take_over: Callable[[Any], bool] | None = None
+        self,
+        ledger: Any,
+        probe: Callable[[Any], bool],
+        take_over: Callable[[Any], bool] | None = None,
+        owns: Callable[[int], bool] | None = None,
     ) -> None:
         """Keep the device tier's figures in ``ledger`` (the allocator hook's); ``probe(owner)`` tells
         whether the hook counts ``owner`` on this device; ``take_over(owner)`` hands a newly registered
         device owner, already charged to the ledger, to the hook (True) so that its frees and resizes
-        are counted where they happen (Note [Adopted storages are the hook's]). Only before anything
-        is counted on the device."""
+        are counted where they happen (Note [Adopted storages are the hook's]); ``owns(address)``
+        is ``probe`` of a storage by its data pointer, for callers that checked it is a live CPU
+        storage. Only before anything is counted on the device."""
         with self._lock:
             if self._current[Tier.DEVICE] or self._counts[Tier.DEVICE]:
                 raise ConfigurationError("the fake device's ledger can only be replaced before any device allocation")
             self._ledger = ledger
             self._probe = probe
             self._take_over = take_over
+            self._owns = owns
 
     # -- registration -------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -214,6 +222,9 @@ class MemoryArena:
             return allocation.tier
 
     def allocated(self, tier: Tier = Tier.DEVICE) -> int:
+        ledger = self._ledger
+        if ledger is not None and tier is Tier.DEVICE:
+            return int(ledger.current())  # the hook's ledger reads under its own lock
         with self._lock:
             return self._device_bytes() if tier is Tier.DEVICE else self._current[tier]
 

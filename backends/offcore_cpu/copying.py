@@ -38,7 +38,7 @@ from offcore_cpu.gates import GateSet
 from offcore_cpu.link import Link
 from offcore_cpu.options import FaultMode, parse_fail_copy, parse_fault_mode
 from offcore_cpu.sanitizer import Flight, Sanitizer
-from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
+from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream, landed_event
 
 __all__ = ["Copies"]
 
@@ -75,7 +75,7 @@ class Copies:
     _fault_lock: threading.Lock
     _copies: int
     _fault: tuple[int, FaultMode, str] | None
-    _small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int] | None] | None
+    _small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int, int, int] | None] | None
     _memmove: Callable[[int, int, int], Any]
 
     # the device's methods they call (device.py)
@@ -238,33 +238,69 @@ class Copies:
     # does, falling back to the general path's fault handling and queueing where that would. What
     # it skips is only what cannot apply without the sanitizer: no jitter, no flight, no ordering
     # check. A copy gate (tests) sends every copy down the general path.
-    def _copy_small(self, dst: Any, src: Any, pair: tuple[int, Any, Any, int, int], stream: WorkerStream) -> FakeEvent:
-        """copy_ of a pair TorchBuffers.small_pair accepted, on one of this device's copy streams."""
-        nbytes, dst_storage, src_storage, dst_address, src_address = pair
-        tier_of = self._arena.tier_of
-        direction = _DIRECTIONS[tier_of(src_storage) is Tier.DEVICE, tier_of(dst_storage) is Tier.DEVICE]
-        with self._fault_lock:  # _count_copy, inlined (once per copy)
+    def _copy_small(
+        self, dst: Any, src: Any, pair: tuple[int, Any, Any, int, int, int, int], stream: WorkerStream
+    ) -> FakeEvent:
+        """copy_ of a pair TorchBuffers.small_pair accepted, on one of this device's copy streams.
+
+        One flat function (it runs twice per offloaded activation): the arena's ``tier_of`` of both
+        sides, ``_count_copy``, ``_inline_small`` and the event's ``_land_at``, inlined.
+        """
+        nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
+        arena = self._arena
+        allocations, owns = arena._allocations, arena._owns
+        # each side's tier: a registered owner (host buffers) first, then the allocator hook's answer
+        known = allocations.get(id(src_storage))
+        if known is not None and known.ref() is src_storage:
+            src_on_device = known.tier is Tier.DEVICE
+        elif owns is not None and owns(src_base):
+            src_on_device = True
+        else:
+            src_on_device = arena.tier_of(src_storage) is Tier.DEVICE
+        known = allocations.get(id(dst_storage))
+        if known is not None and known.ref() is dst_storage:
+            dst_on_device = known.tier is Tier.DEVICE
+        elif owns is not None and owns(dst_base):
+            dst_on_device = True
+        else:
+            dst_on_device = arena.tier_of(dst_storage) is Tier.DEVICE
+        direction = _DIRECTIONS[src_on_device, dst_on_device]
+        with self._fault_lock:  # _count_copy, inlined
             number = self._copies = self._copies + 1
             armed = self._fault
             if armed is not None and armed[0] == number:
                 self._fault = None
             else:
                 armed = None
-        ops = self._ops
         if armed is not None:
             fault = self._injected(armed)
             if fault.mode == "submit":
                 raise fault
-            return self._enqueue_fault(ops, dst, nbytes, stream, fault)
+            return self._enqueue_fault(self._ops, dst, nbytes, stream, fault)
         state = stream._state
-        if nbytes > _INLINE_COPY_LIMIT or self._gates.any_closed_for(state, direction):
-            return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        end = self._inline_small(state, stream.name, direction, nbytes, dst_address, src_address, number)
-        if end is None:
-            return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        event = FakeEvent(self._compute, enable_timing=True)
-        event._land_at(stream.name, end)
-        return event
+        # small_pair takes at most _GIL_HELD_COPY_LIMIT bytes, below _INLINE_COPY_LIMIT: only a gate or a busy
+        # stream or link queues it
+        gates = self._gates
+        if gates._copy_gates and gates.any_closed_for(state, direction):
+            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
+        name = stream.name
+        with state.lock:  # _inline_small and _move_inline, inlined
+            span = None
+            if not (state.pending or state.error is not None or state.closed):
+                enqueued = time.perf_counter()
+                span = self._link.reserve(direction, nbytes, state.busy_until)
+                if span is not None:
+                    start, end = span
+                    self._memmove(dst_address, src_address, nbytes)
+                    if end > state.busy_until:
+                        state.busy_until = end
+                    self._copy_log.append(
+                        (name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
+                    )
+        if span is None:
+            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        return landed_event(self._compute, name, end)
 
     def _inline_run(
         self,
@@ -301,22 +337,6 @@ class Copies:
         for direction, (nbytes, seconds, copies) in counted.items():
             self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
         return done, end
-
-    def _inline_small(
-        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
-    ) -> float | None:
-        """A small plain copy on the calling thread, if its stream is idle and the link free: what
-        ``_inline_copy`` does under ``try_inline``, for a pair small_pair accepted. Returns when it
-        lands (None: queue it)."""
-        with state.lock:
-            if state.pending or state.error is not None or state.closed:
-                return None
-            span = self._move_inline(state, name, direction, nbytes, dst_address, src_address, number)
-        if span is None:
-            return None
-        start, end = span
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        return end
 
     def _move_inline(
         self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int

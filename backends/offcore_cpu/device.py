@@ -166,7 +166,7 @@ class FakeDevice(Copies):
         self._finalizer = weakref.finalize(self, _close_streams, self._streams, self._op_check)
         self._closed = False
         # Note [The small copy's fast path] in copying.py: the pair check it asks first
-        self._small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int] | None] | None = None
+        self._small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int, int, int] | None] | None = None
         if self.options.buffers == "torch" and not self.options.sanitize:
             from offcore_cpu.torch_buffers import TORCH_OPS, memmove_holding_gil
 

@@ -87,8 +87,9 @@ class TorchBuffers:
         return False
 
     @staticmethod
-    def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int] | None:
-        """``(nbytes, dst storage, src storage, dst address, src address)`` of a fast-path copy, else None.
+    def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int, int, int] | None:
+        """``(nbytes, dst storage, src storage, dst address, src address, dst storage's address, src
+        storage's address)`` of a fast-path copy, else None.
 
         Note [The small copy's fast path] (copying.py): both sides exactly ``torch.Tensor`` (no subclass),
         plain (what :func:`plain_tensor_problem` asks, for that type), contiguous, the same byte count
@@ -113,11 +114,10 @@ class TorchBuffers:
             or _functional(src)
         ):
             return None
-        size = dst.element_size()
-        nbytes = dst.numel() * size
+        nbytes = dst.nbytes  # numel() * element_size()
         if (
             nbytes > _GIL_HELD_COPY_LIMIT
-            or nbytes != src.numel() * src.element_size()
+            or nbytes != src.nbytes
             or not dst.is_contiguous()
             or not src.is_contiguous()
             or src.is_conj()
@@ -125,12 +125,16 @@ class TorchBuffers:
         ):
             return None
         dst_storage, src_storage = dst.untyped_storage(), src.untyped_storage()
+        dst_address, src_address = dst.data_ptr(), src.data_ptr()
+        dst_base, src_base = dst_storage.data_ptr(), src_storage.data_ptr()
+        # each inside its storage: a contiguous tensor's bytes start storage_offset * element_size (its address
+        # less its storage's) into the storage
         if nbytes and (
-            dst.storage_offset() * size + nbytes > dst_storage.nbytes()
-            or src.storage_offset() * src.element_size() + nbytes > src_storage.nbytes()
+            dst_address - dst_base + nbytes > dst_storage.nbytes()
+            or src_address - src_base + nbytes > src_storage.nbytes()
         ):
             return None  # a freed or shrunk storage: the general path raises
-        return nbytes, dst_storage, src_storage, dst.data_ptr(), src.data_ptr()
+        return nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()

@@ -370,6 +370,7 @@ class StorageTracker:
                 self.ledger,
                 functools.partial(_hooked_storage, hook.owns, self.ledger),
                 functools.partial(_take_over_storage, hook.adopt, self.ledger),
+                functools.partial(hook.owns, self.ledger),
             )
 
     def hooked_empty(self, nbytes: int) -> Any:
