@@ -284,7 +284,7 @@ class Copies:
         if gates._copy_gates and gates.any_closed_for(state, direction):
             return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
         name = stream.name
-        with state.lock:  # _inline_small and _move_inline, inlined
+        with state.lock:  # the inline copy (Note [Inline copies on an idle stream]): book, move, log
             span = None
             if not (state.pending or state.error is not None or state.closed):
                 enqueued = time.perf_counter()
@@ -311,48 +311,59 @@ class Copies:
         first: int,
     ) -> tuple[int, float | None]:
         """The leading copies of a batch that small_pair took, on the calling thread under one hold of the
-        stream's lock (``_move_inline`` each; the ledger once per direction). Returns how many ran and when the
-        last one lands (0, None: none could)."""
+        stream's lock: the link booked once per run of one direction (``Link.reserve_run``), then the bytes
+        moved and logged per copy, the ledger once per direction. Returns how many ran and when the last one
+        lands (0, None: none could)."""
         done = 0
         end: float | None = None
         counted: dict[Direction, list[float]] = {}
+        total = len(addresses)
+        log, memmove, reserve_run = self._copy_log.append, self._memmove, self._link.reserve_run
         with state.lock:
             if state.pending or state.error is not None or state.closed:
                 return 0, None
-            for (_ops, _dst, _src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
-                if small_pair is None:
+            while done < total and addresses[done] is not None:
+                direction = checked[done][3]
+                stop = done + 1  # the run of small copies in this direction
+                while stop < total and addresses[stop] is not None and checked[stop][3] is direction:
+                    stop += 1
+                sizes = [item[4] for item in checked[done:stop]]
+                enqueued = time.perf_counter()
+                spans = reserve_run(direction, sizes, state.busy_until)
+                if spans is None:  # a queued copy holds the link: the rest is queued
                     break
-                span = self._move_inline(state, name, direction, nbytes, *small_pair, first + done)
-                if span is None:
-                    break
-                start, end = span
+                number = first + done
+                for nbytes, (start, end), (dst_address, src_address) in zip(
+                    sizes, spans, addresses[done:stop], strict=True
+                ):
+                    memmove(dst_address, src_address, nbytes)
+                    log((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
+                    number += 1
+                assert end is not None
+                if end > state.busy_until:
+                    state.busy_until = end
                 totals = counted.get(direction)
                 if totals is None:
-                    counted[direction] = [nbytes, end - start, 1]
-                else:
-                    totals[0] += nbytes
-                    totals[1] += end - start
-                    totals[2] += 1
-                done += 1
+                    totals = counted[direction] = [0, 0.0, 0]
+                totals[0] += sum(sizes)
+                totals[1] += sum(e - s for s, e in spans)
+                totals[2] += stop - done
+                done = stop
         for direction, (nbytes, seconds, copies) in counted.items():
             self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
         return done, end
 
-    def _move_inline(
-        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
-    ) -> tuple[float, float] | None:
-        """(The stream's lock held, the stream idle.) Book the link, move the bytes and log one small copy;
-        its (start, end) on the link, or None while a queued copy holds the link."""
-        enqueued = time.perf_counter()
-        span = self._link.reserve(direction, nbytes, state.busy_until)
-        if span is None:
-            return None
-        start, end = span
-        self._memmove(dst_address, src_address, nbytes)
-        if end > state.busy_until:
-            state.busy_until = end
-        self._copy_log.append((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
-        return span
+    def _on_device_storage(self, storage: Any, base: int) -> bool:
+        """Whether a storage small_pair took (``base``: its data pointer) is device memory: the arena's
+        ``tier_of``, registered owners (host buffers) first, then the allocator hook's answer by address."""
+        arena = self._arena
+        known = arena._allocations.get(id(storage))
+        if known is not None and known.ref() is storage:
+            return known.tier is Tier.DEVICE
+        owns = arena._owns
+        if owns is not None and owns(base):
+            return True
+        return arena.tier_of(storage) is Tier.DEVICE
 
     # Note [A batch of copies is one work item]
     # A binding that streams a module's parameters copies its weight and bias (two storages)
@@ -382,18 +393,18 @@ class Copies:
         checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
         addresses: list[tuple[int, int] | None] = []  # per checked pair: (dst, src) when small_pair took it
         if not special:
-            small, tier_of = self._small_pair, self._arena.tier_of
+            small, on_device = self._small_pair, self._on_device_storage
             gates = self._gates.any_copy_gates  # asked once: with no copy gate, no copy of the batch is held
             for dst, src in pairs:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
-                    ops, nbytes = self._ops, pair[0]
-                    direction = _DIRECTIONS[tier_of(pair[2]) is Tier.DEVICE, tier_of(pair[1]) is Tier.DEVICE]
+                    nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
+                    direction = _DIRECTIONS[on_device(src_storage, src_base), on_device(dst_storage, dst_base)]
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break
-                    checked.append((ops, dst, src, direction, nbytes))
-                    addresses.append((pair[3], pair[4]))
+                    checked.append((self._ops, dst, src, direction, nbytes))
+                    addresses.append((dst_address, src_address))
                     continue
                 ops = ops_for(dst)
                 if ops is None or ops is not ops_for(src) or ops is NUMPY_OPS:
