@@ -352,6 +352,73 @@ bool adopt(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
   return true;
 }
 
+// Note [The small copy's fast path] (copying.py), its checks in one call: TorchBuffers.small_pair's
+// questions of two tensors (each side plain -- strided, neither nested, quantized, meta, functorch-wrapped
+// nor functional -- and contiguous, the same byte count of at most ``limit``, the source neither a lazy conj
+// nor neg view, each inside its storage's bytes), asked of the TensorImpls without a Python call per
+// question, plus which side the allocator hook counts on ``ledger`` (``owns`` of each storage's data
+// pointer). The caller has checked that both are exactly ``torch.Tensor`` (no subclass). None: declined
+// (the general path checks again and reports); else (nbytes, dst address, src address, hooked) with
+// hooked's bit 0 for the destination and bit 1 for the source.
+bool plain_contiguous(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) {
+    return false;
+  }
+  c10::DispatchKeySet keys = t.key_set();
+  if (keys.has(c10::DispatchKey::Functionalize) || keys.has(c10::DispatchKey::FuncTorchGradWrapper) ||
+      keys.has(c10::DispatchKey::FuncTorchBatched) || keys.has(c10::DispatchKey::BatchedNestedTensor) ||
+      keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Meta)) {
+    return false;
+  }
+  return !t.is_nested() && !t.is_quantized() && !t.is_meta() && t.device().is_cpu() && t.is_contiguous();
+}
+
+pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, const at::Tensor& dst, const at::Tensor& src,
+                            int64_t limit) {
+  if (!plain_contiguous(dst) || !plain_contiguous(src) || src.is_conj() || src.is_neg()) {
+    return pybind11::none();
+  }
+  int64_t nbytes = static_cast<int64_t>(dst.nbytes());
+  if (nbytes > limit || nbytes != static_cast<int64_t>(src.nbytes())) {
+    return pybind11::none();
+  }
+  const c10::Storage& dst_storage = dst.storage();
+  const c10::Storage& src_storage = src.storage();
+  // a contiguous tensor's bytes start storage_offset * element_size into its storage
+  int64_t dst_start = dst.storage_offset() * static_cast<int64_t>(dst.element_size());
+  int64_t src_start = src.storage_offset() * static_cast<int64_t>(src.element_size());
+  if (nbytes != 0 && (dst_start + nbytes > static_cast<int64_t>(dst_storage.nbytes()) ||
+                      src_start + nbytes > static_cast<int64_t>(src_storage.nbytes()))) {
+    return pybind11::none();  // a freed or shrunk storage: the general path raises
+  }
+  // the addresses Python's data_ptr() gives (the destination's as written to: a lazily cloned storage is
+  // materialised first), then the storages' own, which the hook knows its allocations by
+  uintptr_t dst_address = reinterpret_cast<uintptr_t>(dst.mutable_data_ptr());
+  uintptr_t src_address = reinterpret_cast<uintptr_t>(src.const_data_ptr());
+  void* dst_base = dst_storage.unsafeGetStorageImpl()->data_ptr().get();
+  void* src_base = src_storage.unsafeGetStorageImpl()->data_ptr().get();
+  int hooked = 0;
+  {
+    std::lock_guard<std::mutex> guard(g_mu);
+    for (int side = 0; side < 2; ++side) {
+      void* base = side == 0 ? dst_base : src_base;
+      if (base == nullptr) {
+        continue;
+      }
+      auto it = g_live.find(base);
+      if (it != g_live.end() && it->second.ledger == ledger && it->second.kind != Kind::Scalar) {
+        hooked |= 1 << side;
+      }
+    }
+  }
+  return pybind11::make_tuple(nbytes, dst_address, src_address, hooked);
+}
+
+// memmove without releasing the GIL (Note [Small copies keep the GIL] in torch_buffers.py)
+void move_bytes(uintptr_t dst, uintptr_t src, size_t nbytes) {
+  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+}
+
 int64_t locked(Ledger& ledger, int64_t Ledger::*field) {
   std::lock_guard<std::mutex> guard(ledger.mu);
   return ledger.*field;
@@ -383,4 +450,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_current", &get_current);
   m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
   m.def("adopt", &adopt, py::arg("ledger"), py::arg("storage"));
+  m.def("small_pair", &small_pair, py::arg("ledger"), py::arg("dst"), py::arg("src"), py::arg("limit"));
+  m.def("move_bytes", &move_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
 }

@@ -75,7 +75,7 @@ class Copies:
     _fault_lock: threading.Lock
     _copies: int
     _fault: tuple[int, FaultMode, str] | None
-    _small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int, int, int] | None] | None
+    _small_pair: Callable[[Any, Any], tuple[int, int, int, bool, bool] | None] | None
     _memmove: Callable[[int, int, int], Any]
 
     # the device's methods they call (device.py)
@@ -231,39 +231,26 @@ class Copies:
     # copy_'s general path asks each question of them through a helper per concern (the family's
     # ops, the plain and liveness checks twice per side, the arena per side, the gates, the link),
     # about 12 us of Python per copy for a memmove of 16 KiB. A device made without the sanitizer
-    # and with torch buffers first asks TorchBuffers.small_pair, which answers every check the
-    # general path makes of two exact ``torch.Tensor`` sides in one pass (or declines: then the
-    # general path runs, checks again and reports what is wrong); _copy_small then numbers the
-    # copy, books the link and moves the bytes under the stream's lock exactly as the inline path
-    # does, falling back to the general path's fault handling and queueing where that would. What
-    # it skips is only what cannot apply without the sanitizer: no jitter, no flight, no ordering
-    # check. A copy gate (tests) sends every copy down the general path.
+    # and with torch buffers first asks its ``_small_pair`` checker (torch_buffers.small_pair_checker),
+    # which answers every check the general path makes of two exact ``torch.Tensor`` sides in one
+    # pass, and which side is device memory (or declines: then the general path runs, checks again
+    # and reports what is wrong). With the allocator hook that pass is one call into the hook
+    # (``small_pair`` in _alloc_hook.cpp: the questions asked of the TensorImpls, and the hook's own
+    # table for the device's side; a Python call per question cost ~1.5 us a copy), and the bytes
+    # move with the hook's ``move_bytes``; with the dispatch accounting it is TorchBuffers.small_pair
+    # and the arena. _copy_small then numbers the copy, books the link and moves the bytes under the
+    # stream's lock exactly as the inline path does, falling back to the general path's fault
+    # handling and queueing where that would. What it skips is only what cannot apply without the
+    # sanitizer: no jitter, no flight, no ordering check. A closed copy gate (tests) queues the copy.
     def _copy_small(
-        self, dst: Any, src: Any, pair: tuple[int, Any, Any, int, int, int, int], stream: WorkerStream
+        self, dst: Any, src: Any, pair: tuple[int, int, int, bool, bool], stream: WorkerStream
     ) -> FakeEvent:
-        """copy_ of a pair TorchBuffers.small_pair accepted, on one of this device's copy streams.
+        """copy_ of a pair the ``_small_pair`` checker took, on one of this device's copy streams.
 
-        One flat function (it runs twice per offloaded activation): the arena's ``tier_of`` of both
-        sides, ``_count_copy``, ``_inline_small`` and the event's ``_land_at``, inlined.
+        One flat function (it runs twice per offloaded activation): ``_count_copy``, the inline copy
+        (``try_inline`` and ``_inline_copy``) and the event's ``_land_at``, inlined.
         """
-        nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
-        arena = self._arena
-        allocations, owns = arena._allocations, arena._owns
-        # each side's tier: a registered owner (host buffers) first, then the allocator hook's answer
-        known = allocations.get(id(src_storage))
-        if known is not None and known.ref() is src_storage:
-            src_on_device = known.tier is Tier.DEVICE
-        elif owns is not None and owns(src_base):
-            src_on_device = True
-        else:
-            src_on_device = arena.tier_of(src_storage) is Tier.DEVICE
-        known = allocations.get(id(dst_storage))
-        if known is not None and known.ref() is dst_storage:
-            dst_on_device = known.tier is Tier.DEVICE
-        elif owns is not None and owns(dst_base):
-            dst_on_device = True
-        else:
-            dst_on_device = arena.tier_of(dst_storage) is Tier.DEVICE
+        nbytes, dst_address, src_address, src_on_device, dst_on_device = pair
         direction = _DIRECTIONS[src_on_device, dst_on_device]
         with self._fault_lock:  # _count_copy, inlined
             number = self._copies = self._copies + 1
@@ -353,6 +340,15 @@ class Copies:
             self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
         return done, end
 
+    def _registered_on_device(self, storage: Any) -> bool:
+        """Whether a storage the allocator hook does not count is device memory (the arena's ``tier_of``,
+        registered owners first: host buffers)."""
+        arena = self._arena
+        known = arena._allocations.get(id(storage))
+        if known is not None and known.ref() is storage:
+            return known.tier is Tier.DEVICE
+        return arena.tier_of(storage) is Tier.DEVICE
+
     def _on_device_storage(self, storage: Any, base: int) -> bool:
         """Whether a storage small_pair took (``base``: its data pointer) is device memory: the arena's
         ``tier_of``, registered owners (host buffers) first, then the allocator hook's answer by address."""
@@ -393,13 +389,13 @@ class Copies:
         checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
         addresses: list[tuple[int, int] | None] = []  # per checked pair: (dst, src) when small_pair took it
         if not special:
-            small, on_device = self._small_pair, self._on_device_storage
+            small = self._small_pair
             gates = self._gates.any_copy_gates  # asked once: with no copy gate, no copy of the batch is held
             for dst, src in pairs:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
-                    nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
-                    direction = _DIRECTIONS[on_device(src_storage, src_base), on_device(dst_storage, dst_base)]
+                    nbytes, dst_address, src_address, src_on_device, dst_on_device = pair
+                    direction = _DIRECTIONS[src_on_device, dst_on_device]
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break

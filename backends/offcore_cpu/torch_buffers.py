@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from offcore_layout import TORCH, flat_tensor, match_layout, plain_tensor_problem
 
-__all__ = ["TorchBuffers", "TORCH_OPS"]
+__all__ = ["TorchBuffers", "TORCH_OPS", "small_pair_checker"]
 
 # what TorchBuffers.small_pair asks of each side, looked up once (Note [The small copy's fast path])
 _TENSOR = torch.Tensor
@@ -276,3 +277,51 @@ memmove_holding_gil = _memmove_holding_gil = ctypes.PYFUNCTYPE(
 
 
 TORCH_OPS = TorchBuffers()
+
+# what a device's small_pair checker answers: (nbytes, dst address, src address, src on the device, dst on the device)
+SmallPair = tuple[int, int, int, bool, bool]
+
+
+def small_pair_checker(
+    on_device: Callable[[Any, int], bool],
+    registered_on_device: Callable[[Any], bool],
+    native: Any = None,
+    ledger: Any = None,
+) -> Callable[[Any, Any], SmallPair | None]:
+    """A device's check of a fast-path pair (Note [The small copy's fast path] in copying.py).
+
+    ``native`` (the allocator hook's ``small_pair``, asked with ``ledger``, the device's) asks every
+    question of :meth:`TorchBuffers.small_pair` of the two TensorImpls in one call, and which side the
+    hook counts as the device's memory; a side it does not count is looked up with
+    ``registered_on_device(storage)`` (the arena's registered owners: host buffers). Without it,
+    :meth:`TorchBuffers.small_pair` and ``on_device(storage, storage address)`` per side.
+    """
+    if native is None:
+        python = TorchBuffers.small_pair
+
+        def check(dst: Any, src: Any) -> SmallPair | None:
+            pair = python(dst, src)
+            if pair is None:
+                return None
+            nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
+            return nbytes, dst_address, src_address, on_device(src_storage, src_base), on_device(dst_storage, dst_base)
+
+        return check
+    limit = _GIL_HELD_COPY_LIMIT
+
+    def check_natively(dst: Any, src: Any) -> SmallPair | None:
+        if type(dst) is not _TENSOR or type(src) is not _TENSOR:  # no subclass: the TensorImpl is the tensor
+            return None
+        pair = native(ledger, dst, src, limit)
+        if pair is None:
+            return None
+        nbytes, dst_address, src_address, hooked = pair  # hooked: bit 0 the destination, bit 1 the source
+        return (
+            nbytes,
+            dst_address,
+            src_address,
+            True if hooked & 2 else registered_on_device(src.untyped_storage()),
+            True if hooked & 1 else registered_on_device(dst.untyped_storage()),
+        )
+
+    return check_natively

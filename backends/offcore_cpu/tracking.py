@@ -361,8 +361,9 @@ class StorageTracker:
         self.accounting: Accounting = resolve_accounting(accounting)
         self._local = threading.local()  # .depth, .mode, .suspended
         self.ledger: Any = None  # the allocator hook's ledger ("allocator" accounting)
+        self.hook: Any = None  # the allocator hook's module ("allocator" accounting)
         if self.accounting == "allocator":
-            hook = allocator_hook()
+            hook = self.hook = allocator_hook()
             # No reference to the arena or the ledger in the callable: the ledger (C++) holds it.
             oom = functools.partial(_hook_out_of_memory, arena.device_name, arena.capacity, arena.error_class)
             self.ledger = hook.Ledger(arena.capacity, poison_uninitialised, oom)
