@@ -144,8 +144,18 @@ struct Entry {
   c10::DeleterFnPtr deleter;
 };
 
-std::mutex g_mu;  // guards g_live
+std::mutex g_mu;  // guards g_live and g_host
 std::unordered_map<void*, Entry> g_live;
+
+// Note [Host buffers the hook knows]: the device's host buffers (its arena's pinned and pageable owners)
+// by data pointer, with their StorageImpl, so small_pair can tell a host side without a Python lookup.
+// Marked when the arena starts counting one, unmarked when it forgets it (the storage died); a storage
+// whose data moved (resize_) or an address reused by another StorageImpl is simply not found.
+struct HostMark {
+  std::shared_ptr<Ledger> ledger;
+  const c10::StorageImpl* impl;
+};
+std::unordered_map<void*, HostMark> g_host;
 c10::Allocator* g_previous = nullptr;
 
 thread_local std::shared_ptr<Ledger> tl_ledger;
@@ -357,9 +367,11 @@ bool adopt(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
 // nor functional -- and contiguous, the same byte count of at most ``limit``, the source neither a lazy conj
 // nor neg view, each inside its storage's bytes), asked of the TensorImpls without a Python call per
 // question, plus which side the allocator hook counts on ``ledger`` (``owns`` of each storage's data
-// pointer). The caller has checked that both are exactly ``torch.Tensor`` (no subclass). None: declined
-// (the general path checks again and reports); else (nbytes, dst address, src address, hooked) with
-// hooked's bit 0 for the destination and bit 1 for the source.
+// pointer) and which side is one of the device's host buffers (Note [Host buffers the hook knows]). The
+// caller has checked that both are exactly ``torch.Tensor`` (no subclass). None: declined (the general
+// path checks again and reports); else (nbytes, dst address, src address, known): known's bits 0 and 1
+// say the destination, the source is device memory, bits 2 and 3 that it is a host buffer (neither: ask
+// the arena).
 bool plain_contiguous(const at::Tensor& t) {
   if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) {
     return false;
@@ -397,7 +409,7 @@ pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, const at::Ten
   uintptr_t src_address = reinterpret_cast<uintptr_t>(src.const_data_ptr());
   void* dst_base = dst_storage.unsafeGetStorageImpl()->data_ptr().get();
   void* src_base = src_storage.unsafeGetStorageImpl()->data_ptr().get();
-  int hooked = 0;
+  int known = 0;
   {
     std::lock_guard<std::mutex> guard(g_mu);
     for (int side = 0; side < 2; ++side) {
@@ -407,11 +419,40 @@ pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, const at::Ten
       }
       auto it = g_live.find(base);
       if (it != g_live.end() && it->second.ledger == ledger && it->second.kind != Kind::Scalar) {
-        hooked |= 1 << side;
+        known |= 1 << side;  // device memory
+        continue;
+      }
+      const c10::StorageImpl* impl = (side == 0 ? dst_storage : src_storage).unsafeGetStorageImpl();
+      auto host = g_host.find(base);
+      if (host != g_host.end() && host->second.ledger == ledger && host->second.impl == impl) {
+        known |= 4 << side;  // one of the device's host buffers
       }
     }
   }
-  return pybind11::make_tuple(nbytes, dst_address, src_address, hooked);
+  return pybind11::make_tuple(nbytes, dst_address, src_address, known);
+}
+
+// Note [Host buffers the hook knows]: the data pointer marked (0: none, an empty storage).
+uintptr_t mark_host(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  if (impl == nullptr || impl->device_type() != c10::DeviceType::CPU) {
+    return 0;
+  }
+  void* base = impl->data_ptr().get();
+  if (base == nullptr) {
+    return 0;
+  }
+  std::lock_guard<std::mutex> guard(g_mu);
+  g_host[base] = HostMark{ledger, impl};
+  return reinterpret_cast<uintptr_t>(base);
+}
+
+void unmark_host(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
+  std::lock_guard<std::mutex> guard(g_mu);
+  auto it = g_host.find(reinterpret_cast<void*>(address));
+  if (it != g_host.end() && it->second.ledger == ledger) {
+    g_host.erase(it);
+  }
 }
 
 // memmove without releasing the GIL (Note [Small copies keep the GIL] in torch_buffers.py)
@@ -451,5 +492,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
   m.def("adopt", &adopt, py::arg("ledger"), py::arg("storage"));
   m.def("small_pair", &small_pair, py::arg("ledger"), py::arg("dst"), py::arg("src"), py::arg("limit"));
+  m.def("mark_host", &mark_host, py::arg("ledger"), py::arg("storage"));
+  m.def("unmark_host", &unmark_host, py::arg("ledger"), py::arg("address"));
   m.def("move_bytes", &move_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
 }

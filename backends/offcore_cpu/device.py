@@ -474,7 +474,7 @@ class FakeDevice(Copies):
         tier = Tier.PINNED if pinned else Tier.PAGEABLE
         return FakeHostBufferPool(
             lambda nbytes: self.allocate(nbytes, tier),
-            poison=self._release_host,
+            poison=self._release_host if self._sanitizer.enabled else None,
             budget=budget,
             block_size=block_size,
             alignment=alignment,

@@ -292,8 +292,9 @@ def small_pair_checker(
 
     ``native`` (the allocator hook's ``small_pair``, asked with ``ledger``, the device's) asks every
     question of :meth:`TorchBuffers.small_pair` of the two TensorImpls in one call, and which side the
-    hook counts as the device's memory; a side it does not count is looked up with
-    ``registered_on_device(storage)`` (the arena's registered owners: host buffers). Without it,
+    hook counts as the device's memory or knows as one of its host buffers (Note [Host buffers the hook
+    knows] in _alloc_hook.cpp); a side it knows neither way is looked up with
+    ``registered_on_device(storage)`` (the arena). Without it,
     :meth:`TorchBuffers.small_pair` and ``on_device(storage, storage address)`` per side.
     """
     if native is None:
@@ -315,13 +316,14 @@ def small_pair_checker(
         pair = native(ledger, dst, src, limit)
         if pair is None:
             return None
-        nbytes, dst_address, src_address, hooked = pair  # hooked: bit 0 the destination, bit 1 the source
+        # known: bits 0, 1: the destination, the source is device memory; bits 2, 3: one of the device's host buffers
+        nbytes, dst_address, src_address, known = pair
         return (
             nbytes,
             dst_address,
             src_address,
-            True if hooked & 2 else registered_on_device(src.untyped_storage()),
-            True if hooked & 1 else registered_on_device(dst.untyped_storage()),
+            True if known & 2 else False if known & 8 else registered_on_device(src.untyped_storage()),
+            True if known & 1 else False if known & 4 else registered_on_device(dst.untyped_storage()),
         )
 
     return check_natively

@@ -215,8 +215,18 @@ def _pair_cases(dev: Any) -> dict[str, tuple[Any, Any]]:
     freed_view = freed[4:]
     freed.untyped_storage().resize_(0)
     complex_ = torch.randn(4, dtype=torch.complex64)
+    pageable, moved = dev.allocate(4096, Tier.PAGEABLE), dev.allocate(4096, Tier.PINNED)
+    old_address = moved.untyped_storage().data_ptr()
+    with dev.host_work():
+        moved.untyped_storage().resize_(1 << 20)  # its bytes move: the hook's mark of its old address goes stale
+    moved = moved.untyped_storage()  # the grown storage, all of it
+    moved_view = torch.empty(0, dtype=torch.uint8).set_(moved, 0, (4096,))
+    assert moved.data_ptr() != old_address
     return {
         "d2h": (host, on_device),
+        "pageable": (pageable, on_device),
+        "moved host buffer": (on_device, moved_view),
+        "host to host": (pageable, host),
         "h2d": (on_device, host),
         "h2d typed": (floats, host),
         "slices": (on_device[1024:3072], host[:2048]),
