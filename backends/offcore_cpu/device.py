@@ -397,10 +397,17 @@ class FakeDevice(Copies):
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
-        probe = self._arena._probe
-        if probe is not None and probe(owner):
+        arena = self._arena
+        owns = arena._owns
+        if owns is not None and ops is self._ops:  # a torch storage: the hook's owns by address, asked directly
+            try:
+                if owns(owner.data_ptr()):
+                    return True
+            except (RuntimeError, NotImplementedError):  # meta storages and the like: the arena answers
+                pass
+        elif arena._probe is not None and arena._probe(owner):
             return True
-        return self._arena.tier_of(owner) is Tier.DEVICE
+        return arena.tier_of(owner) is Tier.DEVICE
 
     def _on_device(self, ops: BufferOps | None, buffer: Any) -> bool:
         """:meth:`holds` when the buffer's family is already known (copy_ looks it up once)."""
@@ -455,6 +462,9 @@ class FakeDevice(Copies):
         >>> dev.allocated_bytes() == dev.memory_stats()["allocated_bytes"]   # doctest: +SKIP
         True
         """
+        ledger = self._arena._ledger  # the allocator hook's: read under its own lock (once per prefetch decision)
+        if ledger is not None:
+            return int(ledger.current())
         return self._arena.allocated(Tier.DEVICE)
 
     def reset_peak_memory_stats(self) -> None:
