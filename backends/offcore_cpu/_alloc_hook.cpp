@@ -15,6 +15,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
 #include <cstring>
@@ -367,11 +368,10 @@ bool adopt(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
 // nor functional -- and contiguous, the same byte count of at most ``limit``, the source neither a lazy conj
 // nor neg view, each inside its storage's bytes), asked of the TensorImpls without a Python call per
 // question, plus which side the allocator hook counts on ``ledger`` (``owns`` of each storage's data
-// pointer) and which side is one of the device's host buffers (Note [Host buffers the hook knows]). The
-// caller has checked that both are exactly ``torch.Tensor`` (no subclass). None: declined (the general
-// path checks again and reports); else (nbytes, dst address, src address, known): known's bits 0 and 1
-// say the destination, the source is device memory, bits 2 and 3 that it is a host buffer (neither: ask
-// the arena).
+// pointer) and which side is one of the device's host buffers (Note [Host buffers the hook knows]). Both
+// must be exactly ``torch.Tensor`` (no subclass). None: declined (the general path checks again and
+// reports); else (nbytes, dst address, src address, known): known's bits 0 and 1 say the destination, the
+// source is device memory, bits 2 and 3 that it is a host buffer (neither: ask the arena).
 bool plain_contiguous(const at::Tensor& t) {
   if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) {
     return false;
@@ -385,8 +385,15 @@ bool plain_contiguous(const at::Tensor& t) {
   return !t.is_nested() && !t.is_quantized() && !t.is_meta() && t.device().is_cpu() && t.is_contiguous();
 }
 
-pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, const at::Tensor& dst, const at::Tensor& src,
-                            int64_t limit) {
+pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, int64_t limit, pybind11::handle dst_object,
+                            pybind11::handle src_object) {
+  // exactly torch.Tensor (no subclass: its TensorImpl is all there is to it)
+  PyTypeObject* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  if (tensor_type == nullptr || Py_TYPE(dst_object.ptr()) != tensor_type || Py_TYPE(src_object.ptr()) != tensor_type) {
+    return pybind11::none();
+  }
+  const at::Tensor& dst = THPVariable_Unpack(dst_object.ptr());
+  const at::Tensor& src = THPVariable_Unpack(src_object.ptr());
   if (!plain_contiguous(dst) || !plain_contiguous(src) || src.is_conj() || src.is_neg()) {
     return pybind11::none();
   }
@@ -491,7 +498,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_current", &get_current);
   m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
   m.def("adopt", &adopt, py::arg("ledger"), py::arg("storage"));
-  m.def("small_pair", &small_pair, py::arg("ledger"), py::arg("dst"), py::arg("src"), py::arg("limit"));
+  m.def("small_pair", &small_pair, py::arg("ledger"), py::arg("limit"), py::arg("dst"), py::arg("src"));
   m.def("mark_host", &mark_host, py::arg("ledger"), py::arg("storage"));
   m.def("unmark_host", &unmark_host, py::arg("ledger"), py::arg("address"));
   m.def("move_bytes", &move_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"));

@@ -55,6 +55,9 @@ _DIRECTIONS = {
     (True, True): Direction.D2D,
     (False, False): Direction.H2H,
 }
+# a fast-path copy's direction by its checker's known bits, when it knows both sides (torch_buffers.SmallPair:
+# 1, 2 the destination, the source on the device; 4, 8 in host memory)
+_BY_KNOWN = {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}
 
 
 class Copies:
@@ -75,7 +78,7 @@ class Copies:
     _fault_lock: threading.Lock
     _copies: int
     _fault: tuple[int, FaultMode, str] | None
-    _small_pair: Callable[[Any, Any], tuple[int, int, int, bool, bool] | None] | None
+    _small_pair: Callable[[Any, Any], tuple[int, int, int, int] | None] | None
     _memmove: Callable[[int, int, int], Any]
 
     # the device's methods they call (device.py)
@@ -242,16 +245,16 @@ class Copies:
     # stream's lock exactly as the inline path does, falling back to the general path's fault
     # handling and queueing where that would. What it skips is only what cannot apply without the
     # sanitizer: no jitter, no flight, no ordering check. A closed copy gate (tests) queues the copy.
-    def _copy_small(
-        self, dst: Any, src: Any, pair: tuple[int, int, int, bool, bool], stream: WorkerStream
-    ) -> FakeEvent:
+    def _copy_small(self, dst: Any, src: Any, pair: tuple[int, int, int, int], stream: WorkerStream) -> FakeEvent:
         """copy_ of a pair the ``_small_pair`` checker took, on one of this device's copy streams.
 
         One flat function (it runs twice per offloaded activation): ``_count_copy``, the inline copy
         (``try_inline`` and ``_inline_copy``) and the event's ``_land_at``, inlined.
         """
-        nbytes, dst_address, src_address, src_on_device, dst_on_device = pair
-        direction = _DIRECTIONS[src_on_device, dst_on_device]
+        nbytes, dst_address, src_address, known = pair
+        direction = _BY_KNOWN.get(known)
+        if direction is None:
+            direction = self._direction_of(dst, src, known)
         with self._fault_lock:  # _count_copy, inlined
             number = self._copies = self._copies + 1
             armed = self._fault
@@ -340,6 +343,13 @@ class Copies:
             self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
         return done, end
 
+    def _direction_of(self, dst: Any, src: Any, known: int) -> Direction:
+        """The direction of a fast-path pair whose checker did not know a side (a storage neither the hook
+        counts nor knows as a host buffer): that side from the arena."""
+        src_on_device = True if known & 2 else False if known & 8 else self._registered_on_device(src.untyped_storage())
+        dst_on_device = True if known & 1 else False if known & 4 else self._registered_on_device(dst.untyped_storage())
+        return _DIRECTIONS[src_on_device, dst_on_device]
+
     def _registered_on_device(self, storage: Any) -> bool:
         """Whether a storage the allocator hook does not count is device memory (the arena's ``tier_of``,
         registered owners first: host buffers)."""
@@ -394,8 +404,8 @@ class Copies:
             for dst, src in pairs:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
-                    nbytes, dst_address, src_address, src_on_device, dst_on_device = pair
-                    direction = _DIRECTIONS[src_on_device, dst_on_device]
+                    nbytes, dst_address, src_address, known = pair
+                    direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break

@@ -166,16 +166,13 @@ class FakeDevice(Copies):
         self._finalizer = weakref.finalize(self, _close_streams, self._streams, self._op_check)
         self._closed = False
         # Note [The small copy's fast path] in copying.py: the pair check it asks first
-        self._small_pair: Callable[[Any, Any], tuple[int, int, int, bool, bool] | None] | None = None
+        self._small_pair: Callable[[Any, Any], tuple[int, int, int, int] | None] | None = None
         if self.options.buffers == "torch" and not self.options.sanitize:
             from offcore_cpu.torch_buffers import memmove_holding_gil, small_pair_checker
 
             hook = self._tracker.hook  # None with the dispatch accounting: the checks in Python
             self._small_pair = small_pair_checker(
-                self._on_device_storage,
-                self._registered_on_device,
-                None if hook is None else hook.small_pair,
-                self._tracker.ledger,
+                self._on_device_storage, None if hook is None else hook.small_pair, self._tracker.ledger
             )
             self._memmove = memmove_holding_gil if hook is None else hook.move_bytes
 

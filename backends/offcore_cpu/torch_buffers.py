@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -278,52 +279,36 @@ memmove_holding_gil = _memmove_holding_gil = ctypes.PYFUNCTYPE(
 
 TORCH_OPS = TorchBuffers()
 
-# what a device's small_pair checker answers: (nbytes, dst address, src address, src on the device, dst on the device)
-SmallPair = tuple[int, int, int, bool, bool]
+# what a device's small_pair checker answers: (nbytes, dst address, src address, known), where known's bits 0
+# and 1 say the destination, the source is device memory, bits 2 and 3 that it is host memory; a side with
+# neither bit set is for the device to look up (SIDES_KNOWN: the values with both sides known)
+SmallPair = tuple[int, int, int, int]
+DEVICE_DST, DEVICE_SRC, HOST_DST, HOST_SRC = 1, 2, 4, 8
 
 
 def small_pair_checker(
-    on_device: Callable[[Any, int], bool],
-    registered_on_device: Callable[[Any], bool],
-    native: Any = None,
-    ledger: Any = None,
+    on_device: Callable[[Any, int], bool], native: Any = None, ledger: Any = None
 ) -> Callable[[Any, Any], SmallPair | None]:
     """A device's check of a fast-path pair (Note [The small copy's fast path] in copying.py).
 
     ``native`` (the allocator hook's ``small_pair``, asked with ``ledger``, the device's) asks every
-    question of :meth:`TorchBuffers.small_pair` of the two TensorImpls in one call, and which side the
-    hook counts as the device's memory or knows as one of its host buffers (Note [Host buffers the hook
-    knows] in _alloc_hook.cpp); a side it knows neither way is looked up with
-    ``registered_on_device(storage)`` (the arena). Without it,
+    question of :meth:`TorchBuffers.small_pair` of the two tensors in one call, and which side the
+    hook counts as the device's memory or knows as one of its host buffers (Note [Host buffers the
+    hook knows] in _alloc_hook.cpp); the checker is that call itself. Without it,
     :meth:`TorchBuffers.small_pair` and ``on_device(storage, storage address)`` per side.
     """
-    if native is None:
-        python = TorchBuffers.small_pair
+    if native is not None:
+        return functools.partial(native, ledger, _GIL_HELD_COPY_LIMIT)
+    python = TorchBuffers.small_pair
 
-        def check(dst: Any, src: Any) -> SmallPair | None:
-            pair = python(dst, src)
-            if pair is None:
-                return None
-            nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
-            return nbytes, dst_address, src_address, on_device(src_storage, src_base), on_device(dst_storage, dst_base)
-
-        return check
-    limit = _GIL_HELD_COPY_LIMIT
-
-    def check_natively(dst: Any, src: Any) -> SmallPair | None:
-        if type(dst) is not _TENSOR or type(src) is not _TENSOR:  # no subclass: the TensorImpl is the tensor
-            return None
-        pair = native(ledger, dst, src, limit)
+    def check(dst: Any, src: Any) -> SmallPair | None:
+        pair = python(dst, src)
         if pair is None:
             return None
-        # known: bits 0, 1: the destination, the source is device memory; bits 2, 3: one of the device's host buffers
-        nbytes, dst_address, src_address, known = pair
-        return (
-            nbytes,
-            dst_address,
-            src_address,
-            True if known & 2 else False if known & 8 else registered_on_device(src.untyped_storage()),
-            True if known & 1 else False if known & 4 else registered_on_device(dst.untyped_storage()),
+        nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
+        known = (DEVICE_DST if on_device(dst_storage, dst_base) else HOST_DST) | (
+            DEVICE_SRC if on_device(src_storage, src_base) else HOST_SRC
         )
+        return nbytes, dst_address, src_address, known
 
-    return check_natively
+    return check
