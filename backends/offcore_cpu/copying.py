@@ -55,6 +55,13 @@ _DIRECTIONS = {
     (True, True): Direction.D2D,
     (False, False): Direction.H2H,
 }
+# Note [The copy log holds no tracked objects]
+# The copy log is a ring of the last copy_log_limit (4096) copies, one tuple per copy. A tuple holding
+# a Direction (an enum member: an object the garbage collector tracks) stays tracked, survives the young
+# collections into the oldest generation, and each one counted there brings the next full collection
+# (of every object of the program, ~100 ms) closer. The ring holds each direction's value (a str), so
+# its tuples hold only strings and numbers: the collector untracks them at their first collection.
+_BY_VALUE = {direction.value: direction for direction in Direction}
 # a fast-path copy's direction by its checker's known bits, when it knows both sides (torch_buffers.SmallPair:
 # 1, 2 the destination, the source on the device; 4, 8 in host memory)
 _BY_KNOWN = {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}
@@ -285,7 +292,7 @@ class Copies:
                     if end > state.busy_until:
                         state.busy_until = end
                     self._copy_log.append(
-                        (name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
+                        (name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
                     )
         if span is None:
             return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
@@ -323,11 +330,12 @@ class Copies:
                 if spans is None:  # a queued copy holds the link: the rest is queued
                     break
                 number = first + done
+                code = direction._value_  # Note [The copy log holds no tracked objects]
                 for nbytes, (start, end), (dst_address, src_address) in zip(
                     sizes, spans, addresses[done:stop], strict=True
                 ):
                     memmove(dst_address, src_address, nbytes)
-                    log((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
+                    log((name, code, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
                     number += 1
                 assert end is not None
                 if end > state.busy_until:
@@ -617,7 +625,18 @@ class Copies:
         self._copy_bytes(ops, dst, src)
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         self._copy_log.append(
-            (stream_name, direction, nbytes, enqueued, start, end, 0.0, number, ops.address(src), ops.address(dst))
+            (
+                stream_name,
+                direction._value_,
+                nbytes,
+                enqueued,
+                start,
+                end,
+                0.0,
+                number,
+                ops.address(src),
+                ops.address(dst),
+            )
         )
         return end
 
@@ -653,7 +672,18 @@ class Copies:
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         # a tuple per copy; copy_log() builds the dicts only when asked
         self._copy_log.append(
-            (stream_name, direction, nbytes, enqueued, start, end, jitter, number, ops.address(src), ops.address(dst))
+            (
+                stream_name,
+                direction._value_,
+                nbytes,
+                enqueued,
+                start,
+                end,
+                jitter,
+                number,
+                ops.address(src),
+                ops.address(dst),
+            )
         )
         return end
 
@@ -685,7 +715,18 @@ class Copies:
         self.ledger.record_copy(flight.direction, flight.nbytes, seconds=end - start)
         src, dst = flight.ranges["src"][0], flight.ranges["dst"][0]
         self._copy_log.append(
-            (flight.stream, flight.direction, flight.nbytes, enqueued, start, end, jitter, flight.number, src, dst)
+            (
+                flight.stream,
+                flight.direction._value_,
+                flight.nbytes,
+                enqueued,
+                start,
+                end,
+                jitter,
+                flight.number,
+                src,
+                dst,
+            )
         )
         return end
 
@@ -717,12 +758,12 @@ class Copies:
         return [
             {
                 "stream": stream_name,
-                "direction": direction.value,
+                "direction": direction,
                 "bytes": nbytes,
                 "enqueued": enqueued,
                 "start": start,
                 "end": end,
-                "emulated_seconds": duration(direction, nbytes) + jitter,
+                "emulated_seconds": duration(_BY_VALUE[direction], nbytes) + jitter,
                 "number": number,
                 "src": src,
                 "dst": dst,
