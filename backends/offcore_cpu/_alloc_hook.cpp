@@ -152,8 +152,10 @@ std::unordered_map<void*, Entry> g_live;
 // by data pointer, with their StorageImpl, so small_pair can tell a host side without a Python lookup.
 // Marked when the arena starts counting one, unmarked when it forgets it (the storage died); a storage
 // whose data moved (resize_) or an address reused by another StorageImpl is simply not found.
+// (A mark does not keep its device's ledger alive: an arena collected before its host buffers never
+// unmarks them, and an expired ledger matches no device.)
 struct HostMark {
-  std::shared_ptr<Ledger> ledger;
+  std::weak_ptr<Ledger> ledger;
   const c10::StorageImpl* impl;
 };
 std::unordered_map<void*, HostMark> g_host;
@@ -431,7 +433,7 @@ pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, int64_t limit
       }
       const c10::StorageImpl* impl = (side == 0 ? dst_storage : src_storage).unsafeGetStorageImpl();
       auto host = g_host.find(base);
-      if (host != g_host.end() && host->second.ledger == ledger && host->second.impl == impl) {
+      if (host != g_host.end() && host->second.impl == impl && host->second.ledger.lock() == ledger) {
         known |= 4 << side;  // one of the device's host buffers
       }
     }
@@ -457,7 +459,11 @@ uintptr_t mark_host(const std::shared_ptr<Ledger>& ledger, const at::Storage& st
 void unmark_host(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
   std::lock_guard<std::mutex> guard(g_mu);
   auto it = g_host.find(reinterpret_cast<void*>(address));
-  if (it != g_host.end() && it->second.ledger == ledger) {
+  if (it == g_host.end()) {
+    return;
+  }
+  std::shared_ptr<Ledger> owner = it->second.ledger.lock();
+  if (owner == nullptr || owner == ledger) {  // this device's mark, or one a collected device left behind
     g_host.erase(it);
   }
 }
