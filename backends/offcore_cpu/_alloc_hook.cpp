@@ -15,6 +15,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
 #include <cstring>
@@ -144,8 +145,20 @@ struct Entry {
   c10::DeleterFnPtr deleter;
 };
 
-std::mutex g_mu;  // guards g_live
+std::mutex g_mu;  // guards g_live and g_host
 std::unordered_map<void*, Entry> g_live;
+
+// Note [Host buffers the hook knows]: the device's host buffers (its arena's pinned and pageable owners)
+// by data pointer, with their StorageImpl, so small_pair can tell a host side without a Python lookup.
+// Marked when the arena starts counting one, unmarked when it forgets it (the storage died); a storage
+// whose data moved (resize_) or an address reused by another StorageImpl is simply not found.
+// (A mark does not keep its device's ledger alive: an arena collected before its host buffers never
+// unmarks them, and an expired ledger matches no device.)
+struct HostMark {
+  std::weak_ptr<Ledger> ledger;
+  const c10::StorageImpl* impl;
+};
+std::unordered_map<void*, HostMark> g_host;
 c10::Allocator* g_previous = nullptr;
 
 thread_local std::shared_ptr<Ledger> tl_ledger;
@@ -352,6 +365,114 @@ bool adopt(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
   return true;
 }
 
+// Note [The small copy's fast path] (copying.py), its checks in one call: TorchBuffers.small_pair's
+// questions of two tensors (each side plain -- strided, neither nested, quantized, meta, functorch-wrapped
+// nor functional -- and contiguous, the same byte count of at most ``limit``, the source neither a lazy conj
+// nor neg view, each inside its storage's bytes), asked of the TensorImpls without a Python call per
+// question, plus which side the allocator hook counts on ``ledger`` (``owns`` of each storage's data
+// pointer) and which side is one of the device's host buffers (Note [Host buffers the hook knows]). Both
+// must be exactly ``torch.Tensor`` (no subclass). None: declined (the general path checks again and
+// reports); else (nbytes, dst address, src address, known): known's bits 0 and 1 say the destination, the
+// source is device memory, bits 2 and 3 that it is a host buffer (neither: ask the arena).
+bool plain_contiguous(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) {
+    return false;
+  }
+  c10::DispatchKeySet keys = t.key_set();
+  if (keys.has(c10::DispatchKey::Functionalize) || keys.has(c10::DispatchKey::FuncTorchGradWrapper) ||
+      keys.has(c10::DispatchKey::FuncTorchBatched) || keys.has(c10::DispatchKey::BatchedNestedTensor) ||
+      keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Meta)) {
+    return false;
+  }
+  return !t.is_nested() && !t.is_quantized() && !t.is_meta() && t.device().is_cpu() && t.is_contiguous();
+}
+
+pybind11::object small_pair(const std::shared_ptr<Ledger>& ledger, int64_t limit, pybind11::handle dst_object,
+                            pybind11::handle src_object) {
+  // exactly torch.Tensor (no subclass: its TensorImpl is all there is to it)
+  PyTypeObject* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  if (tensor_type == nullptr || Py_TYPE(dst_object.ptr()) != tensor_type || Py_TYPE(src_object.ptr()) != tensor_type) {
+    return pybind11::none();
+  }
+  const at::Tensor& dst = THPVariable_Unpack(dst_object.ptr());
+  const at::Tensor& src = THPVariable_Unpack(src_object.ptr());
+  if (!plain_contiguous(dst) || !plain_contiguous(src) || src.is_conj() || src.is_neg()) {
+    return pybind11::none();
+  }
+  int64_t nbytes = static_cast<int64_t>(dst.nbytes());
+  if (nbytes > limit || nbytes != static_cast<int64_t>(src.nbytes())) {
+    return pybind11::none();
+  }
+  const c10::Storage& dst_storage = dst.storage();
+  const c10::Storage& src_storage = src.storage();
+  // a contiguous tensor's bytes start storage_offset * element_size into its storage
+  int64_t dst_start = dst.storage_offset() * static_cast<int64_t>(dst.element_size());
+  int64_t src_start = src.storage_offset() * static_cast<int64_t>(src.element_size());
+  if (nbytes != 0 && (dst_start + nbytes > static_cast<int64_t>(dst_storage.nbytes()) ||
+                      src_start + nbytes > static_cast<int64_t>(src_storage.nbytes()))) {
+    return pybind11::none();  // a freed or shrunk storage: the general path raises
+  }
+  // the addresses Python's data_ptr() gives (the destination's as written to: a lazily cloned storage is
+  // materialised first), then the storages' own, which the hook knows its allocations by
+  uintptr_t dst_address = reinterpret_cast<uintptr_t>(dst.mutable_data_ptr());
+  uintptr_t src_address = reinterpret_cast<uintptr_t>(src.const_data_ptr());
+  void* dst_base = dst_storage.unsafeGetStorageImpl()->data_ptr().get();
+  void* src_base = src_storage.unsafeGetStorageImpl()->data_ptr().get();
+  int known = 0;
+  {
+    std::lock_guard<std::mutex> guard(g_mu);
+    for (int side = 0; side < 2; ++side) {
+      void* base = side == 0 ? dst_base : src_base;
+      if (base == nullptr) {
+        continue;
+      }
+      auto it = g_live.find(base);
+      if (it != g_live.end() && it->second.ledger == ledger && it->second.kind != Kind::Scalar) {
+        known |= 1 << side;  // device memory
+        continue;
+      }
+      const c10::StorageImpl* impl = (side == 0 ? dst_storage : src_storage).unsafeGetStorageImpl();
+      auto host = g_host.find(base);
+      if (host != g_host.end() && host->second.impl == impl && host->second.ledger.lock() == ledger) {
+        known |= 4 << side;  // one of the device's host buffers
+      }
+    }
+  }
+  return pybind11::make_tuple(nbytes, dst_address, src_address, known);
+}
+
+// Note [Host buffers the hook knows]: the data pointer marked (0: none, an empty storage).
+uintptr_t mark_host(const std::shared_ptr<Ledger>& ledger, const at::Storage& storage) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  if (impl == nullptr || impl->device_type() != c10::DeviceType::CPU) {
+    return 0;
+  }
+  void* base = impl->data_ptr().get();
+  if (base == nullptr) {
+    return 0;
+  }
+  std::lock_guard<std::mutex> guard(g_mu);
+  g_host[base] = HostMark{ledger, impl};
+  return reinterpret_cast<uintptr_t>(base);
+}
+
+void unmark_host(const std::shared_ptr<Ledger>& ledger, uintptr_t address) {
+  std::lock_guard<std::mutex> guard(g_mu);
+  auto it = g_host.find(reinterpret_cast<void*>(address));
+  if (it == g_host.end()) {
+    return;
+  }
+  std::shared_ptr<Ledger> owner = it->second.ledger.lock();
+  if (owner == nullptr || owner == ledger) {  // this device's mark, or one a collected device left behind
+    g_host.erase(it);
+  }
+}
+
+// memmove without releasing the GIL (Note [Small copies keep the GIL] in torch_buffers.py)
+void move_bytes(uintptr_t dst, uintptr_t src, size_t nbytes) {
+  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+}
+
 int64_t locked(Ledger& ledger, int64_t Ledger::*field) {
   std::lock_guard<std::mutex> guard(ledger.mu);
   return ledger.*field;
@@ -383,4 +504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_current", &get_current);
   m.def("owns", &owns, py::arg("ledger"), py::arg("address"));
   m.def("adopt", &adopt, py::arg("ledger"), py::arg("storage"));
+  m.def("small_pair", &small_pair, py::arg("ledger"), py::arg("limit"), py::arg("dst"), py::arg("src"));
+  m.def("mark_host", &mark_host, py::arg("ledger"), py::arg("storage"));
+  m.def("unmark_host", &unmark_host, py::arg("ledger"), py::arg("address"));
+  m.def("move_bytes", &move_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
 }

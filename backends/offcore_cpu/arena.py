@@ -40,6 +40,7 @@ class _Allocation:
     nbytes: int
     ref: weakref.ref  # type: ignore[type-arg]
     count: int  # 1 while it holds memory, 0 while empty (resized to 0): device_allocations counts it
+    marked: int = 0  # a host owner's data pointer the allocator hook knows it by (Note [Host buffers the hook knows])
 
 
 class MemoryArena:
@@ -73,21 +74,36 @@ class MemoryArena:
         self._ledger: Any = None
         self._probe: Callable[[Any], bool] | None = None
         self._take_over: Callable[[Any], bool] | None = None
+        # probe by a storage's data pointer: the small copy's fast path asks it (Note [The small copy's fast path])
+        self._owns: Callable[[int], bool] | None = None
+        # Note [Host buffers the hook knows] (_alloc_hook.cpp): host owners marked in the hook, unmarked when they die
+        self._mark_host: Callable[[Any], int] | None = None
+        self._unmark_host: Callable[[int], None] | None = None
 
     def use_ledger(
-        self, ledger: Any, probe: Callable[[Any], bool], take_over: Callable[[Any], bool] | None = None
+        self,
+        ledger: Any,
+        probe: Callable[[Any], bool],
+        take_over: Callable[[Any], bool] | None = None,
+        owns: Callable[[int], bool] | None = None,
+        host_marks: tuple[Callable[[Any], int], Callable[[int], None]] | None = None,
     ) -> None:
         """Keep the device tier's figures in ``ledger`` (the allocator hook's); ``probe(owner)`` tells
         whether the hook counts ``owner`` on this device; ``take_over(owner)`` hands a newly registered
         device owner, already charged to the ledger, to the hook (True) so that its frees and resizes
-        are counted where they happen (Note [Adopted storages are the hook's]). Only before anything
-        is counted on the device."""
+        are counted where they happen (Note [Adopted storages are the hook's]); ``owns(address)``
+        is ``probe`` of a storage by its data pointer, for callers that checked it is a live CPU
+        storage; ``host_marks`` (mark, unmark) tell the hook about host owners while they are counted
+        (Note [Host buffers the hook knows] in _alloc_hook.cpp). Only before anything is counted on the device."""
         with self._lock:
             if self._current[Tier.DEVICE] or self._counts[Tier.DEVICE]:
                 raise ConfigurationError("the fake device's ledger can only be replaced before any device allocation")
             self._ledger = ledger
             self._probe = probe
             self._take_over = take_over
+            self._owns = owns
+            if host_marks is not None:
+                self._mark_host, self._unmark_host = host_marks
 
     # -- registration -------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -139,7 +155,10 @@ class MemoryArena:
         if tier is Tier.DEVICE and count and self._take_over is not None and self._take_over(owner):
             return  # the hook credits the ledger when the memory is freed
         ref = weakref.ref(owner, functools.partial(self._forget, key))
-        self._allocations[key] = _Allocation(tier, nbytes, ref, count)
+        marked = 0
+        if tier is not Tier.DEVICE and self._mark_host is not None:
+            marked = self._mark_host(owner)
+        self._allocations[key] = _Allocation(tier, nbytes, ref, count, marked)
 
     def register_many(self, owners: Iterable[tuple[Any, int]], tier: Tier) -> int:
         """Register several owners at once: all fit on the device, or none is counted.
@@ -191,6 +210,8 @@ class MemoryArena:
             # unless it was already removed; compare the weakref to be sure.
             if allocation is not None and allocation.ref is _ref:
                 del self._allocations[key]
+                if allocation.marked and self._unmark_host is not None:
+                    self._unmark_host(allocation.marked)
                 if allocation.tier is Tier.DEVICE and self._ledger is not None:
                     self._ledger.sub(allocation.nbytes, allocation.count)
                     return
@@ -214,6 +235,9 @@ class MemoryArena:
             return allocation.tier
 
     def allocated(self, tier: Tier = Tier.DEVICE) -> int:
+        ledger = self._ledger
+        if ledger is not None and tier is Tier.DEVICE:
+            return int(ledger.current())  # the hook's ledger reads under its own lock
         with self._lock:
             return self._device_bytes() if tier is Tier.DEVICE else self._current[tier]
 

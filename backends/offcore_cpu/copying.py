@@ -38,7 +38,7 @@ from offcore_cpu.gates import GateSet
 from offcore_cpu.link import Link
 from offcore_cpu.options import FaultMode, parse_fail_copy, parse_fault_mode
 from offcore_cpu.sanitizer import Flight, Sanitizer
-from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
+from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream, landed_event
 
 __all__ = ["Copies"]
 
@@ -55,6 +55,16 @@ _DIRECTIONS = {
     (True, True): Direction.D2D,
     (False, False): Direction.H2H,
 }
+# Note [The copy log holds no tracked objects]
+# The copy log is a ring of the last copy_log_limit (4096) copies, one tuple per copy. A tuple holding
+# a Direction (an enum member: an object the garbage collector tracks) stays tracked, survives the young
+# collections into the oldest generation, and each one counted there brings the next full collection
+# (of every object of the program, ~100 ms) closer. The ring holds each direction's value (a str), so
+# its tuples hold only strings and numbers: the collector untracks them at their first collection.
+_BY_VALUE = {direction.value: direction for direction in Direction}
+# a fast-path copy's direction by its checker's known bits, when it knows both sides (torch_buffers.SmallPair:
+# 1, 2 the destination, the source on the device; 4, 8 in host memory)
+_BY_KNOWN = {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}
 
 
 class Copies:
@@ -75,7 +85,7 @@ class Copies:
     _fault_lock: threading.Lock
     _copies: int
     _fault: tuple[int, FaultMode, str] | None
-    _small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int] | None] | None
+    _small_pair: Callable[[Any, Any], tuple[int, int, int, int] | None] | None
     _memmove: Callable[[int, int, int], Any]
 
     # the device's methods they call (device.py)
@@ -231,40 +241,63 @@ class Copies:
     # copy_'s general path asks each question of them through a helper per concern (the family's
     # ops, the plain and liveness checks twice per side, the arena per side, the gates, the link),
     # about 12 us of Python per copy for a memmove of 16 KiB. A device made without the sanitizer
-    # and with torch buffers first asks TorchBuffers.small_pair, which answers every check the
-    # general path makes of two exact ``torch.Tensor`` sides in one pass (or declines: then the
-    # general path runs, checks again and reports what is wrong); _copy_small then numbers the
-    # copy, books the link and moves the bytes under the stream's lock exactly as the inline path
-    # does, falling back to the general path's fault handling and queueing where that would. What
-    # it skips is only what cannot apply without the sanitizer: no jitter, no flight, no ordering
-    # check. A copy gate (tests) sends every copy down the general path.
-    def _copy_small(self, dst: Any, src: Any, pair: tuple[int, Any, Any, int, int], stream: WorkerStream) -> FakeEvent:
-        """copy_ of a pair TorchBuffers.small_pair accepted, on one of this device's copy streams."""
-        nbytes, dst_storage, src_storage, dst_address, src_address = pair
-        tier_of = self._arena.tier_of
-        direction = _DIRECTIONS[tier_of(src_storage) is Tier.DEVICE, tier_of(dst_storage) is Tier.DEVICE]
-        with self._fault_lock:  # _count_copy, inlined (once per copy)
+    # and with torch buffers first asks its ``_small_pair`` checker (torch_buffers.small_pair_checker),
+    # which answers every check the general path makes of two exact ``torch.Tensor`` sides in one
+    # pass, and which side is device memory (or declines: then the general path runs, checks again
+    # and reports what is wrong). With the allocator hook that pass is one call into the hook
+    # (``small_pair`` in _alloc_hook.cpp: the questions asked of the TensorImpls, and the hook's own
+    # table for the device's side; a Python call per question cost ~1.5 us a copy), and the bytes
+    # move with the hook's ``move_bytes``; with the dispatch accounting it is TorchBuffers.small_pair
+    # and the arena. _copy_small then numbers the copy, books the link and moves the bytes under the
+    # stream's lock exactly as the inline path does, falling back to the general path's fault
+    # handling and queueing where that would. What it skips is only what cannot apply without the
+    # sanitizer: no jitter, no flight, no ordering check. A closed copy gate (tests) queues the copy.
+    def _copy_small(self, dst: Any, src: Any, pair: tuple[int, int, int, int], stream: WorkerStream) -> FakeEvent:
+        """copy_ of a pair the ``_small_pair`` checker took, on one of this device's copy streams.
+
+        One flat function (it runs twice per offloaded activation): ``_count_copy``, the inline copy
+        (``try_inline`` and ``_inline_copy``) and the event's ``_land_at``, inlined.
+        """
+        nbytes, dst_address, src_address, known = pair
+        direction = _BY_KNOWN.get(known)
+        if direction is None:
+            direction = self._direction_of(dst, src, known)
+        with self._fault_lock:  # _count_copy, inlined
             number = self._copies = self._copies + 1
             armed = self._fault
             if armed is not None and armed[0] == number:
                 self._fault = None
             else:
                 armed = None
-        ops = self._ops
         if armed is not None:
             fault = self._injected(armed)
             if fault.mode == "submit":
                 raise fault
-            return self._enqueue_fault(ops, dst, nbytes, stream, fault)
+            return self._enqueue_fault(self._ops, dst, nbytes, stream, fault)
         state = stream._state
-        if nbytes > _INLINE_COPY_LIMIT or self._gates.any_closed_for(state, direction):
-            return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        end = self._inline_small(state, stream.name, direction, nbytes, dst_address, src_address, number)
-        if end is None:
-            return self._enqueue_copy(ops, dst, src, direction, nbytes, 0.0, stream, number)
-        event = FakeEvent(self._compute, enable_timing=True)
-        event._land_at(stream.name, end)
-        return event
+        # small_pair takes at most _GIL_HELD_COPY_LIMIT bytes, below _INLINE_COPY_LIMIT: only a gate or a busy
+        # stream or link queues it
+        gates = self._gates
+        if gates._copy_gates and gates.any_closed_for(state, direction):
+            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
+        name = stream.name
+        with state.lock:  # the inline copy (Note [Inline copies on an idle stream]): book, move, log
+            span = None
+            if not (state.pending or state.error is not None or state.closed):
+                enqueued = time.perf_counter()
+                span = self._link.reserve(direction, nbytes, state.busy_until)
+                if span is not None:
+                    start, end = span
+                    self._memmove(dst_address, src_address, nbytes)
+                    if end > state.busy_until:
+                        state.busy_until = end
+                    self._copy_log.append(
+                        (name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
+                    )
+        if span is None:
+            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        return landed_event(self._compute, name, end)
 
     def _inline_run(
         self,
@@ -275,64 +308,76 @@ class Copies:
         first: int,
     ) -> tuple[int, float | None]:
         """The leading copies of a batch that small_pair took, on the calling thread under one hold of the
-        stream's lock (``_move_inline`` each; the ledger once per direction). Returns how many ran and when the
-        last one lands (0, None: none could)."""
+        stream's lock: the link booked once per run of one direction (``Link.reserve_run``), then the bytes
+        moved and logged per copy, the ledger once per direction. Returns how many ran and when the last one
+        lands (0, None: none could)."""
         done = 0
         end: float | None = None
         counted: dict[Direction, list[float]] = {}
+        total = len(addresses)
+        log, memmove, reserve_run = self._copy_log.append, self._memmove, self._link.reserve_run
         with state.lock:
             if state.pending or state.error is not None or state.closed:
                 return 0, None
-            for (_ops, _dst, _src, direction, nbytes), small_pair in zip(checked, addresses, strict=True):
-                if small_pair is None:
+            while done < total and addresses[done] is not None:
+                direction = checked[done][3]
+                stop = done + 1  # the run of small copies in this direction
+                while stop < total and addresses[stop] is not None and checked[stop][3] is direction:
+                    stop += 1
+                sizes = [item[4] for item in checked[done:stop]]
+                enqueued = time.perf_counter()
+                spans = reserve_run(direction, sizes, state.busy_until)
+                if spans is None:  # a queued copy holds the link: the rest is queued
                     break
-                span = self._move_inline(state, name, direction, nbytes, *small_pair, first + done)
-                if span is None:
-                    break
-                start, end = span
+                number = first + done
+                code = direction._value_  # Note [The copy log holds no tracked objects]
+                for nbytes, (start, end), (dst_address, src_address) in zip(
+                    sizes, spans, addresses[done:stop], strict=True
+                ):
+                    memmove(dst_address, src_address, nbytes)
+                    log((name, code, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
+                    number += 1
+                assert end is not None
+                if end > state.busy_until:
+                    state.busy_until = end
                 totals = counted.get(direction)
                 if totals is None:
-                    counted[direction] = [nbytes, end - start, 1]
-                else:
-                    totals[0] += nbytes
-                    totals[1] += end - start
-                    totals[2] += 1
-                done += 1
+                    totals = counted[direction] = [0, 0.0, 0]
+                totals[0] += sum(sizes)
+                totals[1] += sum(e - s for s, e in spans)
+                totals[2] += stop - done
+                done = stop
         for direction, (nbytes, seconds, copies) in counted.items():
             self.ledger.record_copy(direction, int(nbytes), seconds=seconds, copies=int(copies))
         return done, end
 
-    def _inline_small(
-        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
-    ) -> float | None:
-        """A small plain copy on the calling thread, if its stream is idle and the link free: what
-        ``_inline_copy`` does under ``try_inline``, for a pair small_pair accepted. Returns when it
-        lands (None: queue it)."""
-        with state.lock:
-            if state.pending or state.error is not None or state.closed:
-                return None
-            span = self._move_inline(state, name, direction, nbytes, dst_address, src_address, number)
-        if span is None:
-            return None
-        start, end = span
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        return end
+    def _direction_of(self, dst: Any, src: Any, known: int) -> Direction:
+        """The direction of a fast-path pair whose checker did not know a side (a storage neither the hook
+        counts nor knows as a host buffer): that side from the arena."""
+        src_on_device = True if known & 2 else False if known & 8 else self._registered_on_device(src.untyped_storage())
+        dst_on_device = True if known & 1 else False if known & 4 else self._registered_on_device(dst.untyped_storage())
+        return _DIRECTIONS[src_on_device, dst_on_device]
 
-    def _move_inline(
-        self, state: Any, name: str, direction: Direction, nbytes: int, dst_address: int, src_address: int, number: int
-    ) -> tuple[float, float] | None:
-        """(The stream's lock held, the stream idle.) Book the link, move the bytes and log one small copy;
-        its (start, end) on the link, or None while a queued copy holds the link."""
-        enqueued = time.perf_counter()
-        span = self._link.reserve(direction, nbytes, state.busy_until)
-        if span is None:
-            return None
-        start, end = span
-        self._memmove(dst_address, src_address, nbytes)
-        if end > state.busy_until:
-            state.busy_until = end
-        self._copy_log.append((name, direction, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address))
-        return span
+    def _registered_on_device(self, storage: Any) -> bool:
+        """Whether a storage the allocator hook does not count is device memory (the arena's ``tier_of``,
+        registered owners first: host buffers)."""
+        arena = self._arena
+        known = arena._allocations.get(id(storage))
+        if known is not None and known.ref() is storage:
+            return known.tier is Tier.DEVICE
+        return arena.tier_of(storage) is Tier.DEVICE
+
+    def _on_device_storage(self, storage: Any, base: int) -> bool:
+        """Whether a storage small_pair took (``base``: its data pointer) is device memory: the arena's
+        ``tier_of``, registered owners (host buffers) first, then the allocator hook's answer by address."""
+        arena = self._arena
+        known = arena._allocations.get(id(storage))
+        if known is not None and known.ref() is storage:
+            return known.tier is Tier.DEVICE
+        owns = arena._owns
+        if owns is not None and owns(base):
+            return True
+        return arena.tier_of(storage) is Tier.DEVICE
 
     # Note [A batch of copies is one work item]
     # A binding that streams a module's parameters copies its weight and bias (two storages)
@@ -362,18 +407,18 @@ class Copies:
         checked: list[tuple[BufferOps, Any, Any, Direction, int]] = []
         addresses: list[tuple[int, int] | None] = []  # per checked pair: (dst, src) when small_pair took it
         if not special:
-            small, tier_of = self._small_pair, self._arena.tier_of
+            small = self._small_pair
             gates = self._gates.any_copy_gates  # asked once: with no copy gate, no copy of the batch is held
             for dst, src in pairs:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
-                    ops, nbytes = self._ops, pair[0]
-                    direction = _DIRECTIONS[tier_of(pair[2]) is Tier.DEVICE, tier_of(pair[1]) is Tier.DEVICE]
+                    nbytes, dst_address, src_address, known = pair
+                    direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break
-                    checked.append((ops, dst, src, direction, nbytes))
-                    addresses.append((pair[3], pair[4]))
+                    checked.append((self._ops, dst, src, direction, nbytes))
+                    addresses.append((dst_address, src_address))
                     continue
                 ops = ops_for(dst)
                 if ops is None or ops is not ops_for(src) or ops is NUMPY_OPS:
@@ -580,7 +625,18 @@ class Copies:
         self._copy_bytes(ops, dst, src)
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         self._copy_log.append(
-            (stream_name, direction, nbytes, enqueued, start, end, 0.0, number, ops.address(src), ops.address(dst))
+            (
+                stream_name,
+                direction._value_,
+                nbytes,
+                enqueued,
+                start,
+                end,
+                0.0,
+                number,
+                ops.address(src),
+                ops.address(dst),
+            )
         )
         return end
 
@@ -616,7 +672,18 @@ class Copies:
         self.ledger.record_copy(direction, nbytes, seconds=end - start)
         # a tuple per copy; copy_log() builds the dicts only when asked
         self._copy_log.append(
-            (stream_name, direction, nbytes, enqueued, start, end, jitter, number, ops.address(src), ops.address(dst))
+            (
+                stream_name,
+                direction._value_,
+                nbytes,
+                enqueued,
+                start,
+                end,
+                jitter,
+                number,
+                ops.address(src),
+                ops.address(dst),
+            )
         )
         return end
 
@@ -648,7 +715,18 @@ class Copies:
         self.ledger.record_copy(flight.direction, flight.nbytes, seconds=end - start)
         src, dst = flight.ranges["src"][0], flight.ranges["dst"][0]
         self._copy_log.append(
-            (flight.stream, flight.direction, flight.nbytes, enqueued, start, end, jitter, flight.number, src, dst)
+            (
+                flight.stream,
+                flight.direction._value_,
+                flight.nbytes,
+                enqueued,
+                start,
+                end,
+                jitter,
+                flight.number,
+                src,
+                dst,
+            )
         )
         return end
 
@@ -680,12 +758,12 @@ class Copies:
         return [
             {
                 "stream": stream_name,
-                "direction": direction.value,
+                "direction": direction,
                 "bytes": nbytes,
                 "enqueued": enqueued,
                 "start": start,
                 "end": end,
-                "emulated_seconds": duration(direction, nbytes) + jitter,
+                "emulated_seconds": duration(_BY_VALUE[direction], nbytes) + jitter,
                 "number": number,
                 "src": src,
                 "dst": dst,

@@ -166,12 +166,15 @@ class FakeDevice(Copies):
         self._finalizer = weakref.finalize(self, _close_streams, self._streams, self._op_check)
         self._closed = False
         # Note [The small copy's fast path] in copying.py: the pair check it asks first
-        self._small_pair: Callable[[Any, Any], tuple[int, Any, Any, int, int] | None] | None = None
+        self._small_pair: Callable[[Any, Any], tuple[int, int, int, int] | None] | None = None
         if self.options.buffers == "torch" and not self.options.sanitize:
-            from offcore_cpu.torch_buffers import TORCH_OPS, memmove_holding_gil
+            from offcore_cpu.torch_buffers import memmove_holding_gil, small_pair_checker
 
-            self._small_pair = TORCH_OPS.small_pair
-            self._memmove = memmove_holding_gil
+            hook = self._tracker.hook  # None with the dispatch accounting: the checks in Python
+            self._small_pair = small_pair_checker(
+                self._on_device_storage, None if hook is None else hook.small_pair, self._tracker.ledger
+            )
+            self._memmove = memmove_holding_gil if hook is None else hook.move_bytes
 
     @property
     def closed(self) -> bool:
@@ -391,10 +394,17 @@ class FakeDevice(Copies):
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
-        probe = self._arena._probe
-        if probe is not None and probe(owner):
+        arena = self._arena
+        owns = arena._owns
+        if owns is not None and ops is self._ops:  # a torch storage: the hook's owns by address, asked directly
+            try:
+                if owns(owner.data_ptr()):
+                    return True
+            except (RuntimeError, NotImplementedError):  # meta storages and the like: the arena answers
+                pass
+        elif arena._probe is not None and arena._probe(owner):
             return True
-        return self._arena.tier_of(owner) is Tier.DEVICE
+        return arena.tier_of(owner) is Tier.DEVICE
 
     def _on_device(self, ops: BufferOps | None, buffer: Any) -> bool:
         """:meth:`holds` when the buffer's family is already known (copy_ looks it up once)."""
@@ -449,6 +459,9 @@ class FakeDevice(Copies):
         >>> dev.allocated_bytes() == dev.memory_stats()["allocated_bytes"]   # doctest: +SKIP
         True
         """
+        ledger = self._arena._ledger  # the allocator hook's: read under its own lock (once per prefetch decision)
+        if ledger is not None:
+            return int(ledger.current())
         return self._arena.allocated(Tier.DEVICE)
 
     def reset_peak_memory_stats(self) -> None:
@@ -468,7 +481,7 @@ class FakeDevice(Copies):
         tier = Tier.PINNED if pinned else Tier.PAGEABLE
         return FakeHostBufferPool(
             lambda nbytes: self.allocate(nbytes, tier),
-            poison=self._release_host,
+            poison=self._release_host if self._sanitizer.enabled else None,
             budget=budget,
             block_size=block_size,
             alignment=alignment,

@@ -29,11 +29,15 @@ __all__ = ["FakeHostBufferPool"]
 class FakeHostBufferPool(HostBufferPool):
     """A :class:`offcore.HostBufferPool` that poisons released buffers through ``poison``."""
 
-    def __init__(self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], object], **kwargs: Any) -> None:
+    def __init__(
+        self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], object] | None, **kwargs: Any
+    ) -> None:
         super().__init__(allocate_block, **kwargs)
-        self._poison = poison
+        self._poison = poison  # None: a device without the sanitizer (nothing to poison, once per offloaded storage)
 
     def release(self, buffer: HostBuffer) -> None:
         """Return ``buffer`` (poisoned first when the device sanitizes)."""
-        self._poison(buffer.view)
+        poison = self._poison
+        if poison is not None:
+            poison(buffer.view)
         super().release(buffer)

@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from offcore_layout import TORCH, flat_tensor, match_layout, plain_tensor_problem
 
-__all__ = ["TorchBuffers", "TORCH_OPS"]
+__all__ = ["TorchBuffers", "TORCH_OPS", "small_pair_checker"]
 
 # what TorchBuffers.small_pair asks of each side, looked up once (Note [The small copy's fast path])
 _TENSOR = torch.Tensor
@@ -87,8 +89,9 @@ class TorchBuffers:
         return False
 
     @staticmethod
-    def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int] | None:
-        """``(nbytes, dst storage, src storage, dst address, src address)`` of a fast-path copy, else None.
+    def small_pair(dst: Any, src: Any) -> tuple[int, Any, Any, int, int, int, int] | None:
+        """``(nbytes, dst storage, src storage, dst address, src address, dst storage's address, src
+        storage's address)`` of a fast-path copy, else None.
 
         Note [The small copy's fast path] (copying.py): both sides exactly ``torch.Tensor`` (no subclass),
         plain (what :func:`plain_tensor_problem` asks, for that type), contiguous, the same byte count
@@ -113,11 +116,10 @@ class TorchBuffers:
             or _functional(src)
         ):
             return None
-        size = dst.element_size()
-        nbytes = dst.numel() * size
+        nbytes = dst.nbytes  # numel() * element_size()
         if (
             nbytes > _GIL_HELD_COPY_LIMIT
-            or nbytes != src.numel() * src.element_size()
+            or nbytes != src.nbytes
             or not dst.is_contiguous()
             or not src.is_contiguous()
             or src.is_conj()
@@ -125,12 +127,16 @@ class TorchBuffers:
         ):
             return None
         dst_storage, src_storage = dst.untyped_storage(), src.untyped_storage()
+        dst_address, src_address = dst.data_ptr(), src.data_ptr()
+        dst_base, src_base = dst_storage.data_ptr(), src_storage.data_ptr()
+        # each inside its storage: a contiguous tensor's bytes start storage_offset * element_size (its address
+        # less its storage's) into the storage
         if nbytes and (
-            dst.storage_offset() * size + nbytes > dst_storage.nbytes()
-            or src.storage_offset() * src.element_size() + nbytes > src_storage.nbytes()
+            dst_address - dst_base + nbytes > dst_storage.nbytes()
+            or src_address - src_base + nbytes > src_storage.nbytes()
         ):
             return None  # a freed or shrunk storage: the general path raises
-        return nbytes, dst_storage, src_storage, dst.data_ptr(), src.data_ptr()
+        return nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
@@ -272,3 +278,37 @@ memmove_holding_gil = _memmove_holding_gil = ctypes.PYFUNCTYPE(
 
 
 TORCH_OPS = TorchBuffers()
+
+# what a device's small_pair checker answers: (nbytes, dst address, src address, known), where known's bits 0
+# and 1 say the destination, the source is device memory, bits 2 and 3 that it is host memory; a side with
+# neither bit set is for the device to look up (SIDES_KNOWN: the values with both sides known)
+SmallPair = tuple[int, int, int, int]
+DEVICE_DST, DEVICE_SRC, HOST_DST, HOST_SRC = 1, 2, 4, 8
+
+
+def small_pair_checker(
+    on_device: Callable[[Any, int], bool], native: Any = None, ledger: Any = None
+) -> Callable[[Any, Any], SmallPair | None]:
+    """A device's check of a fast-path pair (Note [The small copy's fast path] in copying.py).
+
+    ``native`` (the allocator hook's ``small_pair``, asked with ``ledger``, the device's) asks every
+    question of :meth:`TorchBuffers.small_pair` of the two tensors in one call, and which side the
+    hook counts as the device's memory or knows as one of its host buffers (Note [Host buffers the
+    hook knows] in _alloc_hook.cpp); the checker is that call itself. Without it,
+    :meth:`TorchBuffers.small_pair` and ``on_device(storage, storage address)`` per side.
+    """
+    if native is not None:
+        return functools.partial(native, ledger, _GIL_HELD_COPY_LIMIT)
+    python = TorchBuffers.small_pair
+
+    def check(dst: Any, src: Any) -> SmallPair | None:
+        pair = python(dst, src)
+        if pair is None:
+            return None
+        nbytes, dst_storage, src_storage, dst_address, src_address, dst_base, src_base = pair
+        known = (DEVICE_DST if on_device(dst_storage, dst_base) else HOST_DST) | (
+            DEVICE_SRC if on_device(src_storage, src_base) else HOST_SRC
+        )
+        return nbytes, dst_address, src_address, known
+
+    return check

@@ -361,8 +361,9 @@ class StorageTracker:
         self.accounting: Accounting = resolve_accounting(accounting)
         self._local = threading.local()  # .depth, .mode, .suspended
         self.ledger: Any = None  # the allocator hook's ledger ("allocator" accounting)
+        self.hook: Any = None  # the allocator hook's module ("allocator" accounting)
         if self.accounting == "allocator":
-            hook = allocator_hook()
+            hook = self.hook = allocator_hook()
             # No reference to the arena or the ledger in the callable: the ledger (C++) holds it.
             oom = functools.partial(_hook_out_of_memory, arena.device_name, arena.capacity, arena.error_class)
             self.ledger = hook.Ledger(arena.capacity, poison_uninitialised, oom)
@@ -370,6 +371,11 @@ class StorageTracker:
                 self.ledger,
                 functools.partial(_hooked_storage, hook.owns, self.ledger),
                 functools.partial(_take_over_storage, hook.adopt, self.ledger),
+                functools.partial(hook.owns, self.ledger),
+                (
+                    functools.partial(_mark_host, hook.mark_host, self.ledger),
+                    functools.partial(hook.unmark_host, self.ledger),
+                ),
             )
 
     def hooked_empty(self, nbytes: int) -> Any:
@@ -524,6 +530,18 @@ def _hooked_storage(owns: Any, ledger: Any, owner: Any) -> bool:
         return bool(owns(ledger, owner.data_ptr()))
     except (RuntimeError, NotImplementedError):  # meta storages and the like
         return False
+
+
+def _mark_host(mark: Any, ledger: Any, owner: Any) -> int:
+    """``MemoryArena`` host mark: the data pointer the hook now knows the host storage ``owner`` by (0: none).
+
+    Note [Host buffers the hook knows] (_alloc_hook.cpp)."""
+    if not isinstance(owner, torch.UntypedStorage):
+        return 0
+    try:
+        return int(mark(ledger, owner))
+    except (RuntimeError, NotImplementedError, TypeError):  # meta storages and the like
+        return 0
 
 
 def _take_over_storage(adopt: Any, ledger: Any, owner: Any) -> bool:

@@ -488,6 +488,29 @@ def test_copy_log_is_a_bounded_ring(make_device: Any) -> None:
     assert none.copy_log() == [] and none.ledger.snapshot()["copies"]["d2h"]["copies"] == 1
 
 
+@pytest.mark.parametrize("buffers", ["numpy", "torch"])
+def test_the_copy_log_holds_nothing_the_collector_tracks(make_device: Any, buffers: str) -> None:
+    """Note [The copy log holds no tracked objects]: the ring's 4096 tuples would otherwise each count towards
+    the next full garbage collection; every kind of copy logs strings and numbers only."""
+    if buffers == "torch":
+        pytest.importorskip("torch")
+    dev = make_device(buffers=buffers, h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    stream = dev.new_stream()
+    device, host = dev.allocate(64, Tier.DEVICE), dev.allocate(64, Tier.PINNED)
+    dev.copy_(host, device, stream=stream).synchronize()  # inline (the fast path with torch buffers)
+    dev.copy_(device, host, stream=dev.current_stream())  # on the compute stream
+    with _gate(stream) as gate:  # queued
+        done = dev.copy_(host, device, stream=stream)
+        gate.set()
+    done.synchronize()
+    if buffers == "torch":
+        dev.copy_many([(host, device), (device, host)], stream=stream).synchronize()
+    gc.collect()
+    assert len(dev._copy_log) >= 3
+    assert not any(gc.is_tracked(entry) for entry in dev._copy_log)
+    assert {e["direction"] for e in dev.copy_log()} == {"d2h", "h2d"}
+
+
 def test_copy_time_follows_the_link_model(make_device: Any) -> None:
     dev = make_device(buffers="numpy", h2d_bandwidth="1GiB/s", d2h_bandwidth="512MiB/s", latency="20us")
     stream = dev.new_stream()

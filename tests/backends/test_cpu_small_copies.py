@@ -24,10 +24,22 @@ from offcore import ConfigurationError, Tier  # noqa: E402
 FAST = {"capacity": "64MiB", "h2d_bandwidth": "inf", "d2h_bandwidth": "inf", "latency": 0}
 
 
-@pytest.fixture(params=["fast", "general"])
+def _hook_or_skip() -> Any:
+    from offcore_cpu.tracking import allocator_hook
+
+    hook = allocator_hook()
+    if hook is None:
+        pytest.skip("the allocator hook cannot be built here")
+    return hook
+
+
+@pytest.fixture(params=["fast", "fast-python", "general"])
 def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A torch-buffer fake device without the sanitizer: with its fast path, and with it switched off."""
-    device = offcore.device("cpu", **FAST)
+    """A torch-buffer fake device without the sanitizer: with its fast path (the allocator hook's checks, or
+    the dispatch accounting's in Python), and with it switched off."""
+    if request.param == "fast":
+        _hook_or_skip()
+    device = offcore.device("cpu", accounting="dispatch" if request.param == "fast-python" else "auto", **FAST)
     if request.param == "general":
         device._small_pair = None  # what copy_ does without the fast path
     with device:
@@ -193,3 +205,71 @@ def test_copy_many_checks_its_pairs_in_one_pass_too(dev: Any) -> None:
     assert torch.equal(odd, torch.ones(16, 64))
     assert counted("d2h") == (d2h[0] + 3, d2h[1] + 6144)
     assert counted("d2d") == (d2d[0] + 1, d2d[1] + 4096)
+
+
+def _pair_cases(dev: Any) -> dict[str, tuple[Any, Any]]:
+    """(dst, src) pairs the fast path takes, and pairs it must decline (the general path refuses or resolves them)."""
+    on_device, host = dev.allocate(4096, Tier.DEVICE), dev.allocate(4096, Tier.PINNED)
+    floats = torch.randn(1024)
+    freed = torch.empty(16)
+    freed_view = freed[4:]
+    freed.untyped_storage().resize_(0)
+    complex_ = torch.randn(4, dtype=torch.complex64)
+    pageable, moved = dev.allocate(4096, Tier.PAGEABLE), dev.allocate(4096, Tier.PINNED)
+    old_address = moved.untyped_storage().data_ptr()
+    with dev.host_work():
+        moved.untyped_storage().resize_(1 << 20)  # its bytes move: the hook's mark of its old address goes stale
+    moved = moved.untyped_storage()  # the grown storage, all of it
+    moved_view = torch.empty(0, dtype=torch.uint8).set_(moved, 0, (4096,))
+    assert moved.data_ptr() != old_address
+    return {
+        "d2h": (host, on_device),
+        "pageable": (pageable, on_device),
+        "moved host buffer": (on_device, moved_view),
+        "host to host": (pageable, host),
+        "h2d": (on_device, host),
+        "h2d typed": (floats, host),
+        "slices": (on_device[1024:3072], host[:2048]),
+        "empty": (torch.empty(0), torch.empty(0)),
+        "non-contiguous": (torch.empty(32, 32).t(), torch.ones(32, 32)),
+        "conj source": (torch.empty(4, dtype=torch.complex64), complex_.conj()),
+        "neg source": (torch.empty(4), torch.randn(4)._neg_view()),
+        "meta": (torch.empty(4, device="meta"), torch.empty(4, device="meta")),
+        "sizes differ": (torch.empty(4), torch.empty(5)),
+        "above the limit": (torch.empty(300 * 1024), torch.empty(300 * 1024)),
+        "freed source": (torch.empty(12), freed_view),
+        "sparse": (torch.zeros(4).to_sparse(), torch.ones(4).to_sparse()),
+        "functional": (torch.empty(4), torch._to_functional_tensor(torch.randn(4))),
+        "subclass": (torch.empty(4), torch.nn.Parameter(torch.ones(4))),
+    }
+
+
+def test_the_hooks_checks_answer_as_the_python_ones() -> None:
+    """The allocator hook's small_pair takes exactly the pairs TorchBuffers.small_pair takes, with the same
+    bytes and addresses, and tells the device's sides from host memory as the arena does."""
+    _hook_or_skip()
+    from offcore_cpu.torch_buffers import TORCH_OPS
+
+    device = offcore.device("cpu", **FAST)
+    with device:
+        assert device.accounting == "allocator"
+        for name, (dst, src) in _pair_cases(device).items():
+            python, native = TORCH_OPS.small_pair(dst, src), device._small_pair(dst, src)
+            if python is None:
+                assert native is None, name
+                continue
+            assert native is not None, name
+            assert native[:3] == (python[0], python[3], python[4]), name
+            if name in ("d2h", "h2d", "h2d typed", "slices", "pageable", "host to host"):
+                assert native[3] in (1 | 2, 1 | 8, 4 | 2, 4 | 8), name  # the hook knows both sides: no lookup
+            sides = device._direction_of(dst, src, native[3])  # the hook's knowledge, the arena's for the rest
+            assert sides is offcore.Direction.between(
+                *(Tier.DEVICE if device.holds(b) else Tier.PINNED for b in (src, dst))
+            )
+
+        def inside(t: Any) -> Any:  # functorch-wrapped tensors
+            assert TORCH_OPS.small_pair(t, t) is None and device._small_pair(t, t) is None
+            return t
+
+        torch.vmap(inside)(torch.ones(2, 4))
+    device.close()
