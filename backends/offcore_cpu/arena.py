@@ -31,6 +31,9 @@ from offcore.errors import ConfigurationError
 from offcore.kinds import Tier
 from offcore_cpu.errors import FakeDeviceOutOfMemoryError, out_of_memory
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_DEVICE, _PAGEABLE, _PINNED = Tier.DEVICE, Tier.PAGEABLE, Tier.PINNED
+
 __all__ = ["MemoryArena"]
 
 
@@ -96,7 +99,7 @@ class MemoryArena:
         storage; ``host_marks`` (mark, unmark) tell the hook about host owners while they are counted
         (Note [Host buffers the hook knows] in _alloc_hook.cpp). Only before anything is counted on the device."""
         with self._lock:
-            if self._current[Tier.DEVICE] or self._counts[Tier.DEVICE]:
+            if self._current[_DEVICE] or self._counts[_DEVICE]:
                 raise ConfigurationError("the fake device's ledger can only be replaced before any device allocation")
             self._ledger = ledger
             self._probe = probe
@@ -114,18 +117,18 @@ class MemoryArena:
                 raise out_of_memory(self.device_name, nbytes, allocated, self.capacity, error_class=self.error_class)
 
     def _device_bytes(self) -> int:
-        return self._ledger.current() if self._ledger is not None else self._current[Tier.DEVICE]
+        return self._ledger.current() if self._ledger is not None else self._current[_DEVICE]
 
     def _charge(self, tier: Tier, nbytes: int, count: int) -> None:
         """Count ``nbytes`` more (``count`` more owners) on ``tier``; the device's must fit."""
-        if tier is Tier.DEVICE and self._ledger is not None:
+        if tier is _DEVICE and self._ledger is not None:
             if nbytes > 0 and not self._ledger.try_add(nbytes, count):
                 self.check_fits(nbytes)  # raises the out-of-memory error
                 self._ledger.add(nbytes, count)  # freed meanwhile: it fits now
             elif nbytes <= 0:
                 self._ledger.add(nbytes, count)
             return
-        if tier is Tier.DEVICE and nbytes > 0:
+        if tier is _DEVICE and nbytes > 0:
             self.check_fits(nbytes)
         self._counts[tier] += count
         self._add(tier, nbytes)
@@ -152,11 +155,11 @@ class MemoryArena:
 
     def _track(self, key: int, owner: Any, nbytes: int, count: int, tier: Tier) -> None:
         """Remember a newly charged owner until it dies -- or hand it to the allocator hook."""
-        if tier is Tier.DEVICE and count and self._take_over is not None and self._take_over(owner):
+        if tier is _DEVICE and count and self._take_over is not None and self._take_over(owner):
             return  # the hook credits the ledger when the memory is freed
         ref = weakref.ref(owner, functools.partial(self._forget, key))
         marked = 0
-        if tier is not Tier.DEVICE and self._mark_host is not None:
+        if tier is not _DEVICE and self._mark_host is not None:
             marked = self._mark_host(owner)
         self._allocations[key] = _Allocation(tier, nbytes, ref, count, marked)
 
@@ -170,7 +173,7 @@ class MemoryArena:
             new: dict[int, tuple[Any, int]] = {}
             for owner, nbytes in owners:
                 known = self._allocations.get(id(owner))
-                known_tier = known.tier if known is not None else Tier.DEVICE if self._hooked(owner) else None
+                known_tier = known.tier if known is not None else _DEVICE if self._hooked(owner) else None
                 if known_tier is not None:
                     if known_tier is not tier:
                         raise ConfigurationError(
@@ -212,7 +215,7 @@ class MemoryArena:
                 del self._allocations[key]
                 if allocation.marked and self._unmark_host is not None:
                     self._unmark_host(allocation.marked)
-                if allocation.tier is Tier.DEVICE and self._ledger is not None:
+                if allocation.tier is _DEVICE and self._ledger is not None:
                     self._ledger.sub(allocation.nbytes, allocation.count)
                     return
                 self._current[allocation.tier] -= allocation.nbytes
@@ -227,35 +230,35 @@ class MemoryArena:
         if allocation is not None and allocation.ref() is owner:
             return allocation.tier
         if self._hooked(owner):  # the hook counts only device memory (holds() asks it without the lock too)
-            return Tier.DEVICE
+            return _DEVICE
         with self._lock:
             allocation = self._allocations.get(id(owner))
             if allocation is None or allocation.ref() is not owner:
-                return Tier.DEVICE if self._hooked(owner) else None
+                return _DEVICE if self._hooked(owner) else None
             return allocation.tier
 
     def allocated(self, tier: Tier = Tier.DEVICE) -> int:
         ledger = self._ledger
-        if ledger is not None and tier is Tier.DEVICE:
+        if ledger is not None and tier is _DEVICE:
             return int(ledger.current())  # the hook's ledger reads under its own lock
         with self._lock:
-            return self._device_bytes() if tier is Tier.DEVICE else self._current[tier]
+            return self._device_bytes() if tier is _DEVICE else self._current[tier]
 
     def stats(self) -> dict[str, int]:
         """Current and peak bytes; the keys of :class:`offcore.MemoryStats`."""
         with self._lock:
             ledger = self._ledger
-            device = ledger.current() if ledger is not None else self._current[Tier.DEVICE]
+            device = ledger.current() if ledger is not None else self._current[_DEVICE]
             return {
                 "allocated_bytes": device,
-                "peak_allocated_bytes": ledger.peak() if ledger is not None else self._peak[Tier.DEVICE],
+                "peak_allocated_bytes": ledger.peak() if ledger is not None else self._peak[_DEVICE],
                 "capacity_bytes": self.capacity,
                 "free_bytes": max(self.capacity - device, 0),
-                "device_allocations": ledger.allocations() if ledger is not None else self._counts[Tier.DEVICE],
-                "pinned_bytes": self._current[Tier.PINNED],
-                "peak_pinned_bytes": self._peak[Tier.PINNED],
-                "pageable_bytes": self._current[Tier.PAGEABLE],
-                "peak_pageable_bytes": self._peak[Tier.PAGEABLE],
+                "device_allocations": ledger.allocations() if ledger is not None else self._counts[_DEVICE],
+                "pinned_bytes": self._current[_PINNED],
+                "peak_pinned_bytes": self._peak[_PINNED],
+                "pageable_bytes": self._current[_PAGEABLE],
+                "peak_pageable_bytes": self._peak[_PAGEABLE],
             }
 
     def reset_peaks(self) -> None:

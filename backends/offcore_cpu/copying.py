@@ -40,6 +40,9 @@ from offcore_cpu.options import FaultMode, parse_fail_copy, parse_fault_mode
 from offcore_cpu.sanitizer import Flight, Sanitizer
 from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream, landed_event
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_DEVICE, _PINNED = Tier.DEVICE, Tier.PINNED
+
 __all__ = ["Copies"]
 
 _NOTHING = contextlib.nullcontext()
@@ -104,9 +107,7 @@ class Copies:
     # -- copies --------------------------------------------------------------------------
     def direction(self, dst: Any, src: Any) -> Direction:
         """The direction of a copy from ``src`` to ``dst`` (by :meth:`holds`)."""
-        return Direction.between(
-            Tier.DEVICE if self.holds(src) else Tier.PINNED, Tier.DEVICE if self.holds(dst) else Tier.PINNED
-        )
+        return Direction.between(_DEVICE if self.holds(src) else _PINNED, _DEVICE if self.holds(dst) else _PINNED)
 
     def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> FakeEvent:
         """Enqueue ``dst[...] = src`` on ``stream``; the returned event completes when the data landed.
@@ -148,9 +149,7 @@ class Copies:
         if ops is NUMPY_OPS and not dst.flags.writeable:
             raise ConfigurationError(f"copy_ destination {describe(dst)} is read-only")
         src_on_device, dst_on_device = self._on_device(ops, src), self._on_device(ops, dst)
-        direction = Direction.between(
-            Tier.DEVICE if src_on_device else Tier.PINNED, Tier.DEVICE if dst_on_device else Tier.PINNED
-        )
+        direction = Direction.between(_DEVICE if src_on_device else _PINNED, _DEVICE if dst_on_device else _PINNED)
         compute = self._compute
         if stream is not compute and (not isinstance(stream, WorkerStream) or stream not in self._streams):
             raise ConfigurationError(
@@ -364,8 +363,8 @@ class Copies:
         arena = self._arena
         known = arena._allocations.get(id(storage))
         if known is not None and known.ref() is storage:
-            return known.tier is Tier.DEVICE
-        return arena.tier_of(storage) is Tier.DEVICE
+            return known.tier is _DEVICE
+        return arena.tier_of(storage) is _DEVICE
 
     def _on_device_storage(self, storage: Any, base: int) -> bool:
         """Whether a storage small_pair took (``base``: its data pointer) is device memory: the arena's
@@ -373,11 +372,11 @@ class Copies:
         arena = self._arena
         known = arena._allocations.get(id(storage))
         if known is not None and known.ref() is storage:
-            return known.tier is Tier.DEVICE
+            return known.tier is _DEVICE
         owns = arena._owns
         if owns is not None and owns(base):
             return True
-        return arena.tier_of(storage) is Tier.DEVICE
+        return arena.tier_of(storage) is _DEVICE
 
     # Note [A batch of copies is one work item]
     # A binding that streams a module's parameters copies its weight and bias (two storages)
@@ -429,8 +428,8 @@ class Copies:
                     special = True
                     break
                 direction = Direction.between(
-                    Tier.DEVICE if self._on_device(ops, src) else Tier.PINNED,
-                    Tier.DEVICE if self._on_device(ops, dst) else Tier.PINNED,
+                    _DEVICE if self._on_device(ops, src) else _PINNED,
+                    _DEVICE if self._on_device(ops, dst) else _PINNED,
                 )
                 if self._gates.any_closed_for(state, direction):
                     special = True

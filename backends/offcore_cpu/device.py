@@ -46,6 +46,9 @@ from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable
 from offcore_cpu.sanitizer import Ordering, Sanitizer
 from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_DEVICE, _NVME, _PAGEABLE, _PINNED = Tier.DEVICE, Tier.NVME, Tier.PAGEABLE, Tier.PINNED
+
 __all__ = ["FakeDevice"]
 
 _NOTHING = contextlib.nullcontext()
@@ -367,9 +370,9 @@ class FakeDevice(Copies):
                 tier = Tier(tier)
             except ValueError:
                 raise ConfigurationError(f"unknown tier {tier!r}: use 'device', 'pinned' or 'pageable'") from None
-        if tier is Tier.NVME:
+        if tier is _NVME:
             raise ConfigurationError("the fake device allocates device, pinned or pageable memory, not NVMe")
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             tracker = self._tracker
             if tracker is not None and self._ops is not NUMPY_OPS and not self._sanitizer.enabled:
                 counted = tracker.hooked_empty(size)  # Note [Device buffers counted by the hook] (tracking.py)
@@ -404,11 +407,11 @@ class FakeDevice(Copies):
                 pass
         elif arena._probe is not None and arena._probe(owner):
             return True
-        return arena.tier_of(owner) is Tier.DEVICE
+        return arena.tier_of(owner) is _DEVICE
 
     def _on_device(self, ops: BufferOps | None, buffer: Any) -> bool:
         """:meth:`holds` when the buffer's family is already known (copy_ looks it up once)."""
-        return ops is not None and self._arena.tier_of(ops.owner(buffer)) is Tier.DEVICE
+        return ops is not None and self._arena.tier_of(ops.owner(buffer)) is _DEVICE
 
     def adopt(self, obj: Any) -> Any:
         """Count tensors created before activation as device memory, as ``.to('cuda')`` would; returns ``obj``.
@@ -425,7 +428,7 @@ class FakeDevice(Copies):
                 raise ConfigurationError(f"cannot adopt {type(buffer).__name__}: expected tensors, arrays or a module")
             owner = ops.owner(buffer)
             owners.append((owner, ops.owner_nbytes(owner)))
-        self._arena.register_many(owners, Tier.DEVICE)
+        self._arena.register_many(owners, _DEVICE)
         return obj
 
     @staticmethod
@@ -462,7 +465,7 @@ class FakeDevice(Copies):
         ledger = self._arena._ledger  # the allocator hook's: read under its own lock (once per prefetch decision)
         if ledger is not None:
             return int(ledger.current())
-        return self._arena.allocated(Tier.DEVICE)
+        return self._arena.allocated(_DEVICE)
 
     def reset_peak_memory_stats(self) -> None:
         """Peaks restart from the current figures."""
@@ -478,7 +481,7 @@ class FakeDevice(Copies):
             >>> pool = dev.host_pool("1GiB")                   # doctest: +SKIP
             >>> buf = pool.acquire(4096); pool.release(buf)    # doctest: +SKIP
         """
-        tier = Tier.PINNED if pinned else Tier.PAGEABLE
+        tier = _PINNED if pinned else _PAGEABLE
         return FakeHostBufferPool(
             lambda nbytes: self.allocate(nbytes, tier),
             poison=self._release_host if self._sanitizer.enabled else None,
