@@ -39,6 +39,9 @@ from offcore.pool import HostBuffer, HostBufferPool
 from offcore.protocols import Availability, Capability, MemoryStats
 from offcore.units import format_bytes, parse_size
 
+# enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
+_DEVICE, _PAGEABLE, _PINNED = Tier.DEVICE, Tier.PAGEABLE, Tier.PINNED
+
 __all__ = [
     "AcceleratorOptions",
     "PinnedHostPool",
@@ -636,12 +639,13 @@ class TorchAcceleratorDevice:
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigurationError(f"allocate needs a positive number of bytes, got {nbytes!r}")
-        tier = Tier(tier)
-        if tier is Tier.DEVICE:
+        if type(tier) is not Tier:  # a member as it is (Tier() of one is a Python-level call per allocation)
+            tier = Tier(tier)
+        if tier is _DEVICE:
             return self._allocate_device(nbytes)
-        if tier is Tier.PAGEABLE:
+        if tier is _PAGEABLE:
             return self._torch.empty(nbytes, dtype=self._torch.uint8)
-        if tier is Tier.PINNED:
+        if tier is _PINNED:
             slots = self._slots
             slot = slots.acquire(nbytes)
             return tensor_over(slot.view.data_ptr(), nbytes, on_free=lambda: slots.release_soon(slot), keepalive=slot)
