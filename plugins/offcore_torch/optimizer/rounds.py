@@ -107,7 +107,7 @@ class _HostRounds:
         # one offer for all of them (host_updated_all), not one scan of the plan per parameter; a failed
         # copy ends the offer (refused): what it did not issue stays offloaded and its use issues it
         with contextlib.suppress(Exception):
-            self._execute(rs, rs.host_updated_all(keys))
+            self._offer_uploads(rs, keys)
 
     def _h2d_after_compute(self) -> None:
         """Order the H2D stream after the work queued so far on this thread's compute stream.
@@ -169,21 +169,18 @@ class _HostRounds:
         if cancelled:
             nothing = self._device.new_event()
             self._runtime.h2d_stream.record_event(nothing)
-            for slot in cancelled:
-                rs.started(slot.index, nothing)
+            rs.started_all([slot.index for slot in cancelled], [nothing] * len(cancelled))
         if not todo:
             return
         done: list[_Slot] = []
         try:
             self._copy_uploads(todo, done)
         except BaseException:
-            for slot in done:
-                rs.started(slot.index, slot.h2d)
+            rs.started_all([slot.index for slot in done], [slot.h2d for slot in done])
             if len(done) < len(todo):
                 rs.refused(todo[len(done)].index, "failed")  # the rest stay offloaded: their use issues them
             raise
-        for slot in todo:
-            rs.started(slot.index, slot.h2d)
+        rs.started_all([slot.index for slot in todo], [slot.h2d for slot in todo])
 
     def _copy_uploads(self, slots: list[_Slot], done: list[_Slot] | None = None) -> None:
         """Issue the H2D of each of ``slots``' masters (its cast stage) into its device parameter, in order:
@@ -338,6 +335,18 @@ class _HostRounds:
     # (``recover`` waits for the stream), then every upload of the batch is issued again on its own (each
     # master is intact; the versions are read after the first copies landed, so Note [Writes to parameters
     # after step()] sees no foreign write), and it counts as one recovered failure.
+    def _offer_uploads(self, rs: ResidencyScheduler, keys: list[int]) -> None:
+        """The host copies of ``keys`` are the data now: carry out the core's one offer of their uploads (sched
+        lock held). Without a budget, the whole offer is one batch (Note [Uploads are issued in batches]) taken
+        as keys (Note [An offer taken whole, answered after] in offcore/residency.py)."""
+        if self._upload_budget >= _UNBOUNDED:
+            offered = rs.host_updated_prefetches(keys)
+            if offered:
+                slots = self._slots
+                self._upload_batch(rs, [slots[key] for key in offered])
+            return
+        self._execute(rs, rs.host_updated_all(keys))
+
     def _execute(self, rs: ResidencyScheduler, actions: Iterable[Any]) -> None:
         """Carry out the core's actions (sched lock held)."""
         if self._upload_budget >= _UNBOUNDED:  # Note [Uploads are issued in batches]
@@ -375,7 +384,7 @@ class _HostRounds:
         keys = [slot.index for slot in slots if slot.host_param is None]
         if keys:
             with self._sched_lock:
-                self._execute(rs, rs.host_updated_all(keys))
+                self._offer_uploads(rs, keys)
 
     def _make_current(self, slot: _Slot) -> None:
         """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
