@@ -649,12 +649,16 @@ class ResidencyScheduler:
             return [a.key for a in self.host_updated_all(keys) if a.kind is ActionKind.PREFETCH]
         objects, awaiting = self.objects, self._awaiting_host
         keys = list(keys)
+        resident, offloaded = State.RESIDENT, State.OFFLOADED
         for key in keys:  # _host_copy_is_data, inlined
             awaiting.discard(key)
             obj = objects[key]
-            if obj.state is State.RESIDENT:
-                obj.start_offload(_COMPLETED, obj.host_tier or Tier.PINNED)
-                obj.release_device_copy()
+            if obj.state is resident:
+                # start_offload(_COMPLETED) then release_device_copy(): RESIDENT -> OFFLOADING -> OFFLOADED, both
+                # allowed, the "copy" complete (Note [Transitions checked inline] in offcore/objects.py)
+                obj.state = offloaded
+                obj.tier = obj.host_tier = obj.host_tier or Tier.PINNED
+                obj.d2h_event = None
         plan = self.plan
         if plan is None or not keys or not len(plan):
             return []
@@ -723,7 +727,11 @@ class ResidencyScheduler:
             packed = self.observation.pack_times
             last = max(packed.values(), default=0.0)
             need = self.predictor.predict(StepObservation({**{k: last for k in keys if k not in packed}, **packed}))
-        return sorted(keys, key=lambda k: (need.get(k, 0.0), k))
+        ordered = sorted(keys)  # ties by key: a stable sort by need of the keys in key order (no tuple per key)
+        try:
+            return sorted(ordered, key=need.__getitem__)
+        except KeyError:  # a key without a predicted use: needed at 0.0
+            return sorted(ordered, key=lambda k: need.get(k, 0.0))
 
     # -- backward ------------------------------------------------------------------------
     def backward_began(self, t: float) -> None:

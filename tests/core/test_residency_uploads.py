@@ -162,7 +162,8 @@ def test_host_updated_prefetches_is_the_offer_taken_whole(budget: int, landing: 
     assert whole._counted == one._counted and whole.counters == one.counters
     assert whole.plan._done == one.plan._done  # type: ignore[union-attr]
     for key in sizes:
-        assert whole.objects[key].state is one.objects[key].state, key
+        a, b = whole.objects[key], one.objects[key]
+        assert (a.state, a.tier, a.host_tier, a.d2h_event) == (b.state, b.tier, b.host_tier, b.d2h_event), key
     assert whole.host_updated_prefetches([]) == []
 
 

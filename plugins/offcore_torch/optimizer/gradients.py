@@ -384,9 +384,11 @@ class _Gradients:
 
     def _count_state(self) -> None:
         tensor = torch.Tensor
-        total = sum(
-            value.nbytes for state in self.state.values() for value in state.values() if isinstance(value, tensor)
-        )
+        total = 0
+        for state in self.state.values():  # loops, not a generator in sum(): per parameter, per step
+            for value in state.values():
+                if isinstance(value, tensor):
+                    total += value.nbytes
         if total != self._state_bytes:
             if total > self._state_bytes:
                 self.ledger.add(Tier.PAGEABLE, Kind.OPTIMIZER_STATE, total - self._state_bytes)

@@ -697,6 +697,10 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._rs: ResidencyScheduler | None = None
         self._phase = _COLLECT
         self._used: set[int] = set()  # parameters the forward of this round's uses phase used
+        # parameters of the round whose host copy became the data but whose upload the core may not have offered
+        # (held back by the budget, or a failed batch): _upload_rest uploads those still offloaded
+        self._unissued: set[int] = set()
+        self._fresh: object | None = None  # Note [Checked fresh in this step()]: this step()'s mark, while it runs
         self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
         self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
         self._lost: str | None = None  # a gradient of this round was lost (Note [Failed copies in the optimizer])
@@ -1026,9 +1030,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             if slot.hook is not None and slot.param.grad is None and slot.master.grad is not None:
                 slot.param.grad = slot.shown = self._show(slot)
         if not self._overlap_uploads:  # host steps under backward uploaded: later reads see the step
-            with self._lock:
-                pending = list(self._pending_h2d.values())
-            self._wait_all(pending, traced=False)
+            self._wait_all(traced=False)
 
     def _settle_worker(self) -> None:
         """Wait for everything queued on the worker; a failure stays queued for ``step()`` / ``_drain`` to raise."""
@@ -1137,39 +1139,44 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             rs.make_plan()  # with this round's gradient arrivals
             keys = [s.index for s in self._slots if not s.stepped and s.accumulated]
             remaining = [self._slots[k] for k in rs.upload_order(keys)]  # first needed, first stepped
-        self._check_fresh_all(remaining)
-        self._h2d_after_compute()
-        # Note [One host step at step()]
+        # Note [Checked fresh in this step()]: what passes the check below is not written before step() returns
+        self._fresh = fresh = object()
         try:
-            if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
-                pass
-            elif self._nvme is not None:
-                self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
-            else:
-                lead, rest = _lead_and_rest(remaining)
-                if _STEP_ON_CALLER and self._worker_idle():  # no hand-off to the worker, no waking this thread
-                    self._step_lead_and_rest(lead, rest, rs)
+            self._check_fresh_all(remaining, fresh)
+            self._h2d_after_compute()
+            # Note [One host step at step()]
+            try:
+                if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
+                    pass
+                elif self._nvme is not None:
+                    self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
                 else:
-                    self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
-        except StorageError as exc:
-            if self._nvme is None:
+                    lead, rest = _lead_and_rest(remaining)
+                    if _STEP_ON_CALLER and self._worker_idle():  # no hand-off to the worker, no waking this thread
+                        self._step_lead_and_rest(lead, rest, rs)
+                    else:
+                        self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
+            except StorageError as exc:
+                if self._nvme is None:
+                    self._end_round()
+                    raise
+                self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
+            except BaseException:
                 self._end_round()
                 raise
-            self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
-        except BaseException:
-            self._end_round()
-            raise
-        try:
-            self._end_round()
-        except BaseException as exc:  # an error must say what happened: here, the update did
-            exc.add_note(
-                "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
-                "the round (from what step() starts for the next one); do not call step() again for this round"
-            )
-            raise
-        self._stepped_since_zero_grad = True
-        if not self._overlap_uploads:
-            self._publish_uploads()
+            try:
+                self._end_round()
+            except BaseException as exc:  # an error must say what happened: here, the update did
+                exc.add_note(
+                    "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
+                    "the round (from what step() starts for the next one); do not call step() again for this round"
+                )
+                raise
+            self._stepped_since_zero_grad = True
+            if not self._overlap_uploads:
+                self._publish_uploads()
+        finally:
+            self._fresh = None
         return loss
 
     # -- worker -----------------------------------------------------------------------------

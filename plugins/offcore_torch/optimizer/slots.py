@@ -69,6 +69,7 @@ class _Slot:
         "pre_hook",
         "shown",
         "clears",
+        "fresh",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -108,6 +109,7 @@ class _Slot:
         self.pre_hook: Any = None
         self.shown: torch.Tensor | None = None  # a _HostGradient (optimizer.py)
         self.clears = 0  # times its host gradient was cleared: a _HostGradient of an earlier count is stale
+        self.fresh: object | None = None  # Note [Checked fresh in this step()]: the mark of the step() that checked it
 
     def unhook(self) -> None:
         """Remove its gradient hooks, and the _HostGradient shown as ``param.grad`` if it is still there."""
