@@ -5,7 +5,6 @@ Moved from optimizer.py, whose module doc holds the Notes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 import weakref
@@ -161,7 +160,7 @@ class _Gradients:
                     oldest = next((f for f in self._futures if not f.done()), None)
                 if oldest is None:
                     return self._acquire(nbytes, "a gradient staging buffer")
-                concurrent.futures.wait([oldest])  # the worker frees staging as it accumulates
+                self._wait_task(oldest)  # the worker frees staging as it accumulates
 
     def _release_staging(self, staging: HostBuffer) -> None:
         self._pool.release(staging)

@@ -338,6 +338,7 @@ from offcore_torch.optimizer.slots import (
     _params_of,
     _Slot,
     _storage_id,
+    _Task,
     _tensor_of,
     _typed,
 )
@@ -671,7 +672,10 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._lock = threading.Lock()
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
-        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._futures: list[_Task] = []  # Note [Worker tasks without a Future each]
+        self._tasks: collections.deque[_Task] = collections.deque()  # queued for the pump, in order
+        self._task_done = threading.Condition(threading.Lock())  # guards _tasks, _pumping, each task's finished
+        self._pumping = False
         # step()'s rest, in need order: their uploads are due (Note [Who issues step()'s uploads])
         self._due: list[_Slot] = []
         # Note [Host gradients are cleared by opt.zero_grad()]: a step ran since the last zero_grad()
@@ -1036,7 +1040,8 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         """Wait for everything queued on the worker; a failure stays queued for ``step()`` / ``_drain`` to raise."""
         with self._lock:
             futures = list(self._futures)
-        concurrent.futures.wait(futures)
+        for future in futures:
+            self._wait_task(future)
         with self._lock:
             self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._release_landed()
@@ -1181,11 +1186,44 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
 
     # -- worker -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the worker, after everything queued (Note [Worker tasks without a Future each])."""
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
-        future = self._worker.submit(fn, *args)
+        task = _Task(fn, args)
+        with self._task_done:
+            start = not self._pumping
+            if start:
+                self._worker.submit(self._pump)  # before anything changes: a refusal leaves nothing queued
+                self._pumping = True
+            self._tasks.append(task)
         with self._lock:
-            self._futures.append(future)
+            self._futures.append(task)
+
+    def _pump(self) -> None:
+        """Worker: run the queued tasks in order until none is left."""
+        cond, tasks = self._task_done, self._tasks
+        while True:
+            with cond:
+                if not tasks:
+                    self._pumping = False
+                    return
+                task = tasks.popleft()
+            try:
+                task.fn(*task.args)  # type: ignore[misc]
+            except BaseException as exc:  # kept for _drain / step() to raise, as a Future kept it
+                task.error = exc
+            with cond:
+                task.finished = True
+                task.fn = task.args = None  # what it held (buffers, events) goes now
+                cond.notify_all()
+
+    def _wait_task(self, task: _Task) -> None:
+        """Block until ``task`` ran (its failure stays in it)."""
+        if task.finished:
+            return
+        with self._task_done:
+            while not task.finished:
+                self._task_done.wait()
 
     def _worker_idle(self) -> bool:
         """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""
@@ -1198,11 +1236,9 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             futures, self._futures = self._futures, []
         error: BaseException | None = None
         for future in futures:
-            try:
-                future.result()
-            except BaseException as exc:
-                if error is None:
-                    error = exc
+            self._wait_task(future)
+            if error is None:
+                error = future.error
         self._release_landed()
         if error is not None:
             self._end_round()
