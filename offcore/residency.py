@@ -649,7 +649,7 @@ class ResidencyScheduler:
             return [a.key for a in self.host_updated_all(keys) if a.kind is ActionKind.PREFETCH]
         objects, awaiting = self.objects, self._awaiting_host
         keys = list(keys)
-        resident, offloaded = State.RESIDENT, State.OFFLOADED
+        resident, offloaded, pinned = State.RESIDENT, State.OFFLOADED, Tier.PINNED  # read once (enum members)
         for key in keys:  # _host_copy_is_data, inlined
             awaiting.discard(key)
             obj = objects[key]
@@ -657,7 +657,7 @@ class ResidencyScheduler:
                 # start_offload(_COMPLETED) then release_device_copy(): RESIDENT -> OFFLOADING -> OFFLOADED, both
                 # allowed, the "copy" complete (Note [Transitions checked inline] in offcore/objects.py)
                 obj.state = offloaded
-                obj.tier = obj.host_tier = obj.host_tier or Tier.PINNED
+                obj.tier = obj.host_tier = obj.host_tier or pinned
                 obj.d2h_event = None
         plan = self.plan
         if plan is None or not keys or not len(plan):
@@ -671,17 +671,17 @@ class ResidencyScheduler:
         outstanding, budget = self.outstanding, self.budget
         room = self.device_capacity > 0 and self._device_in_use is not None  # _device_has_room asks
         reserved = 0
-        offered, prefetch = State.OFFLOADED, State.PREFETCHING
+        offering, prefetch = State.OFFLOADING, State.PREFETCHING
         for i, key in enumerate(due):  # _prefetches' loop, for the case above (same checks, same order)
             obj = objects.get(key)
             state = None if obj is None else obj.state
-            if state is State.OFFLOADING or state is prefetch:
-                if state is State.OFFLOADING and key not in alive and key not in released:
+            if state is offering or state is prefetch:
+                if state is offering and key not in alive and key not in released:
                     reserved += obj.nbytes  # type: ignore[union-attr]
                 continue
             if key in awaiting:
                 continue
-            if state is not offered or key in alive or key in released:
+            if state is not offloaded or key in alive or key in released:
                 if key in planned:  # plan.issued
                     done.add(key)
                 continue
