@@ -643,6 +643,97 @@ class ResidencyScheduler:
             obj.start_offload(_COMPLETED, obj.host_tier or _PINNED)
             obj.release_device_copy()
 
+    # Note [An offer taken whole, answered after]
+    # A binding that issues every upload of an offer together (an optimizer's uploads, one batch of copies:
+    # Note [Uploads are issued in batches] in offcore_torch/optimizer/rounds.py) takes the whole offer before
+    # it answers any of it. ``host_updated_prefetches`` returns what that binding took from
+    # ``host_updated_all`` -- the keys of its ``prefetch`` actions, in order -- without a generator step and
+    # an ``Action`` per key (the optimizer's step() pays them per parameter); ``started_all`` is its answers.
+    # The offer is the same: the loop below is ``_prefetches``' for the case it covers (no recording, no
+    # shared budget, nothing on NVMe, no eviction pending); where an upload does not fit the byte budget,
+    # the rest of the offer is ``_prefetches``' own (it may evict: the binding is not told, as it was not
+    # before, and the victims' bookkeeping is the same). Otherwise (recording, a shared budget, NVMe) it is
+    # ``host_updated_all``'s offer itself, so a recorded log replays as before.
+    def host_updated_prefetches(self, keys: Iterable[int]) -> list[int]:
+        """:meth:`host_updated_all` for a binding that takes its whole offer before answering any of it
+        (Note [An offer taken whole, answered after]): the keys of the offer's ``prefetch`` actions, in order.
+        The binding answers them with :meth:`started_all` (or :meth:`started` / :meth:`refused` each), once
+        issued. Other actions are not returned (only a binding whose evictions free nothing may use it).
+
+            >>> keys = rs.host_updated_prefetches([0, 1, 2])   # doctest: +SKIP
+            >>> rs.started_all(keys, [event] * len(keys))       # doctest: +SKIP
+        """
+        if self.record or self.shared_budget is not None or self._on_nvme or self._budget_evictions:
+            return [a.key for a in self.host_updated_all(keys) if a.kind is ActionKind.PREFETCH]
+        objects, awaiting = self.objects, self._awaiting_host
+        keys = list(keys)
+        resident, offloaded, pinned = State.RESIDENT, State.OFFLOADED, Tier.PINNED  # read once (enum members)
+        for key in keys:  # _host_copy_is_data, inlined
+            awaiting.discard(key)
+            obj = objects[key]
+            if obj.state is resident:
+                # start_offload(_COMPLETED) then release_device_copy(): RESIDENT -> OFFLOADING -> OFFLOADED, both
+                # allowed, the "copy" complete (Note [Transitions checked inline] in offcore/objects.py)
+                obj.state = offloaded
+                obj.tier = obj.host_tier = obj.host_tier or pinned
+                obj.d2h_event = None
+        plan = self.plan
+        if plan is None or not keys or not len(plan):
+            return []
+        vtime = self.vtime  # _offer, inlined
+        due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
+        if not due or self._no_prefetch_round == (self.round if self.in_backward else self.round + 1):
+            return []  # Note [No speculative allocation after a refusal]
+        out: list[int] = []
+        alive, released, done, planned = self._alive_elsewhere, self._released, plan._done, plan.nbytes
+        outstanding, budget = self.outstanding, self.budget
+        room = self.device_capacity > 0 and self._device_in_use is not None  # _device_has_room asks
+        reserved = 0
+        offering, prefetch = State.OFFLOADING, State.PREFETCHING
+        for i, key in enumerate(due):  # _prefetches' loop, for the case above (same checks, same order)
+            obj = objects.get(key)
+            state = None if obj is None else obj.state
+            if state is offering or state is prefetch:
+                if state is offering and key not in alive and key not in released:
+                    reserved += obj.nbytes  # type: ignore[union-attr]
+                continue
+            if key in awaiting:
+                continue
+            if state is not offloaded or key in alive or key in released:
+                if key in planned:  # plan.issued
+                    done.add(key)
+                continue
+            nbytes = obj.nbytes  # type: ignore[union-attr]
+            if reserved and outstanding + reserved + nbytes > budget:
+                self.counters["prefetch_behind_landing"] += 1
+                return out
+            if not (outstanding + nbytes <= budget or (outstanding == 0 and budget > 0)):
+                # an eviction may make room: the rest is _prefetches' own (Note [An offer taken whole, ...])
+                out.extend(a.key for a in self._prefetches(plan, due[i:]) if a.kind is ActionKind.PREFETCH)
+                return out
+            if room and not self._device_has_room(nbytes):
+                self.counters["prefetch_no_room"] += 1
+                return out
+            out.append(key)
+            done.add(key)  # plan.issued (a due key is planned)
+        return out
+
+    def started_all(self, keys: Iterable[int], events: Iterable[Any]) -> None:
+        """:meth:`started` of each of ``keys`` with its event of ``events`` (one list each, in step)."""
+        if self.record:
+            for key, event in zip(keys, events, strict=True):
+                self.started(key, event)
+            return
+        objects, counted = self.objects, self._counted
+        for key, event in zip(keys, events, strict=True):
+            obj = objects[key]
+            obj.start_prefetch(event)
+            if key not in counted:  # _count, inlined
+                counted.add(key)
+                self.outstanding += obj.nbytes
+        if self.outstanding > self.peak_outstanding:
+            self.peak_outstanding = self.outstanding
+
     def upload_order(self, keys: list[int]) -> list[int]:
         """``keys`` in the order their uploads are planned: predicted next use first (ties: key order).
 
@@ -654,7 +745,11 @@ class ResidencyScheduler:
             packed = self.observation.pack_times
             last = max(packed.values(), default=0.0)
             need = self.predictor.predict(StepObservation({**{k: last for k in keys if k not in packed}, **packed}))
-        return sorted(keys, key=lambda k: (need.get(k, 0.0), k))
+        ordered = sorted(keys)  # ties by key: a stable sort by need of the keys in key order (no tuple per key)
+        try:
+            return sorted(ordered, key=need.__getitem__)
+        except KeyError:  # a key without a predicted use: needed at 0.0
+            return sorted(ordered, key=lambda k: need.get(k, 0.0))
 
     # -- backward ------------------------------------------------------------------------
     def backward_began(self, t: float) -> None:

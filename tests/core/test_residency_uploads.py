@@ -114,3 +114,73 @@ def test_host_updated_all_before_a_plan_offers_nothing() -> None:
     assert (
         rs.objects[0].state is State.OFFLOADED and rs.objects[1].state is State.OFFLOADED
     )  # the host copy is the data
+
+
+def _pair(
+    predictor: Scheduler, sizes: dict[int, int], budget: int, landing: bool
+) -> tuple[ResidencyScheduler, ResidencyScheduler]:
+    """Two schedulers in the same state: the ones of ``sizes`` registered, 0 already started (counted),
+    1 released (no use reads it), 2 still landing (``landing``: an object offloaded by a device copy)."""
+    pair = []
+    for _ in range(2):
+        rs = _round(predictor, sizes, budget=budget)
+        for key in sizes:
+            rs.produced(key, 0.0)  # its gradient arrived: the learned need order applies
+        rs.make_plan()
+        for action in rs.host_updated_all([0]):
+            rs.started(action.key, event=None)
+        rs.released(1)
+        if landing:
+            rs._awaiting_host.discard(2)
+            rs.objects[2].start_offload(event=None)
+        rs.make_plan()
+        pair.append(rs)
+    return pair[0], pair[1]
+
+
+@pytest.mark.parametrize("landing", [True, False])
+@pytest.mark.parametrize("budget", [10_000, 450, 300, 150, 0])
+def test_host_updated_prefetches_is_the_offer_taken_whole(budget: int, landing: bool) -> None:
+    """Note [An offer taken whole, answered after]: the keys (and the scheduler's state) of taking
+    host_updated_all's whole offer before answering, then answering each; under a tight budget the rest of the
+    offer evicts as host_updated_all's does."""
+    predictor = Scheduler(margin=0.0)
+    predictor.observe(_learned({0: 0.6, 1: 0.0, 2: 0.1, 3: 0.2, 4: 0.3, 5: 0.4, 6: 0.5}))
+    sizes = dict.fromkeys(range(7), 100)
+    one, whole = _pair(predictor, sizes, budget, landing)
+    keys = [3, 1, 6, 5, 4] if landing else [3, 2, 1, 6, 5, 4]
+    actions = list(one.host_updated_all(keys))
+    expected = [a.key for a in actions if a.kind is ActionKind.PREFETCH]
+    for key in expected:
+        one.started(key, event=None)
+    got = whole.host_updated_prefetches(keys)
+    whole.started_all(got, [None] * len(got))
+    assert got == expected
+    if budget == 10_000:  # need order; 1 released, 0 started already, 2 landing (or uploaded first)
+        assert got == ([3, 4, 5, 6] if landing else [2, 3, 4, 5, 6])
+    assert whole.outstanding == one.outstanding and whole.peak_outstanding == one.peak_outstanding
+    assert whole._counted == one._counted and whole.counters == one.counters
+    assert whole.plan._done == one.plan._done  # type: ignore[union-attr]
+    for key in sizes:
+        a, b = whole.objects[key], one.objects[key]
+        assert (a.state, a.tier, a.host_tier, a.d2h_event) == (b.state, b.tier, b.host_tier, b.d2h_event), key
+    assert whole.host_updated_prefetches([]) == []
+
+
+def test_host_updated_prefetches_recorded_is_host_updated_all() -> None:
+    """Recording, the offer is host_updated_all's, logged as it is (a replay makes the same calls)."""
+    predictor = Scheduler(margin=0.0)
+    rs = ResidencyScheduler(predictor, duration=lambda n: 1e-6 * n, prefetch="asap", budget=1000, record=True)
+    rs.forward_began(0.0)
+    for key in range(3):
+        rs.register(key, Kind.PARAMETER, 100)
+        rs.awaiting_host(key)
+    rs.make_plan()
+    keys = rs.host_updated_prefetches([2, 0, 1])
+    rs.started_all(keys, [None] * len(keys))
+    assert sorted(keys) == [0, 1, 2]
+    names = [entry[0] for entry in rs.log]
+    assert (
+        names[names.index("host_updated_all") :]
+        == ["host_updated_all", "next", "next", "next", "next"] + ["started"] * 3
+    )

@@ -191,3 +191,64 @@ def test_a_batch_holds_uploads_up_to_the_batch_bytes(make_fake_device: Any, monk
             del dev.copy_many, dev.copy_
     assert_same(losses, want.losses, "losses")
     assert_same(params, want.params, "params")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["uploads-in-step", "overlap_uploads"])
+def test_step_reads_each_storage_once_and_later_uploads_check_again(
+    make_fake_device: Any, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """Note [Checked fresh in this step()]: step() checks each parameter against its master once (one storage
+    identity read each), and its own uploads and waits reuse that check; uploads issued after step() returned
+    (``overlap_uploads=True``: by zero_grad()) check each parameter again, and a write made in between still
+    cancels them (the next step starts from the write), with the numbers of the run without offload."""
+    reads: list[int] = []
+    real = rounds_module._storage_id
+
+    def storage_id(param: Any) -> Any:
+        reads.append(id(param))
+        return real(param)
+
+    monkeypatch.setattr(rounds_module, "_storage_id", storage_id)
+    results = []
+    for offload in (False, True):
+        dev = make_fake_device(sanitize=True)
+        with dev:
+            model = place(MLP.build(0), dev)
+            params = list(model.parameters())
+            if offload:
+                opt: Any = offcore_torch.OffloadOptimizer(
+                    params, torch.optim.AdamW, device=dev, overlap_uploads=overlap, **OPTIMIZERS["adamw"][1]
+                )
+            else:
+                opt = torch.optim.AdamW(params, **OPTIMIZERS["adamw"][1])
+            losses = []
+            try:
+                for step in range(STEPS):
+                    loss = MLP.loss(model, MLP.make_batch(step, torch.device("cpu")))
+                    loss.backward()
+                    losses.append(loss.detach().clone())
+                    if offload:
+                        opt.host_grads()  # every gradient landed: step() alone is counted
+                    reads.clear()
+                    opt.step()
+                    if offload:  # once each (a parameter whose version changed needs no read: it was written)
+                        assert len(reads) == len(set(reads)) >= len(params) - 1, (
+                            f"step {step}: {len(reads)} storage reads of {len(set(reads))} of {len(params)} parameters"
+                        )
+                    if step == 1:  # a write after step(): with overlap_uploads, before the uploads are issued
+                        if offload and overlap:
+                            opt.wait_for_parameters([p for p in params if id(p) in opt._pending_h2d])
+                        with torch.no_grad():
+                            params[0].copy_(torch.full_like(params[0], 0.25))
+                    reads.clear()
+                    opt.zero_grad()
+                    if offload and overlap:  # the uploads zero_grad() issued checked each parameter again
+                        assert len(reads) >= len(params) - 1, f"zero_grad(): {len(reads)} storage reads"
+                if offload:
+                    opt.synchronize()
+                results.append((losses, [p.detach().clone() for p in params]))
+            finally:
+                if offload:
+                    opt.close()
+    assert_same(results[1][0], results[0][0], "losses")
+    assert_same(results[1][1], results[0][1], "params")

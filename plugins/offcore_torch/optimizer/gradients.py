@@ -5,7 +5,6 @@ Moved from optimizer.py, whose module doc holds the Notes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 import weakref
@@ -161,7 +160,7 @@ class _Gradients:
                     oldest = next((f for f in self._futures if not f.done()), None)
                 if oldest is None:
                     return self._acquire(nbytes, "a gradient staging buffer")
-                concurrent.futures.wait([oldest])  # the worker frees staging as it accumulates
+                self._wait_task(oldest)  # the worker frees staging as it accumulates
 
     def _release_staging(self, staging: HostBuffer) -> None:
         self._pool.release(staging)
@@ -384,9 +383,11 @@ class _Gradients:
 
     def _count_state(self) -> None:
         tensor = torch.Tensor
-        total = sum(
-            value.nbytes for state in self.state.values() for value in state.values() if isinstance(value, tensor)
-        )
+        total = 0
+        for state in self.state.values():  # loops, not a generator in sum(): per parameter, per step
+            for value in state.values():
+                if isinstance(value, tensor):
+                    total += value.nbytes
         if total != self._state_bytes:
             if total > self._state_bytes:
                 self.ledger.add(Tier.PAGEABLE, Kind.OPTIMIZER_STATE, total - self._state_bytes)

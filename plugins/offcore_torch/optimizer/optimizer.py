@@ -338,6 +338,7 @@ from offcore_torch.optimizer.slots import (
     _params_of,
     _Slot,
     _storage_id,
+    _Task,
     _tensor_of,
     _typed,
 )
@@ -671,7 +672,10 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._lock = threading.Lock()
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
-        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._futures: list[_Task] = []  # Note [Worker tasks without a Future each]
+        self._tasks: collections.deque[_Task] = collections.deque()  # queued for the pump, in order
+        self._task_done = threading.Condition(threading.Lock())  # guards _tasks, _pumping, each task's finished
+        self._pumping = False
         # step()'s rest, in need order: their uploads are due (Note [Who issues step()'s uploads])
         self._due: list[_Slot] = []
         # Note [Host gradients are cleared by opt.zero_grad()]: a step ran since the last zero_grad()
@@ -697,6 +701,10 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._rs: ResidencyScheduler | None = None
         self._phase = _COLLECT
         self._used: set[int] = set()  # parameters the forward of this round's uses phase used
+        # parameters of the round whose host copy became the data but whose upload the core may not have offered
+        # (held back by the budget, or a failed batch): _upload_rest uploads those still offloaded
+        self._unissued: set[int] = set()
+        self._fresh: object | None = None  # Note [Checked fresh in this step()]: this step()'s mark, while it runs
         self._sched_lock = threading.RLock()  # order: _sched_lock before _lock, never the reverse
         self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys
         self._lost: str | None = None  # a gradient of this round was lost (Note [Failed copies in the optimizer])
@@ -1026,15 +1034,14 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             if slot.hook is not None and slot.param.grad is None and slot.master.grad is not None:
                 slot.param.grad = slot.shown = self._show(slot)
         if not self._overlap_uploads:  # host steps under backward uploaded: later reads see the step
-            with self._lock:
-                pending = list(self._pending_h2d.values())
-            self._wait_all(pending, traced=False)
+            self._wait_all(traced=False)
 
     def _settle_worker(self) -> None:
         """Wait for everything queued on the worker; a failure stays queued for ``step()`` / ``_drain`` to raise."""
         with self._lock:
             futures = list(self._futures)
-        concurrent.futures.wait(futures)
+        for future in futures:
+            self._wait_task(future)
         with self._lock:
             self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._release_landed()
@@ -1137,48 +1144,86 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             rs.make_plan()  # with this round's gradient arrivals
             keys = [s.index for s in self._slots if not s.stepped and s.accumulated]
             remaining = [self._slots[k] for k in rs.upload_order(keys)]  # first needed, first stepped
-        self._check_fresh_all(remaining)
-        self._h2d_after_compute()
-        # Note [One host step at step()]
+        # Note [Checked fresh in this step()]: what passes the check below is not written before step() returns
+        self._fresh = fresh = object()
         try:
-            if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
-                pass
-            elif self._nvme is not None:
-                self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
-            else:
-                lead, rest = _lead_and_rest(remaining)
-                if _STEP_ON_CALLER and self._worker_idle():  # no hand-off to the worker, no waking this thread
-                    self._step_lead_and_rest(lead, rest, rs)
+            self._check_fresh_all(remaining, fresh)
+            self._h2d_after_compute()
+            # Note [One host step at step()]
+            try:
+                if not remaining:  # every host step ran under backward (accumulation_steps, last_micro_step)
+                    pass
+                elif self._nvme is not None:
+                    self._worker.submit(self._step_groups, self._groups(remaining), rs).result()
                 else:
-                    self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
-        except StorageError as exc:
-            if self._nvme is None:
+                    lead, rest = _lead_and_rest(remaining)
+                    if _STEP_ON_CALLER and self._worker_idle():  # no hand-off to the worker, no waking this thread
+                        self._step_lead_and_rest(lead, rest, rs)
+                    else:
+                        self._worker.submit(self._step_lead_and_rest, lead, rest, rs).result()
+            except StorageError as exc:
+                if self._nvme is None:
+                    self._end_round()
+                    raise
+                self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
+            except BaseException:
                 self._end_round()
                 raise
-            self._storage_failed(exc, remaining)  # keeps the round open: a retry steps the rest
-        except BaseException:
-            self._end_round()
-            raise
-        try:
-            self._end_round()
-        except BaseException as exc:  # an error must say what happened: here, the update did
-            exc.add_note(
-                "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
-                "the round (from what step() starts for the next one); do not call step() again for this round"
-            )
-            raise
-        self._stepped_since_zero_grad = True
-        if not self._overlap_uploads:
-            self._publish_uploads()
+            try:
+                self._end_round()
+            except BaseException as exc:  # an error must say what happened: here, the update did
+                exc.add_note(
+                    "OffloadOptimizer.step(): this error came after the update was applied to every parameter of "
+                    "the round (from what step() starts for the next one); do not call step() again for this round"
+                )
+                raise
+            self._stepped_since_zero_grad = True
+            if not self._overlap_uploads:
+                self._publish_uploads()
+        finally:
+            self._fresh = None
         return loss
 
     # -- worker -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the worker, after everything queued (Note [Worker tasks without a Future each])."""
         if self._closed:
             raise OffcoreError("OffloadOptimizer is closed")
-        future = self._worker.submit(fn, *args)
+        task = _Task(fn, args)
+        with self._task_done:
+            start = not self._pumping
+            if start:
+                self._worker.submit(self._pump)  # before anything changes: a refusal leaves nothing queued
+                self._pumping = True
+            self._tasks.append(task)
         with self._lock:
-            self._futures.append(future)
+            self._futures.append(task)
+
+    def _pump(self) -> None:
+        """Worker: run the queued tasks in order until none is left."""
+        cond, tasks = self._task_done, self._tasks
+        while True:
+            with cond:
+                if not tasks:
+                    self._pumping = False
+                    return
+                task = tasks.popleft()
+            try:
+                task.fn(*task.args)  # type: ignore[misc]
+            except BaseException as exc:  # kept for _drain / step() to raise, as a Future kept it
+                task.error = exc
+            with cond:
+                task.finished = True
+                task.fn = task.args = None  # what it held (buffers, events) goes now
+                cond.notify_all()
+
+    def _wait_task(self, task: _Task) -> None:
+        """Block until ``task`` ran (its failure stays in it)."""
+        if task.finished:
+            return
+        with self._task_done:
+            while not task.finished:
+                self._task_done.wait()
 
     def _worker_idle(self) -> bool:
         """Nothing queued on the worker (submissions not waited for are all in ``_futures``)."""
@@ -1191,11 +1236,9 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             futures, self._futures = self._futures, []
         error: BaseException | None = None
         for future in futures:
-            try:
-                future.result()
-            except BaseException as exc:
-                if error is None:
-                    error = exc
+            self._wait_task(future)
+            if error is None:
+                error = future.error
         self._release_landed()
         if error is not None:
             self._end_round()

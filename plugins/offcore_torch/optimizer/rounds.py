@@ -107,7 +107,7 @@ class _HostRounds:
         # one offer for all of them (host_updated_all), not one scan of the plan per parameter; a failed
         # copy ends the offer (refused): what it did not issue stays offloaded and its use issues it
         with contextlib.suppress(Exception):
-            self._execute(rs, rs.host_updated_all(keys))
+            self._offer_uploads(rs, keys)
 
     def _h2d_after_compute(self) -> None:
         """Order the H2D stream after the work queued so far on this thread's compute stream.
@@ -154,11 +154,15 @@ class _HostRounds:
         """Issue the uploads the core offered for ``slots`` together and answer the core (Note [Uploads are
         issued in batches]; sched lock held). An upload of a parameter written by someone else since it
         matched its master is cancelled, as in ``_copy_up``."""
-        pending = self._pending_h2d
         todo: list[_Slot] = []
         cancelled: list[_Slot] = []
+        fresh = self._fresh
         with self._lock:
+            pending = self._pending_h2d
             for slot in slots:  # _written, inlined
+                if fresh is not None and slot.fresh is fresh:  # Note [Checked fresh in this step()]
+                    todo.append(slot)
+                    continue
                 param = slot.param
                 if id(param) not in pending and (
                     param._version != slot.synced_version or _storage_id(param) != slot.synced_storage
@@ -169,21 +173,18 @@ class _HostRounds:
         if cancelled:
             nothing = self._device.new_event()
             self._runtime.h2d_stream.record_event(nothing)
-            for slot in cancelled:
-                rs.started(slot.index, nothing)
+            rs.started_all([slot.index for slot in cancelled], [nothing] * len(cancelled))
         if not todo:
             return
         done: list[_Slot] = []
         try:
             self._copy_uploads(todo, done)
         except BaseException:
-            for slot in done:
-                rs.started(slot.index, slot.h2d)
+            rs.started_all([slot.index for slot in done], [slot.h2d for slot in done])
             if len(done) < len(todo):
                 rs.refused(todo[len(done)].index, "failed")  # the rest stay offloaded: their use issues them
             raise
-        for slot in todo:
-            rs.started(slot.index, slot.h2d)
+        rs.started_all([slot.index for slot in todo], [slot.h2d for slot in todo])
 
     def _copy_uploads(self, slots: list[_Slot], done: list[_Slot] | None = None) -> None:
         """Issue the H2D of each of ``slots``' masters (its cast stage) into its device parameter, in order:
@@ -297,6 +298,7 @@ class _HostRounds:
         rs.make_plan()
         self._rs, self._phase = rs, _COLLECT
         self._used.clear()
+        self._unissued.clear()
         return rs
 
     def _close_round(self) -> None:
@@ -310,12 +312,19 @@ class _HostRounds:
         self._rs = None
 
     def _upload_rest(self, rs: ResidencyScheduler) -> None:
+        """Upload every parameter whose host copy is the data and whose upload is not issued yet (due, or held
+        back by the core: ``_unissued`` holds every parameter the core may have left offloaded this round)."""
         self._issue_due(rs)
-        rest = [k for k, o in rs.objects.items() if k >= 0 and o.state is State.OFFLOADED]
+        unissued = self._unissued
+        if not unissued:
+            return
+        objects = rs.objects
+        rest = [k for k in unissued if objects[k].state is State.OFFLOADED]
         if rest:
             self._h2d_after_compute()
             for key in rs.upload_order(rest):
                 rs.reloaded(key, self._copy_up(self._slots[key]))
+        unissued.clear()  # not before: a failed upload leaves the rest offloaded, and in the set
 
     # Note [Uploads are issued in batches]
     # ``step()`` leaves every parameter's upload due at once and the core offers them in one trigger
@@ -338,6 +347,27 @@ class _HostRounds:
     # (``recover`` waits for the stream), then every upload of the batch is issued again on its own (each
     # master is intact; the versions are read after the first copies landed, so Note [Writes to parameters
     # after step()] sees no foreign write), and it counts as one recovered failure.
+    def _offer_uploads(self, rs: ResidencyScheduler, keys: list[int]) -> None:
+        """The host copies of ``keys`` are the data now: carry out the core's one offer of their uploads (sched
+        lock held). Without a budget, the whole offer is one batch (Note [Uploads are issued in batches]) taken
+        as keys (Note [An offer taken whole, answered after] in offcore/residency.py)."""
+        unissued = self._unissued
+        if self._upload_budget >= _UNBOUNDED:
+            offered = rs.host_updated_prefetches(keys)
+            held = set(keys).difference(offered)  # the core held them back (it may offer others held before)
+            if held:
+                unissued.update(held)
+            if offered:
+                slots = self._slots
+                try:
+                    self._upload_batch(rs, [slots[key] for key in offered])
+                except BaseException:
+                    unissued.update(offered)  # what the failure left offloaded is among them
+                    raise
+            return
+        unissued.update(keys)
+        self._execute(rs, rs.host_updated_all(keys))
+
     def _execute(self, rs: ResidencyScheduler, actions: Iterable[Any]) -> None:
         """Carry out the core's actions (sched lock held)."""
         if self._upload_budget >= _UNBOUNDED:  # Note [Uploads are issued in batches]
@@ -375,7 +405,7 @@ class _HostRounds:
         keys = [slot.index for slot in slots if slot.host_param is None]
         if keys:
             with self._sched_lock:
-                self._execute(rs, rs.host_updated_all(keys))
+                self._offer_uploads(rs, keys)
 
     def _make_current(self, slot: _Slot) -> None:
         """The device parameter of ``slot`` is about to be read: its upload is issued (on demand, if
@@ -472,25 +502,37 @@ class _HostRounds:
             self._recovered(f"the upload of parameter {slot.index}", exc)
             return False
 
-    def _wait_all(self, slots: list[_Slot], *, traced: bool) -> None:
-        """``_wait_parameter`` of each of ``slots``, the compute stream waiting once per distinct event (a batch's
-        uploads share one: Note [Uploads are issued in batches]); a failed upload goes through its recovery."""
+    def _wait_all(self, *, traced: bool) -> int:
+        """``_wait_parameter`` of every parameter with an upload pending, the compute stream waiting once per
+        distinct event (a batch's uploads share one: Note [Uploads are issued in batches]); a failed upload goes
+        through its recovery. Returns how many were waited for."""
         stream = self._device.current_stream()
-        pending = self._pending_h2d
         trace = self.trace if traced else None
+        with self._lock:  # each taken with its event, as _wait_parameter pops it, under one lock
+            pending = self._pending_h2d
+            popped = pending.copy()  # the same dict stays (others keep a reference under the lock)
+            pending.clear()
         waited: set[int] = set()  # ids of the events waited for (alive: held by the slots)
-        with self._lock:  # each popped with its event, as _wait_parameter does, under one lock
-            popped = [(slot, slot.h2d) for slot in slots if pending.pop(id(slot.param), None) is not None]
-        for slot, event in popped:
-            began = time.perf_counter()
-            if id(event) not in waited and self._order_after(slot, event, stream):
+        last: Any = None  # the last event waited for (consecutive uploads of a batch share it)
+        began = 0.0
+        fresh = self._fresh
+        for slot in popped.values():
+            event = slot.h2d
+            if trace is not None:
+                began = time.perf_counter()
+            if event is not last and id(event) not in waited and self._order_after(slot, event, stream):
                 waited.add(id(event))
+                last = event
             if trace is not None:
                 trace.span("wait", f"param {slot.index}", began, time.perf_counter() - began)
             param = slot.param  # _mark_synced, inlined (as _wait_parameter)
             version = param._version
-            if version in slot.h2d_versions and _storage_id(param) == slot.synced_storage:
+            if version in slot.h2d_versions and (
+                (fresh is not None and slot.fresh is fresh)  # its storage is the one checked: Note [Checked fresh ...]
+                or _storage_id(param) == slot.synced_storage
+            ):
                 slot.synced_version = version
+        return len(popped)
 
     def _observe(self, slot: _Slot) -> bool:
         """Whether ``slot`` has no H2D the host has not seen land (records its version if it just landed)."""
@@ -527,8 +569,21 @@ class _HostRounds:
                 return False
         return self._changed(slot)
 
-    def _check_fresh_all(self, slots: list[_Slot]) -> None:
-        """``_check_fresh`` of each of ``slots`` (step(): the worker is drained)."""
+    # Note [Checked fresh in this step()]
+    # step() checks each parameter it steps against its master (``_check_fresh_all``: Note [Masters are refreshed
+    # when the device parameter changed]) and from then until it returns runs none of the user's code (step hooks
+    # run around it: Note [Step hooks run once per step]; the worker is drained; the host step reads and writes
+    # host tensors only): nothing writes those device parameters, nor swaps their storage, before step() has
+    # issued their uploads and, without overlap_uploads, waited for them. So two later checks of the same
+    # parameters in the same step() have their answer already: the "written since it matched its master"
+    # cancellation of ``_upload_batch`` (Note [Writes to parameters after step()]: not written) and the storage
+    # half of ``_wait_all``'s synced check (the storage is the one checked). A parameter that passed the check is
+    # marked with this step()'s ``_fresh`` object (a new one per step(), None outside step()), and those checks
+    # skip what the mark proves. Uploads issued after step() returned (overlap_uploads=True: at zero_grad() or the
+    # first use) and the uploads of host steps run under backward (not checked by this step()) check as before.
+    def _check_fresh_all(self, slots: list[_Slot], fresh: object | None = None) -> None:
+        """``_check_fresh`` of each of ``slots`` (step(): the worker is drained); each that matches its master after
+        it is marked ``fresh`` (Note [Checked fresh in this step()])."""
         pending = self._pending_h2d
         for slot in slots:
             if slot.host_param is not None:
@@ -539,6 +594,7 @@ class _HostRounds:
             if param._version != slot.synced_version or _storage_id(param) != slot.synced_storage:  # _changed
                 self._drain()
                 self._load_master(slot)
+            slot.fresh = fresh
 
     def _check_fresh(self, slot: _Slot) -> None:
         """Note [Masters are refreshed when the device parameter changed] (main thread)."""
@@ -583,10 +639,7 @@ class _HostRounds:
         with self._sched_lock:
             if self._rs is not None:
                 self._upload_rest(self._rs)
-        with self._lock:
-            pending = list(self._pending_h2d.values())
-        self._wait_all(pending, traced=traced)
-        return len(pending)
+        return self._wait_all(traced=traced)
 
     def _publish_uploads(self) -> None:
         """Note [Parameters read after step() are the stepped ones]: issue every upload of this step (due,

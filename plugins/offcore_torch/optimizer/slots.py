@@ -69,6 +69,7 @@ class _Slot:
         "pre_hook",
         "shown",
         "clears",
+        "fresh",
     )
 
     def __init__(self, index: int, param: torch.Tensor, group: dict[str, Any]) -> None:
@@ -108,6 +109,7 @@ class _Slot:
         self.pre_hook: Any = None
         self.shown: torch.Tensor | None = None  # a _HostGradient (optimizer.py)
         self.clears = 0  # times its host gradient was cleared: a _HostGradient of an earlier count is stale
+        self.fresh: object | None = None  # Note [Checked fresh in this step()]: the mark of the step() that checked it
 
     def unhook(self) -> None:
         """Remove its gradient hooks, and the _HostGradient shown as ``param.grad`` if it is still there."""
@@ -243,6 +245,36 @@ def _typed(buffer: HostBuffer, dtype: torch.dtype, shape: torch.Size) -> torch.T
 
 
 _WORKER_THREAD = threading.local()  # marked on the optimizers' worker threads (Note [Streamed parameters ...])
+
+
+# Note [Worker tasks without a Future each]
+# Each gradient that lands is a task on the optimizer's worker (``_submit``: its ``_land``). A
+# ``concurrent.futures.Future`` per task brought about a dozen objects the garbage collector tracks (its Condition,
+# lock, waiters, the executor's work item and bound methods), alive from backward until the gradients are settled:
+# long enough to be promoted to the oldest generation, so that with thousands of parameters every step ran a full
+# collection over the process's objects (~25 µs per parameter at 8,000 small ones, wherever it fell). Tasks are
+# ``_Task`` records instead, queued in order and run by one "pump" submitted to the worker while there are any
+# (the same single worker thread, in the same order as the executor's queue took them before); ``_futures`` holds
+# them, and a Condition per optimizer says when one finished. ``done()``, ``exception()`` and ``result()`` keep the
+# meanings the optimizer used from Future (``_drain`` raises the first failure, ``_settle_worker`` keeps the
+# failed ones for step()).
+class _Task:
+    """One task queued on the optimizer's worker (Note [Worker tasks without a Future each])."""
+
+    __slots__ = ("fn", "args", "finished", "error")
+
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
+        self.fn: Any = fn
+        self.args: tuple[Any, ...] | None = args
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.finished
+
+    def exception(self) -> BaseException | None:
+        """The task's exception (asked once it is done), or None."""
+        return self.error
 
 
 def _mark_worker_thread() -> None:
