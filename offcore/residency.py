@@ -667,7 +667,11 @@ class ResidencyScheduler:
             return [a.key for a in self.host_updated_all(keys) if a.kind is ActionKind.PREFETCH]
         objects, awaiting = self.objects, self._awaiting_host
         keys = list(keys)
-        resident, offloaded, pinned = State.RESIDENT, State.OFFLOADED, Tier.PINNED  # read once (enum members)
+        resident, offloaded, pinned = (
+            _RESIDENT,
+            _OFFLOADED,
+            _PINNED,
+        )  # locals (Note [Enum members are read once per module])
         for key in keys:  # _host_copy_is_data, inlined
             awaiting.discard(key)
             obj = objects[key]
@@ -689,7 +693,7 @@ class ResidencyScheduler:
         outstanding, budget = self.outstanding, self.budget
         room = self.device_capacity > 0 and self._device_in_use is not None  # _device_has_room asks
         reserved = 0
-        offering, prefetch = State.OFFLOADING, State.PREFETCHING
+        offering, prefetch = _OFFLOADING, _PREFETCHING
         for i, key in enumerate(due):  # _prefetches' loop, for the case above (same checks, same order)
             obj = objects.get(key)
             state = None if obj is None else obj.state
