@@ -400,6 +400,9 @@ class _HostGradient(torch.Tensor):
     memory; every torch operator on it runs on the host gradient (an in-place one writes what ``step()``
     uses), and its results go to the parameter's device."""
 
+    # slots: no instance dict per gradient shown (a new one per parameter per round, alive from backward to
+    # zero_grad(): the cyclic collector promotes and walks each object it keeps, Note [An entry's records])
+    __slots__ = ("_host", "_owner", "_index", "_round")
     _host: torch.Tensor
     _owner: weakref.ref[OffloadOptimizer]
     _index: int  # its slot's, found through the owner: the parameter holds its .grad, the slot holds the parameter
