@@ -622,20 +622,8 @@ class Copies:
             return None
         start, end = span
         self._copy_bytes(ops, dst, src)
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        self._copy_log.append(
-            (
-                stream_name,
-                direction._value_,
-                nbytes,
-                enqueued,
-                start,
-                end,
-                0.0,
-                number,
-                ops.address(src),
-                ops.address(dst),
-            )
+        self._record_copy(
+            stream_name, direction, nbytes, enqueued, start, end, 0.0, number, ops.address(src), ops.address(dst)
         )
         return end
 
@@ -668,21 +656,8 @@ class Copies:
             extra_delay=jitter,
             data_first=not sanitize,
         )
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        # a tuple per copy; copy_log() builds the dicts only when asked
-        self._copy_log.append(
-            (
-                stream_name,
-                direction._value_,
-                nbytes,
-                enqueued,
-                start,
-                end,
-                jitter,
-                number,
-                ops.address(src),
-                ops.address(dst),
-            )
+        self._record_copy(
+            stream_name, direction, nbytes, enqueued, start, end, jitter, number, ops.address(src), ops.address(dst)
         )
         return end
 
@@ -711,23 +686,30 @@ class Copies:
         finally:
             sanitizer.finish(flight)
             flight.src = flight.dst = None  # the copy holds no memory once its bytes landed
-        self.ledger.record_copy(flight.direction, flight.nbytes, seconds=end - start)
         src, dst = flight.ranges["src"][0], flight.ranges["dst"][0]
-        self._copy_log.append(
-            (
-                flight.stream,
-                flight.direction._value_,
-                flight.nbytes,
-                enqueued,
-                start,
-                end,
-                jitter,
-                flight.number,
-                src,
-                dst,
-            )
+        self._record_copy(
+            flight.stream, flight.direction, flight.nbytes, enqueued, start, end, jitter, flight.number, src, dst
         )
         return end
+
+    def _record_copy(
+        self,
+        stream_name: str,
+        direction: Direction,
+        nbytes: int,
+        enqueued: float,
+        start: float,
+        end: float,
+        jitter: float,
+        number: int,
+        src: int,
+        dst: int,
+    ) -> None:
+        """A copy that landed, on the ledger and in the copy log (the general paths; the small copy's fast path
+        writes both inline). The log's tuple holds plain values (Note [The copy log holds no tracked objects]);
+        copy_log() builds the dicts only when asked."""
+        self.ledger.record_copy(direction, nbytes, seconds=end - start)
+        self._copy_log.append((stream_name, direction._value_, nbytes, enqueued, start, end, jitter, number, src, dst))
 
     def _land(self, flight: Flight) -> None:
         """Move a sanitized copy's bytes, or poison, when a side was freed or released (Note [Use after free])."""

@@ -195,16 +195,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     __ne__ = object.__ne__
     __hash__ = object.__hash__
 
-    def __new__(
-        cls,
-        storage: torch.UntypedStorage,
-        region: Region,
-        key: int,
-        where: str,
-        meta: TensorMeta,
-        nbytes: int,
-        skey: int,
-    ) -> Entry:
+    def __new__(cls, storage: torch.UntypedStorage, *_: Any) -> Entry:  # the rest is __init__'s
         return weakref.ref.__new__(cls, storage, storage_died)
 
     def __init__(
