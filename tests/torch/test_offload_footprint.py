@@ -28,8 +28,6 @@ from offcore_torch.instant import register_instant  # noqa: E402
 
 import offcore  # noqa: E402
 
-register_instant()
-
 pytestmark = pytest.mark.torch
 
 PER_SAVE = 5  # see the module doc
@@ -73,6 +71,7 @@ def _kept_objects(dev: Any, x: Any, saves: int) -> int:
 
 
 def test_an_offloaded_saved_tensor_keeps_five_objects_for_the_collector() -> None:
+    register_instant()  # here, not at import: a test of the registry before this one may have reset it
     dev = offcore.device("instant", capacity="1GiB")
     with dev:
         x = torch.randn(1024, device=dev.torch_device, requires_grad=True)
