@@ -353,28 +353,20 @@ class Copies:
     def _direction_of(self, dst: Any, src: Any, known: int) -> Direction:
         """The direction of a fast-path pair whose checker did not know a side (a storage neither the hook
         counts nor knows as a host buffer): that side from the arena."""
-        src_on_device = True if known & 2 else False if known & 8 else self._registered_on_device(src.untyped_storage())
-        dst_on_device = True if known & 1 else False if known & 4 else self._registered_on_device(dst.untyped_storage())
+        src_on_device = True if known & 2 else False if known & 8 else self._on_device_storage(src.untyped_storage())
+        dst_on_device = True if known & 1 else False if known & 4 else self._on_device_storage(dst.untyped_storage())
         return _DIRECTIONS[src_on_device, dst_on_device]
 
-    def _registered_on_device(self, storage: Any) -> bool:
-        """Whether a storage the allocator hook does not count is device memory (the arena's ``tier_of``,
-        registered owners first: host buffers)."""
-        arena = self._arena
-        known = arena._allocations.get(id(storage))
-        if known is not None and known.ref() is storage:
-            return known.tier is _DEVICE
-        return arena.tier_of(storage) is _DEVICE
-
-    def _on_device_storage(self, storage: Any, base: int) -> bool:
-        """Whether a storage small_pair took (``base``: its data pointer) is device memory: the arena's
-        ``tier_of``, registered owners (host buffers) first, then the allocator hook's answer by address."""
+    def _on_device_storage(self, storage: Any, base: int | None = None) -> bool:
+        """Whether a storage small_pair took is device memory: the arena's registered owners (host buffers)
+        first, then, given ``base`` (its data pointer), the allocator hook's answer by address, then the
+        arena's ``tier_of``."""
         arena = self._arena
         known = arena._allocations.get(id(storage))
         if known is not None and known.ref() is storage:
             return known.tier is _DEVICE
         owns = arena._owns
-        if owns is not None and owns(base):
+        if base is not None and owns is not None and owns(base):
             return True
         return arena.tier_of(storage) is _DEVICE
 

@@ -75,6 +75,9 @@ from offcore_cpu.link import reduce_timer_slack, sleep_until
 __all__ = ["FakeEvent", "ComputeStream", "WorkerStream"]
 
 
+_new = object.__new__
+
+
 class _Marker:
     """One recording of an event; completes when its stream reaches it.
 
@@ -97,6 +100,21 @@ class _Marker:
             self._latch.acquire()
             self.timestamp = None
             self.is_set = False
+
+    @staticmethod
+    def landing_at(stream_name: str, due: float) -> _Marker:
+        """The recording of work that already ran on the calling thread and lands at ``due``: complete now if
+        ``due`` has passed (built without ``__init__``: once per inline copy), else a :class:`_DueMarker`."""
+        now = time.perf_counter()
+        if due > now:
+            return _DueMarker(stream_name, due)
+        marker = _new(_Marker)
+        marker.stream_name = stream_name
+        marker.error = None
+        marker._latch = None
+        marker.timestamp = now
+        marker.is_set = True
+        return marker
 
     def complete(self, error: BaseException | None, at: float | None = None) -> None:
         """Complete now; ``at``: when the work really finished, if earlier (a copy's emulated landing)."""
@@ -182,10 +200,7 @@ class FakeEvent:
 
     def _land_at(self, stream_name: str, due: float) -> None:
         """Record as complete at ``due`` (now, if that has passed): Note [Inline copies on an idle stream]."""
-        if due > time.perf_counter():
-            self._marker = _DueMarker(stream_name, due)
-        else:
-            self._marker = _Marker(stream_name, completed=True)  # _new_marker, inlined (once per inline copy)
+        self._marker = _Marker.landing_at(stream_name, due)
 
     def record(self, stream: Any = None) -> None:
         """Capture the work enqueued so far on ``stream`` (default: the compute stream)."""
@@ -248,29 +263,17 @@ class FakeEvent:
         return f"<FakeEvent {state}{' timing' if self.enable_timing else ''}>"
 
 
-_new = object.__new__
-
-
 def landed_event(compute: ComputeStream, stream_name: str, due: float) -> FakeEvent:
     """``FakeEvent(compute, enable_timing=True)`` recorded with ``_land_at(stream_name, due)``, in one step.
 
     The event of a copy that ran inline (Note [Inline copies on an idle stream]), made once per small
-    copy (Note [The small copy's fast path] in copying.py): the same attributes, without the calls.
+    copy (Note [The small copy's fast path] in copying.py): the same attributes, without ``__init__``.
     """
     event = _new(FakeEvent)
     event._compute = compute
     event.enable_timing = True
     event._clock = None
-    now = time.perf_counter()
-    if due > now:
-        event._marker = _DueMarker(stream_name, due)
-    else:  # _Marker(stream_name, completed=True), without its __init__
-        marker = event._marker = _new(_Marker)
-        marker.stream_name = stream_name
-        marker.error = None
-        marker._latch = None
-        marker.timestamp = now
-        marker.is_set = True
+    event._marker = _Marker.landing_at(stream_name, due)
     return event
 
 
