@@ -664,22 +664,17 @@ class ResidencyScheduler:
             >>> rs.started_all(keys, [event] * len(keys))       # doctest: +SKIP
         """
         if self.record or self.shared_budget is not None or self._on_nvme or self._budget_evictions:
-            return [a.key for a in self.host_updated_all(keys) if a.kind is ActionKind.PREFETCH]
+            return [a.key for a in self.host_updated_all(keys) if a.kind is _PREFETCH]
         objects, awaiting = self.objects, self._awaiting_host
         keys = list(keys)
-        resident, offloaded, pinned = (
-            _RESIDENT,
-            _OFFLOADED,
-            _PINNED,
-        )  # locals (Note [Enum members are read once per module])
         for key in keys:  # _host_copy_is_data, inlined
             awaiting.discard(key)
             obj = objects[key]
-            if obj.state is resident:
+            if obj.state is _RESIDENT:
                 # start_offload(_COMPLETED) then release_device_copy(): RESIDENT -> OFFLOADING -> OFFLOADED, both
                 # allowed, the "copy" complete (Note [Transitions checked inline] in offcore/objects.py)
-                obj.state = offloaded
-                obj.tier = obj.host_tier = obj.host_tier or pinned
+                obj.state = _OFFLOADED
+                obj.tier = obj.host_tier = obj.host_tier or _PINNED
                 obj.d2h_event = None
         plan = self.plan
         if plan is None or not keys or not len(plan):
@@ -693,17 +688,16 @@ class ResidencyScheduler:
         outstanding, budget = self.outstanding, self.budget
         room = self.device_capacity > 0 and self._device_in_use is not None  # _device_has_room asks
         reserved = 0
-        offering, prefetch = _OFFLOADING, _PREFETCHING
         for i, key in enumerate(due):  # _prefetches' loop, for the case above (same checks, same order)
             obj = objects.get(key)
             state = None if obj is None else obj.state
-            if state is offering or state is prefetch:
-                if state is offering and key not in alive and key not in released:
+            if state is _OFFLOADING or state is _PREFETCHING:
+                if state is _OFFLOADING and key not in alive and key not in released:
                     reserved += obj.nbytes  # type: ignore[union-attr]
                 continue
             if key in awaiting:
                 continue
-            if state is not offloaded or key in alive or key in released:
+            if state is not _OFFLOADED or key in alive or key in released:
                 if key in planned:  # plan.issued
                     done.add(key)
                 continue
@@ -713,7 +707,7 @@ class ResidencyScheduler:
                 return out
             if not (outstanding + nbytes <= budget or (outstanding == 0 and budget > 0)):
                 # an eviction may make room: the rest is _prefetches' own (Note [An offer taken whole, ...])
-                out.extend(a.key for a in self._prefetches(plan, due[i:]) if a.kind is ActionKind.PREFETCH)
+                out.extend(a.key for a in self._prefetches(plan, due[i:]) if a.kind is _PREFETCH)
                 return out
             if room and not self._device_has_room(nbytes):
                 self.counters["prefetch_no_room"] += 1

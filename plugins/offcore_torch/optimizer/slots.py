@@ -255,8 +255,8 @@ _WORKER_THREAD = threading.local()  # marked on the optimizers' worker threads (
 # collection over the process's objects (~25 µs per parameter at 8,000 small ones, wherever it fell). Tasks are
 # ``_Task`` records instead, queued in order and run by one "pump" submitted to the worker while there are any
 # (the same single worker thread, in the same order as the executor's queue took them before); ``_futures`` holds
-# them, and a Condition per optimizer says when one finished. ``done()``, ``exception()`` and ``result()`` keep the
-# meanings the optimizer used from Future (``_drain`` raises the first failure, ``_settle_worker`` keeps the
+# them, and a Condition per optimizer says when one finished. ``done()`` and ``exception()`` keep the meanings
+# the optimizer used from Future (``_drain`` raises the first failure, ``_settle_worker`` keeps the
 # failed ones for step()).
 class _Task:
     """One task queued on the optimizer's worker (Note [Worker tasks without a Future each])."""
