@@ -26,41 +26,51 @@ MLP = mlp_workload(d_in=16, width=32, depth=3, d_out=8, batch_size=8)
 STEPS = 3
 
 
-def _train(dev: Any, dtype: torch.dtype) -> tuple[list[Any], list[Any], list[tuple[int, int, int, int, int]]]:
-    """STEPS steps; the losses, the parameters, and per ``step()``: copy_many calls on the upload stream, the
-    uploads in them, copy_ calls there, and the compute stream's waits (distinct events, calls)."""
-    copies: list[tuple[str, int]] = []
-    waits: list[Any] = []
-    stats: list[tuple[int, int, int, int, int]] = []
-    losses = []
+def _spy_uploads(dev: Any, uploads: list[Any], calls: list[tuple[str, list[int]]]) -> None:
+    """Wrap ``dev.copy_many`` (where the device has it) and ``dev.copy_``: every call on one of ``uploads`` (the
+    optimizer's upload stream, appended once it exists) is recorded in ``calls`` as ``("many" or "copy", the bytes
+    of each upload)``; copy_many's own copy_ calls (the sanitizer's path) are not the optimizer's. Undone with
+    ``del dev.copy_`` (and ``del dev.copy_many``)."""
     real_many = getattr(dev, "copy_many", None)
-    real_copy, compute = dev.copy_, dev.current_stream()
-    real_wait = compute.wait_event
-    uploads: list[Any] = []  # the optimizer's upload stream, once it exists
-
-    inside: list[bool] = []  # copy_many's own copy_ calls (the sanitizer's path) are not the optimizer's
+    real_copy = dev.copy_
+    inside: list[bool] = []
 
     def many(pairs: Any, *, stream: Any) -> Any:
         if stream in uploads:
-            copies.append(("many", len(pairs)))
+            calls.append(("many", [dst.nbytes for dst, _ in pairs]))
         inside.append(True)
         try:
-            return real_many(pairs, stream=stream)
+            return real_many(pairs, stream=stream)  # type: ignore[misc]
         finally:
             inside.pop()
 
     def copy(dst: Any, src: Any, **kwargs: Any) -> Any:
         if kwargs.get("stream") in uploads and not inside:
-            copies.append(("copy", 1))
+            calls.append(("copy", [dst.nbytes]))
         return real_copy(dst, src, **kwargs)
+
+    if real_many is not None:
+        dev.copy_many = many  # before the optimizer looks for it
+    dev.copy_ = copy
+
+
+def _train(dev: Any, dtype: torch.dtype) -> tuple[list[Any], list[Any], list[tuple[int, int, int, int, int]]]:
+    """STEPS steps; the losses, the parameters, and per ``step()``: copy_many calls on the upload stream, the
+    uploads in them, copy_ calls there, and the compute stream's waits (distinct events, calls)."""
+    copies: list[tuple[str, list[int]]] = []
+    waits: list[Any] = []
+    stats: list[tuple[int, int, int, int, int]] = []
+    losses = []
+    has_many = hasattr(dev, "copy_many")
+    compute = dev.current_stream()
+    real_wait = compute.wait_event
+    uploads: list[Any] = []  # the optimizer's upload stream, once it exists
 
     def wait(event: Any) -> None:
         waits.append(event)
         real_wait(event)
 
-    if real_many is not None:
-        dev.copy_many = many  # before the optimizer looks for it
-    dev.copy_ = copy
+    _spy_uploads(dev, uploads, copies)
     compute.wait_event = wait
     with dev:
         model = place(MLP.build(0).to(dtype), dev)
@@ -84,15 +94,15 @@ def _train(dev: Any, dtype: torch.dtype) -> tuple[list[Any], list[Any], list[tup
                 copies.clear()
                 waits.clear()
                 opt.step()
-                batches = [n for kind, n in copies if kind == "many"]
-                singles = sum(n for kind, n in copies if kind == "copy")
+                batches = [len(sizes) for kind, sizes in copies if kind == "many"]
+                singles = sum(len(sizes) for kind, sizes in copies if kind == "copy")
                 stats.append((len(batches), sum(batches), singles, len({id(w) for w in waits}), len(waits)))
                 opt.zero_grad()
             opt.synchronize()
             params = [p.detach().clone() for p in model.parameters()]
         finally:
             opt.close()
-            if real_many is not None:
+            if has_many:
                 del dev.copy_many
             del dev.copy_
             del compute.wait_event
@@ -143,26 +153,9 @@ def test_a_batch_holds_uploads_up_to_the_batch_bytes(make_fake_device: Any, monk
     monkeypatch.setattr(rounds_module, "_UPLOAD_BATCH_BYTES", limit)
     want = run(MLP, device=make_fake_device(), offload=False, steps=STEPS, optimizer="adamw")
     dev = make_fake_device(link="slow")
-    calls: list[list[int]] = []  # the bytes of each upload, per call (copy_many or copy_)
-    real_many, real_copy = dev.copy_many, dev.copy_
-    inside: list[bool] = []
+    spied: list[tuple[str, list[int]]] = []  # per call (copy_many or copy_): the bytes of each upload
     uploads: list[Any] = []
-
-    def many(pairs: Any, *, stream: Any) -> Any:
-        if stream in uploads:
-            calls.append([dst.nbytes for dst, _ in pairs])
-        inside.append(True)
-        try:
-            return real_many(pairs, stream=stream)
-        finally:
-            inside.pop()
-
-    def copy(dst: Any, src: Any, **kwargs: Any) -> Any:
-        if kwargs.get("stream") in uploads and not inside:
-            calls.append([dst.nbytes])
-        return real_copy(dst, src, **kwargs)
-
-    dev.copy_many, dev.copy_ = many, copy
+    _spy_uploads(dev, uploads, spied)
     losses = []
     with dev:
         model = place(MLP.build(0), dev)
@@ -177,8 +170,9 @@ def test_a_batch_holds_uploads_up_to_the_batch_bytes(make_fake_device: Any, monk
                 loss.backward()
                 losses.append(loss.detach().clone())
                 opt.step()
-                calls.clear()
+                spied.clear()
                 opt.zero_grad()  # issues the step's uploads (Note [Who issues step()'s uploads])
+                calls = [sizes for _, sizes in spied]
                 assert sum(len(c) for c in calls) == n, calls
                 assert all(len(c) == 1 or sum(c) <= limit for c in calls), calls
                 assert sum(len(c) > 1 for c in calls) >= 1 and len(calls) > 1, calls  # batches, and more than one
