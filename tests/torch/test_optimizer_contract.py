@@ -265,6 +265,25 @@ def test_a_gradient_handed_over_after_step_without_opt_zero_grad_is_refused(make
             hand_over()
 
 
+@contextlib.contextmanager
+def _stepped_under_backward(make_fake_device: Any) -> Iterator[tuple[torch.nn.Module, Any]]:
+    """A model after the two micro-steps' backward of ``accumulation_steps=2``: every host step of the round ran
+    under the last backward (Note [A gradient a host step already used is not written]); the optimizer is closed
+    after the block."""
+    dev = make_fake_device(sanitize=True)
+    with dev:
+        model = place(MLP.build(0), dev)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=2, **KWARGS
+        )
+        try:
+            for micro in range(2):
+                _loss(model, 0, micro).backward()
+            yield model, opt
+        finally:
+            opt.close()
+
+
 @pytest.mark.parametrize(
     "write",
     [
@@ -281,35 +300,19 @@ def test_a_write_to_a_gradient_already_stepped_under_backward_is_refused(
     """Note [A gradient a host step already used is not written]: with accumulation_steps the host steps run under
     the last backward, so a write to .grad after it (Trainer's clipping) could not change the update: refused,
     never trained on silently. Reading the gradients (a norm for logging) is still allowed."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        model = place(MLP.build(0), dev)
-        opt = offcore_torch.OffloadOptimizer(
-            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=2, **KWARGS
-        )
-        for micro in range(2):
-            _loss(model, 0, micro).backward()
+    with _stepped_under_backward(make_fake_device) as (model, opt):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
         assert float(norm) > 0.01  # a clip to 0.01 would have changed the step
         with pytest.raises(offcore.ConfigurationError, match="accumulation_steps=None"):
             write(model)
         opt.step()
         opt.zero_grad()
-        opt.close()
 
 
 def test_a_gradient_cleared_after_it_was_stepped_under_backward_is_refused(make_fake_device: Any) -> None:
     """model.zero_grad() between the last backward and step(): torch would skip those parameters, but their host
     steps already ran under backward, so step() refuses rather than differ silently."""
-    dev = make_fake_device(sanitize=True)
-    with dev:
-        model = place(MLP.build(0), dev)
-        opt = offcore_torch.OffloadOptimizer(
-            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=2, **KWARGS
-        )
-        for micro in range(2):
-            _loss(model, 0, micro).backward()
+    with _stepped_under_backward(make_fake_device) as (model, opt):
         model.zero_grad()
         with pytest.raises(offcore.ConfigurationError, match="cleared or replaced after backward"):
             opt.step()
-        opt.close()
