@@ -161,10 +161,9 @@ def test_a_failed_submission_is_offered_again_at_the_next_trigger() -> None:
     assert kinds(run(rs.used(5, 1.0), rs)) == [("prefetch", 1), ("prefetch", 0)]
 
 
-def test_belady_evicts_the_held_copy_needed_furthest_away() -> None:
-    # 0 is needed last, 2 first. 0 and 1 land while 2's copy is still in flight and are held
-    # (due, the budget has room for two); when 2 lands there is no room, and at the next
-    # trigger the copy needed furthest away (0) makes room for it.
+def _two_held_and_one_freed() -> ResidencyScheduler:
+    """Three saves of 1 MiB (0 needed last, 2 first), a 2 MiB budget: 0 and 1 land while 2's copy is in flight and
+    are held (due, room for two); 2 lands with no budget left and is freed. Backward has begun."""
     rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)
     forward(rs, [MiB] * 3, land=False)
     run(rs.forward_ended(0.003), rs)
@@ -172,6 +171,14 @@ def test_belady_evicts_the_held_copy_needed_furthest_away() -> None:
     assert rs.landed(1).kind is ActionKind.HOLD
     assert rs.landed(2).kind is ActionKind.FREE  # no budget left
     rs.backward_began(1.0)
+    return rs
+
+
+def test_belady_evicts_the_held_copy_needed_furthest_away() -> None:
+    # 0 is needed last, 2 first. 0 and 1 land while 2's copy is still in flight and are held
+    # (due, the budget has room for two); when 2 lands there is no room, and at the next
+    # trigger the copy needed furthest away (0) makes room for it.
+    rs = _two_held_and_one_freed()
     actions = run(rs.used(9, 1.0), rs)
     assert kinds(actions) == [("evict", 0), ("prefetch", 2)]
     assert rs.counters["evicted"] == 1
@@ -182,13 +189,7 @@ def test_the_copy_being_read_is_never_the_victim() -> None:
     # Note [The copy being read is not a victim]: as above, but the trigger is backward reading 0 itself,
     # which the plan placed last (a step in another order than the one learnt). 0 is still counted (it is
     # taken over after the trigger); making room for 2 must evict 1, not the copy being read.
-    rs = ResidencyScheduler(Scheduler(margin=0.0), duration=lambda n: 1.0, budget=2 * MiB)
-    forward(rs, [MiB] * 3, land=False)
-    run(rs.forward_ended(0.003), rs)
-    assert rs.landed(0).kind is ActionKind.HOLD
-    assert rs.landed(1).kind is ActionKind.HOLD
-    assert rs.landed(2).kind is ActionKind.FREE
-    rs.backward_began(1.0)
+    rs = _two_held_and_one_freed()
     actions = run(rs.used(0, 1.0, managed_key=0), rs)
     assert kinds(actions) == [("evict", 1), ("prefetch", 2)]
     assert rs.is_outstanding(0)
