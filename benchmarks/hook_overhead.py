@@ -8,7 +8,10 @@ backend (:mod:`offcore_torch.instant`: copies are a plain ``Tensor.copy_`` on th
 events complete at once: no emulation), each over its own no-hooks step, per saved tensor. Rows:
 offcore on each backend, the fake device's emulation (the difference), save_on_cpu's hooks alone,
 the copies-only floor on each backend and offcore over that floor (its bookkeeping: what it adds
-to the copies it makes); and per parameter, ``OffloadOptimizer``'s
+to the copies it makes), the batched copies-only floor (``BatchedCopiesOnly``: the same copies, 32
+saves per ordering event and ``copy_many`` each way: the floor of a design that batches its
+copies, below which no offload that moves the bytes can go on that backend); and per parameter,
+``OffloadOptimizer``'s
 ``step()`` + ``zero_grad()`` + the next forward's waits over one bare fused AdamW step on the same
 host tensors (its masters), with ``--params`` small parameters, on both backends. Every figure
 comes from worker processes, one per code tree: ``--compare-with DIR`` (a checkout of the code to
@@ -67,6 +70,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -74,12 +78,14 @@ import platform
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import offcore_torch
 import torch
+from offcore_torch.activations.storage import is_parameter_like
 
 import offcore
 
@@ -118,6 +124,90 @@ class SaveOnCpuSameCopies(torch.autograd.graph.saved_tensors_hooks):
             stream = self.device.current_stream()
             self.device.copy_(restored.view(-1).view(torch.uint8), host, stream=stream).synchronize()
         return restored
+
+
+class BatchedCopiesOnly(torch.autograd.graph.saved_tensors_hooks):
+    """The cost floor of a design that copies saved tensors in batches: keep-all plus the copies alone.
+
+    As ``CopiesOnly`` (every saved tensor stays on the device; pack copies each new device storage to a
+    host buffer reused across steps, unpack copies it back into a fresh device buffer), except that the
+    copies go ``batch`` saves at a time: pack collects them, and a full batch (or the first unpack of an
+    incomplete one) is one ordering event and one ``copy_many`` to the host; the first unpack of a batch
+    allocates a device buffer per saved storage and brings the whole batch back in one ``copy_many``.
+    A backend without ``copy_many`` gets a ``copy_`` per pair behind the batch's one ordering event.
+    What is left per saved tensor is what no batching removes: the hook calls, the bytes moved both ways,
+    a device allocation, and the Python that puts a tensor into a batch.
+    """
+
+    _per_device: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, device: Any, batch: int = 32) -> None:
+        self.device = device
+        self.batch = batch
+        held = BatchedCopiesOnly._per_device.get(device)
+        if held is None:
+            held = BatchedCopiesOnly._per_device[device] = (device.new_stream(), device.new_stream(), [])
+        self._d2h, self._h2d, self._buffers = held
+        self._order = device.new_event()
+        self._seen: dict[int, list[Any]] = {}
+        self._open: list[Any] = [[], [], False]  # sources, host buffers, whether it was brought back
+        self._index = 0
+        # the batches brought back: their device buffers go once their copy landed (as CopiesOnly's)
+        self._reloads: collections.deque[tuple[list[torch.Tensor], Any]] = collections.deque()
+        super().__init__(self._pack, self._unpack)
+
+    def _copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:
+        device = self.device
+        stream.wait_event(device.current_stream().record_event(self._order))
+        many = getattr(device, "copy_many", None)
+        if many is not None:
+            return many(pairs, stream=stream)
+        done = None
+        for dst, src in pairs:
+            done = device.copy_(dst, src, stream=stream)
+        return done
+
+    def _flush(self) -> None:
+        batch = self._open
+        if batch[0]:
+            self._copy_all(list(zip(batch[1], batch[0], strict=True)), self._d2h)
+            self._open = [[], [], False]
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if type(tensor) is not torch.Tensor or is_parameter_like(tensor) or not self.device.holds(tensor):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        batch = self._seen.get(key)
+        if batch is None:
+            index, self._index = self._index, self._index + 1
+            nbytes = storage.nbytes()
+            if index == len(self._buffers):
+                self._buffers.append(self.device.allocate(nbytes, offcore.Tier.PINNED))
+            elif self._buffers[index].numel() != nbytes:
+                self._buffers[index] = self.device.allocate(nbytes, offcore.Tier.PINNED)
+            batch = self._seen[key] = self._open
+            batch[0].append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            batch[1].append(self._buffers[index])
+            if len(batch[0]) == self.batch:
+                self._flush()
+        return (tensor, batch)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not tuple:
+            return packed
+        tensor, batch = packed
+        if not batch[2]:
+            if batch is self._open:
+                self._flush()
+            device = self.device
+            restored = [device.allocate(host.numel(), offcore.Tier.DEVICE) for host in batch[1]]
+            reloads = self._reloads
+            while reloads and reloads[0][1].query():
+                reloads.popleft()
+            reloads.append((restored, self._copy_all(list(zip(restored, batch[1], strict=True)), self._h2d)))
+            batch[0], batch[2] = None, True  # the device sources go
+        return tensor
 
 
 def _torchtune_hooks() -> Callable[[Any], Any] | None:
@@ -264,7 +354,7 @@ def check(rows: list[dict[str, Any]]) -> dict[str, Any]:
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSTANT_PATH = os.path.join(os.path.dirname(HERE), "plugins", "offcore_torch", "instant.py")
 DEFAULT_OBJECTS = (100, 400, 1600, 12800)
-SAVE_VARIANTS = ("no hooks", "offcore", "save_on_cpu hooks", "copies only")
+SAVE_VARIANTS = ("no hooks", "offcore", "save_on_cpu hooks", "copies only", "copies only, batched")
 BACKENDS = ("fake", "instant")
 GOAL_SAVE_US = 30.0  # offcore per saved tensor on the fake device, pack + restore
 GOAL_FLAT = 1.1  # 12,800 saves per step within this factor of the 400-save figure
@@ -314,8 +404,10 @@ class _Worker:
                 context = offcore_torch.offload_activations(device, min_bytes=0, prefetch="deadline")
             elif variant == "save_on_cpu hooks":
                 context = torch.autograd.graph.save_on_cpu(pin_memory=False)
-            else:
+            elif variant == "copies only":
                 context = CopiesOnly(device, min_bytes="1")
+            else:
+                context = BatchedCopiesOnly(device)
             with context:
                 y = x * 1.0
                 for _ in range(objects):

@@ -66,8 +66,10 @@ def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.Captur
         "offcore (fake)",
         "save_on_cpu hooks (fake)",
         "copies only (fake)",
+        "copies only, batched (fake)",
         "offcore (instant)",
         "copies only (instant)",
+        "copies only, batched (instant)",
         "fake device's emulation",
         "offcore over its copies (fake)",
         "offcore over its copies (instant)",
@@ -76,3 +78,49 @@ def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.Captur
         (tree, backend) for tree in result["trees"] for backend in ("fake", "instant")
     }
     assert "after / before" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", ["fake", "instant"])
+def test_the_batched_floor_copies_every_saved_storage_both_ways(backend: str) -> None:
+    """BatchedCopiesOnly moves each new saved storage to its host buffer and back, a batch per copy call,
+    and leaves the numbers keep-all's."""
+    import torch
+
+    bench = _load()
+    worker = bench._Worker()
+    device = worker.devices[backend]
+    with device:
+        x = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(device.torch_device).requires_grad_(True)
+        hooks = bench.BatchedCopiesOnly(device, batch=4)
+        with hooks:
+            ys = [x * 1.0]
+            for _ in range(9):  # sin saves its input: 9 saved storages, two full batches and one of 1
+                ys.append(torch.sin(ys[-1]))
+            loss = ys[-1].sum()
+        device.synchronize()
+        saved = [y.detach().clone() for y in ys[:9]]
+        assert len(hooks._buffers) == 9
+        host = [buffer.view(torch.float32) for buffer in hooks._buffers]
+        assert all(
+            torch.equal(h, s) for h, s in zip(host[:8], saved[:8], strict=True)
+        )  # the full batches landed, each in its buffer
+        assert hooks._open[0] and not torch.equal(host[8], saved[8])  # the open batch waits for backward
+        loss.backward()
+        device.synchronize()
+        grad = x.grad.clone()
+        x.grad = None
+        y = x * 1.0
+        for _ in range(9):
+            y = torch.sin(y)
+        y.sum().backward()
+        assert torch.equal(x.grad, grad)  # keep-all's gradient
+        batches = {id(b): b for b in hooks._seen.values()}
+        assert sorted(len(b[1]) for b in batches.values()) == [1, 4, 4]
+        assert torch.equal(host[8], saved[8])  # the open batch went at backward's first unpack
+        assert all(batch[2] and batch[0] is None for batch in batches.values())  # each brought back
+        # the last one brought back (the first batch: backward runs in reverse) is still held: one device
+        # buffer per storage, equal to its host copy
+        restored, done = hooks._reloads[-1]
+        done.synchronize()
+        assert [r.numel() for r in restored] == [b.numel() for b in hooks._buffers[:4]]
+        assert all(torch.equal(r.view(torch.float32), h) for r, h in zip(restored, host[:4], strict=True))
