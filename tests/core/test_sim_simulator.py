@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -175,6 +176,72 @@ def test_a_held_copy_taken_over_at_its_use_leaves_the_budget_for_the_next_reload
     assert reusing.wait_by_layer == {}
     assert reusing.step_time_s == 2 * backward
     assert reusing.step_time_s <= reloading.step_time_s
+
+
+def _started_at_use(log, key):
+    """The prefetches the offer of backward's use of ``key`` started (up to the next use or on-demand reload)."""
+    names = [(entry[0], entry[1][0]) for entry in log if entry[0] in ("used", "started", "reloaded")]
+    after = names[names.index(("used", key)) + 1 :]
+    end = next((n for n, (name, _) in enumerate(after) if name != "started"), len(after))
+    return [started for _, started in after[:end]]
+
+
+def _reloaded_on_demand(log):
+    return [entry[1][0] for entry in log if entry[0] == "reloaded"]
+
+
+@pytest.mark.parametrize("unit", [1, 10**6], ids=["the-draw", "in-megabytes"])
+def test_under_a_binding_budget_a_prefetched_copy_holds_its_room_at_its_use_where_a_reload_does_not(unit):
+    """Note [Reuse under a binding prefetch budget] (offcore/sim/simulator.py).
+
+    A draw of test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound (``unit=1``; 1 byte
+    is 1 ns on the link), and the same draw in megabytes: the difference is not rounding, it is l0's
+    reload. The budget is one l1. Reloading, l2 is prefetched at l3's use (the trigger before its own)
+    and is outstanding at its use, so l1 is reloaded on demand at its own use -- outside the budget, so
+    that use's offer starts l0 (3 units, the first copy while nothing is outstanding) under l1's
+    backward: l2 and l1 wait 1 unit each. Reusing, l2 is held and leaves the budget at its use (Note [A
+    reused copy leaves the budget at its use]): that offer prefetches l1 under l2's backward, l1 is then
+    outstanding at its use until backward takes it over, no trigger follows before l0's use, and l0 is
+    reloaded on demand: 3 units. Without a budget, reusing is the faster one; and a larger budget slows
+    the reloading run the same way.
+    """
+    backward = 0.0078125
+    layers = [
+        LayerProfile("l0", 0.0, 0.0, 3 * unit),
+        LayerProfile("l1", 0.0, backward, unit),
+        LayerProfile("l2", 0.0, backward, unit),
+        LayerProfile("l3", 0.0, 0.0, 0, recompute_s=backward),
+    ]
+    strict = StepProfile(layers, d2h_bandwidth=1e9, h2d_bandwidth=1e9, duplex=False)
+    copy_s = unit / 1e9
+
+    def run(profile, budget):
+        plan = Plan(
+            ["offload", "offload", "offload", "recompute"], prefetch=PrefetchPolicy("deadline", budget_bytes=budget)
+        )
+        return simulate(profile, plan, record_schedule=True)
+
+    reloading = run(strict, unit)
+    reusing = run(strict.with_link(reuse_in_flight=True), unit)
+    assert reloading.reused_bytes == 0 and reusing.reused_bytes == unit
+    # reloading: l1 on demand at its use, l0 prefetched by that use's offer and hidden under l1's backward
+    assert _started_at_use(reloading.schedule_log, 2) == [] and _reloaded_on_demand(reloading.schedule_log) == [1]
+    assert _started_at_use(reloading.schedule_log, 1) == [0]
+    l1_backward = only(events_of(reloading, "backward", "l1"))
+    assert only(events_of(reloading, "h2d", "l0")).end <= l1_backward.end
+    assert reloading.wait_by_layer == pytest.approx({"l2": copy_s, "l1": copy_s}, abs=1e-15)
+    # reusing: l1 prefetched at l2's use, hidden under l2's backward; at l1's use it is outstanding, l0 does
+    # not fit beside it, and l0 is reloaded on demand at its own use
+    assert _started_at_use(reusing.schedule_log, 2) == [1]
+    assert only(events_of(reusing, "h2d", "l1")).end <= only(events_of(reusing, "backward", "l2")).end
+    assert _started_at_use(reusing.schedule_log, 1) == [] and _reloaded_on_demand(reusing.schedule_log) == [0]
+    assert reusing.wait_by_layer == pytest.approx({"l0": 3 * copy_s}, abs=1e-15)
+    assert reusing.step_time_s == pytest.approx(reloading.step_time_s + copy_s, rel=1e-12)
+    # the same two runs without a budget: reusing never slows a step (the property's bound)
+    assert run(strict.with_link(reuse_in_flight=True), None).step_time_s < run(strict, None).step_time_s
+    # nor is it reuse's doing: a budget of two l1 lets the reloading run prefetch l1 too, and l0 waits there
+    assert run(strict, 2 * unit).wait_by_layer["l0"] == pytest.approx(3 * copy_s, abs=1e-15)
+    assert run(strict, 2 * unit).step_time_s > reloading.step_time_s
 
 
 def replace_layer(profile, index, layer):
@@ -433,10 +500,14 @@ def test_each_link_runs_one_copy_at_a_time(data):
 def test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound(data):
     profile = data.draw(profiles())
     plan = data.draw(plans(profile.n_layers))
-    strict = simulate(profile, plan)
     reusing_profile = profile.with_link(reuse_in_flight=True)
+    # Note [Reuse under a binding prefetch budget] (offcore/sim/simulator.py): reusing never slows a step
+    # where no budget limits the offers (these profiles set no device capacity); under a budget that binds
+    # it may (test_under_a_binding_budget_a_prefetched_copy_holds_its_room_at_its_use_where_a_reload_does_not)
+    unbudgeted = dataclasses.replace(plan, prefetch=dataclasses.replace(plan.prefetch, budget_bytes=None))
+    slowest = simulate(profile, unbudgeted).step_time_s * (1 + 1e-9) + 1e-15
+    assert simulate(reusing_profile, unbudgeted).step_time_s <= slowest
     reusing = simulate(reusing_profile, plan)
-    assert reusing.step_time_s <= strict.step_time_s * (1 + 1e-9) + 1e-15
     assert reusing.step_time_s >= plan_lower_bound(reusing_profile, plan) * (1 - 1e-9) - 1e-15
     assert reusing.step_time_s == pytest.approx(reusing.compute_s + reusing.exposed_wait_s, rel=1e-9, abs=1e-15)
     assert reusing.memory_bytes[-1] == profile.static_bytes
