@@ -167,23 +167,24 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # Note [Reuse under a binding prefetch budget]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Reuse never slows a step where no prefetch budget (nor the device's capacity) limits the offers.
-# Forward and its D2H copies are the same; the plan is made from the profile, and each trigger is a
-# use whose plan clock is its predicted time, so every trigger offers the same due reloads. With no
-# limit each offer starts every due copy whose D2H landed; one still landing is, with reuse, held
-# when it lands (it was due) or read in place, and otherwise reloaded later. So reuse copies a
-# subset of the reloads, in the same link order, and, by induction over the uses, issues each and
-# reaches each use no later. A binding budget breaks the first step: which reloads an offer starts
-# depends on what is counted then, and a copy prefetched ahead of its use counts until backward
-# takes it over, after the offer of its own use, while a copy reloaded on demand at that use never
-# counts (Note [Budget semantics] in offcore/residency.py). Reuse turns reloads on demand into
-# prefetches (a held copy leaves the budget at its use, Note [A reused copy leaves the budget at its
-# use], so the next one fits), and such a prefetched copy can keep the room at its use that the
-# on-demand copy left to a later reload, which then runs on demand at its own use: reuse is slower by
-# that exposed reload, not by rounding. A larger budget does the same without reuse. The draw and
-# the same in megabytes: test_under_a_binding_budget_a_prefetched_copy_holds_its_room_at_its_use_
-# where_a_reload_does_not (tests/core/test_sim_simulator.py); the property
-# test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound compares the two runs
-# without a budget, and checks the rest of its bound with the drawn one.
+# Why: forward and its D2H copies are the same in both runs; the plan is made from the profile; each
+# trigger is a use whose plan clock is its predicted time, so every trigger offers the same due
+# reloads. With no limit an offer starts every due copy whose D2H landed. A due copy still landing is
+# skipped by both: reusing holds it when it lands (it was due) or reads it in place, reloading
+# reloads it later. So reusing copies a subset of the reloading run's copies, in the same link
+# order, and by induction over the uses it issues each copy and reaches each use no later.
+# A binding budget breaks "an offer starts every due copy": what it starts depends on what is counted
+# then, and a copy prefetched ahead of its use counts until backward takes it over, after the offer
+# of its own use, while a copy reloaded on demand at that use never counts (Note [Budget semantics]
+# in offcore/residency.py). Reuse turns reloads on demand into prefetches (a held copy leaves the
+# budget at its use, Note [A reused copy leaves the budget at its use], so the next one fits), and
+# such a prefetched copy keeps, at its use, the room that the on-demand copy left to a later reload;
+# with no trigger before that reload's use, it runs on demand there. Reusing is then slower by that
+# exposed reload, not by rounding; a larger budget does the same without reuse. The draw, and the same
+# in megabytes (1 ms slower):
+# test_under_a_binding_budget_a_prefetched_copy_holds_its_room_at_its_use_where_a_reload_does_not
+# (tests/core/test_sim_simulator.py). The property test_reusing_copies_in_flight_never_slows_a_step_nor_breaks_its_bound
+# compares the two runs without a budget, and checks the rest of its bound with the drawn one.
 
 # Note [Optimizer offload and parameter streaming in the simulator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
