@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import time
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from offcore.objects import State
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore_torch.optimizer.slots import (
     _COLLECT,
+    _NO_TORCH_FUNCTION,
     _STEPPED,
     _UNBOUNDED,
     _UPLOAD_BATCH_BYTES,
@@ -32,6 +34,34 @@ from offcore_torch.optimizer.slots import (
     _storage_id,
     _unhooked_step,
 )
+
+
+# Note [An upload's destination is made once per storage]
+# An upload writes ``param.detach()`` (the in-place copy into a leaf that requires grad is refused), kept
+# alive as ``h2d_dst`` until the next upload (Note [Writes to parameters after step()]). A new detached
+# tensor per upload and step lived a whole step, so the collector's young collections promoted one per
+# parameter per step into the oldest generation (Note [Objects renewed across rounds] in
+# offcore/residency.py says what that costs). The last destination is used again while it is what
+# ``param.detach()`` would give now: the same memory (data pointer), dtype, shape and strides, on a plain
+# tensor or Parameter (no ``__torch_function__`` of a subclass to run). A detached tensor shares its
+# parameter's version counter, and ``p.data = ...`` keeps the parameter's (Note [Masters are refreshed
+# when the device parameter changed]), so the version checks read the same numbers either way; after
+# ``p.data = ...`` or a storage moved by offload_parameters the pointer differs and a new one is made.
+def _upload_dst(slot: _Slot) -> torch.Tensor:
+    """The tensor ``slot``'s upload writes: its parameter detached (Note [An upload's destination is made once
+    per storage])."""
+    param = slot.param
+    dst = slot.h2d_dst
+    if (
+        dst is not None
+        and type(param) in _NO_TORCH_FUNCTION
+        and dst.data_ptr() == param.data_ptr()
+        and dst.dtype == param.dtype
+        and dst.shape == param.shape
+        and dst.stride() == param.stride()
+    ):
+        return dst
+    return param.detach()
 
 
 class _HostRounds:
@@ -220,7 +250,7 @@ class _HostRounds:
             return
         params = [slot.param for slot in slots]
         before = [param._version for param in params]
-        dsts = [param.detach() for param in params]
+        dsts = [_upload_dst(slot) for slot in slots]
         pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
         try:
             event = self._copy_many(pairs, stream=stream)
@@ -246,7 +276,7 @@ class _HostRounds:
         """One upload (``_copy_uploads``), retried once if refused at submission."""
         src = slot.stage if slot.stage is not None else slot.master
         before = slot.param._version
-        dst = slot.param.detach()
+        dst = _upload_dst(slot)
         event = self._copy_retrying(
             dst,
             src,
@@ -281,6 +311,7 @@ class _HostRounds:
         return rs
 
     def _begin_round(self) -> ResidencyScheduler:
+        finished = self._rs
         self._close_round()
         rs = ResidencyScheduler(
             self._predictor,
@@ -289,6 +320,15 @@ class _HostRounds:
             budget=self._upload_budget,
             margin=0.0,
         )
+        # Note [Objects renewed across rounds] (offcore/residency.py): the finished round's objects are renewed
+        # for the same keys, unless an event may still come for one: a gradient whose copy has not been seen to
+        # land (``_in_flight``), or a worker task (it holds its round's scheduler: ``_land``, a host step)
+        if finished is not None:
+            with self._lock:
+                quiet = not self._in_flight and not self._futures
+            if quiet:
+                rs.recycle(finished)
+        self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys, the same ones each round
         rs.forward_began(time.perf_counter())
         for slot in self._slots:
             if slot.host_param is not None:
