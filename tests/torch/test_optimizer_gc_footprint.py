@@ -8,12 +8,15 @@ each parameter and of each gradient, each upload's destination tensor) brought o
 more than the step's bookkeeping cost. They are renewed in place now (Note [Objects renewed across
 rounds] in offcore/residency.py, Note [An upload's destination is made once per storage] in
 optimizer/rounds.py); this counts the objects a step leaves that were not there before it, so a change
-that makes one per parameter per step again fails here, not in a benchmark.
+that makes one per parameter per step again fails here, not in a benchmark. The landings' worker tasks,
+one per gradient, are let go as they finish instead of at the end of backward (Note [Finished tasks are
+let go while backward runs] in optimizer/optimizer.py).
 """
 
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 
@@ -78,3 +81,36 @@ def test_a_step_leaves_no_new_object_per_parameter_for_the_collector() -> None:
         f"collector (bound {BOUND}; by type: {grown}): each is promoted to the oldest generation, and brings "
         "full collections closer (Note [Objects renewed across rounds] in offcore/residency.py)"
     )
+
+
+def test_finished_landings_are_not_kept_through_backward() -> None:
+    """Note [Finished tasks are let go while backward runs]: a gradient's landing task that finished without a
+    failure is let go while backward goes on, not kept (and promoted) until its end."""
+    params = 300
+    dev = offcore.device("cpu", capacity="1GiB", h2d_bandwidth="inf", d2h_bandwidth="inf", latency=0)
+    alive: list[int] = []
+    with dev:
+        model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(8)) for _ in range(params))
+        dev.adopt(model)
+        opt = offcore_torch.OffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, device=dev, accumulation_steps=None, lr=1e-3
+        )
+        try:
+
+            def landed(_: Any) -> None:  # after the optimizer's own hook (registered first) queued the landing
+                with opt._lock:
+                    task = opt._futures[-1]
+                opt._wait_task(task)  # the worker ran it: every task queued so far finished (an event, no sleep)
+                with opt._lock:
+                    alive.append(len(opt._futures))  # the tasks the optimizer keeps
+
+            hooks = [p.register_post_accumulate_grad_hook(landed) for p in model]
+            torch.stack([p.sum() for p in model]).sum().backward()
+            for hook in hooks:
+                hook.remove()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            opt.close()
+    assert len(alive) == params
+    assert max(alive) <= 2 * 64, f"up to {max(alive)} finished landing tasks kept alive during a backward of {params}"

@@ -47,6 +47,10 @@ from offcore_torch.optimizer.slots import (
 # parameter's version counter, and ``p.data = ...`` keeps the parameter's (Note [Masters are refreshed
 # when the device parameter changed]), so the version checks read the same numbers either way; after
 # ``p.data = ...`` or a storage moved by offload_parameters the pointer differs and a new one is made.
+# Likewise a batch's ``(destination, source)`` tuple for ``copy_many`` (Note [Uploads are issued in
+# batches]) is the slot's last one (``h2d_pair``) while both are the same tensors: thousands of new
+# tuples per batch, alive for the whole call, were promoted by the young collections the call itself
+# brought about. ``close()`` drops them with the destinations (they hold views of the pool's blocks).
 def _upload_dst(slot: _Slot) -> torch.Tensor:
     """The tensor ``slot``'s upload writes: its parameter detached (Note [An upload's destination is made once
     per storage])."""
@@ -61,6 +65,7 @@ def _upload_dst(slot: _Slot) -> torch.Tensor:
         and dst.stride() == param.stride()
     ):
         return dst
+    slot.h2d_pair = None  # it holds the last destination: kept alive by ``h2d_dst`` alone until the next upload
     return param.detach()
 
 
@@ -251,7 +256,13 @@ class _HostRounds:
         params = [slot.param for slot in slots]
         before = [param._version for param in params]
         dsts = [_upload_dst(slot) for slot in slots]
-        pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
+        pairs = []
+        for dst, slot in zip(dsts, slots, strict=True):
+            src = slot.master if slot.stage is None else slot.stage
+            pair = slot.h2d_pair
+            if pair is None or pair[0] is not dst or pair[1] is not src:  # Note [An upload's destination is ...]
+                pair = slot.h2d_pair = (dst, src)
+            pairs.append(pair)
         try:
             event = self._copy_many(pairs, stream=stream)
         except Exception as first:
