@@ -42,7 +42,7 @@ from offcore_torch.optimizer.slots import (
 # tensor per upload and step lived a whole step, so the collector's young collections promoted one per
 # parameter per step into the oldest generation (Note [Objects renewed across rounds] in
 # offcore/residency.py says what that costs). The last destination is used again while it is what
-# ``param.detach()`` would give now: the same memory (data pointer), dtype, shape and strides, on a plain
+# ``param.detach()`` would give now: the same memory (data pointer, not null), dtype, shape and strides, on a plain
 # tensor or Parameter (no ``__torch_function__`` of a subclass to run). A detached tensor shares its
 # parameter's version counter, and ``p.data = ...`` keeps the parameter's (Note [Masters are refreshed
 # when the device parameter changed]), so the version checks read the same numbers either way; after
@@ -59,7 +59,7 @@ def _upload_dst(slot: _Slot) -> torch.Tensor:
     if (
         dst is not None
         and type(param) in _NO_TORCH_FUNCTION
-        and dst.data_ptr() == param.data_ptr()
+        and 0 != dst.data_ptr() == param.data_ptr()  # not 0: a storage freed (resized to nothing) holds no memory
         and dst.dtype == param.dtype
         and dst.shape == param.shape
         and dst.stride() == param.stride()
