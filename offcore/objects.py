@@ -112,6 +112,22 @@ class ManagedObject:
     h2d_event: Any = None
     host_tier: Tier | None = None
 
+    def renew(self, kind: Kind, nbytes: int, name: str = "") -> None:
+        """Make this object what ``ManagedObject(kind=kind, nbytes=nbytes, name=name)`` would be: every field
+        back to its default, and a new ``id`` (Note [Objects renewed across rounds] in offcore/residency.py).
+        Only for an object no one will report an event about any more (its scheduler's round is over)."""
+        self.kind = kind
+        self.nbytes = nbytes
+        self.tier = _DEVICE
+        self.state = _RESIDENT
+        self.version = 0
+        self.next_use = None
+        self.name = name
+        self.id = _ids.__next__()
+        self.d2h_event = None
+        self.h2d_event = None
+        self.host_tier = None
+
     def _move(self, new: State) -> None:
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransitionError(

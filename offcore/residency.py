@@ -302,6 +302,7 @@ class ResidencyScheduler:
         self._t_backward = 0.0
         self._refused = False
         self._awaiting_host: set[int] = set()  # Note [Objects produced on the host]
+        self._spares: dict[int, ManagedObject] = {}  # Note [Objects renewed across rounds]
         self.stage_duration = stage_duration  # Note [Two hops from NVMe]
         self._on_nvme: set[int] = set()  # host copy only on NVMe (stage not landed)
         self._staging: set[int] = set()  # stages in flight
@@ -450,14 +451,48 @@ class ResidencyScheduler:
         self.observation.pack_times[key] = t - self._t_forward
 
     def register(self, key: int, kind: Kind, nbytes: int, *, name: str = "") -> ManagedObject:
-        """Manage the object ``key`` (``nbytes`` on the device) from now on."""
+        """Manage the object ``key`` (``nbytes`` on the device) from now on (a spare of the same key, renewed:
+        Note [Objects renewed across rounds])."""
         if self.record:
             self._log("register", key, kind, nbytes)
         if key in self.objects:
             raise IllegalTransitionError(f"object key {key} is registered already")
-        obj = ManagedObject(kind=kind, nbytes=nbytes, name=name)
+        spares = self._spares
+        obj = spares.pop(key, None) if spares else None
+        if obj is None:
+            obj = ManagedObject(kind=kind, nbytes=nbytes, name=name)
+        else:
+            obj.renew(kind, nbytes, name)
         self.objects[key] = obj
         return obj
+
+    # Note [Objects renewed across rounds]
+    # A binding that starts a new scheduler for every round of the same objects (OffloadOptimizer: one
+    # per step, one PARAMETER object per parameter and one GRADIENT object per gradient) built that many
+    # new ManagedObjects per round. Each lives for a whole step, so the garbage collector's young
+    # collections promote it into the oldest generation, where it dies the next round: every promoted
+    # object counts toward the next full collection (of every object of the program), which came every
+    # few steps at thousands of parameters and cost more than the step's own bookkeeping. So the new
+    # round's scheduler takes the finished one's objects as spares (``recycle``) and ``register`` of a
+    # key with a spare renews that object in place (``ManagedObject.renew``: every field as a new
+    # object's, a new ``id``) instead of building one. Nothing else is carried over: the scheduler is
+    # new, so the plan, the budget, the observation and what it teaches the predictor are exactly as
+    # with new objects. The finished scheduler is left with no objects: an event about one of them
+    # afterwards raises (KeyError) instead of changing the object the new round renewed. So a binding
+    # recycles only a round no event will come for any more (its copies landed, no worker task holds it).
+    def recycle(self, finished: ResidencyScheduler) -> None:
+        """Take ``finished``'s objects as spares, renewed by :meth:`register` of the same keys (Note [Objects
+        renewed across rounds]); ``finished`` is left with none. Call it before registering anything."""
+        if finished is self:
+            raise ConfigurationError("a scheduler cannot recycle its own objects")
+        if self.objects:
+            raise ConfigurationError("recycle() must come before the first register()")
+        spares = finished.objects
+        finished.objects = {}
+        if finished._spares:  # the spares it did not renew stay spares (a round with fewer gradients)
+            spares.update((key, obj) for key, obj in finished._spares.items() if key not in spares)
+            finished._spares = {}
+        self._spares = spares
 
     def register_offloading(
         self, key: int, kind: Kind, nbytes: int, event: Any, host_tier: Tier = Tier.PINNED, *, name: str = ""

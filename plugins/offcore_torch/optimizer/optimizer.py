@@ -349,6 +349,9 @@ __all__ = ["OffloadOptimizer", "MASTER_WEIGHTS_KEY"]
 
 _STEP_ON_CALLER = True  # step()'s host step on the caller when the worker is idle (Note [One host step at step()]);
 # benchmarks/optimizer_offload.py (b) turns it off in every other round, to compare the two side by side
+_PRUNE_EVERY = (
+    64  # finished tasks are let go at least this often (Note [Finished tasks are let go while backward runs])
+)
 
 
 # Note [One OffloadOptimizer per parameter]
@@ -676,6 +679,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         self._pending_h2d: dict[int, _Slot] = {}  # id(device param) -> slot whose H2D the host has not observed
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor], int]] = collections.deque()
         self._futures: list[_Task] = []  # Note [Worker tasks without a Future each]
+        self._prune_at = _PRUNE_EVERY  # Note [Finished tasks are let go while backward runs]
         self._tasks: collections.deque[_Task] = collections.deque()  # queued for the pump, in order
         self._task_done = threading.Condition(threading.Lock())  # guards _tasks, _pumping, each task's finished
         self._pumping = False
@@ -1200,8 +1204,25 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
                 self._pumping = True
             self._tasks.append(task)
         with self._lock:
-            self._futures.append(task)
+            futures = self._futures
+            n = len(futures)
+            if n >= self._prune_at:  # Note [Finished tasks are let go while backward runs]
+                futures = self._futures = [f for f in futures if not f.finished or f.error is not None]
+                self._prune_at = 2 * len(futures) + _PRUNE_EVERY
+            elif n < _PRUNE_EVERY:  # emptied since (a drain, the end of backward)
+                self._prune_at = _PRUNE_EVERY
+            futures.append(task)
 
+    # Note [Finished tasks are let go while backward runs]
+    # ``_futures`` holds every task submitted since the last drain (``step()``) or the end of backward
+    # (``_settle_worker``), so that those raise the first failure. A task that finished without one is
+    # needed there no more, but it stayed until then: one per gradient, alive for most of a backward, so the
+    # collector's young collections promoted it to the oldest generation (the cost Note [Objects renewed
+    # across rounds] in offcore/residency.py describes). So ``_submit`` drops the finished tasks that did not
+    # fail once the list has grown to ``_prune_at`` (twice what the last pass kept, plus _PRUNE_EVERY:
+    # linear work over a backward however far the worker lags). The failed ones stay, in order, so the first
+    # failure raised is the same; a task not finished stays, so waiting for ``_futures`` waits for the same
+    # work; an empty list still means that nothing is queued (``_worker_idle``).
     def _pump(self) -> None:
         """Worker: run the queued tasks in order until none is left."""
         cond, tasks = self._task_done, self._tasks
@@ -1321,7 +1342,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         empty = torch.empty(0)
         for slot in self._slots:  # the views of the pool's blocks go, so the blocks' memory goes
             slot.master = slot.grad = empty
-            slot.stage = slot.h2d_dst = None
+            slot.stage = slot.h2d_dst = slot.h2d_pair = None
             slot.group = {**slot.group, "params": []}  # the host group listed the masters (pinned views)
         self._host = None
         self._pending_h2d.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import time
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from offcore.objects import State
 from offcore.residency import ActionKind, ResidencyScheduler
 from offcore_torch.optimizer.slots import (
     _COLLECT,
+    _NO_TORCH_FUNCTION,
     _STEPPED,
     _UNBOUNDED,
     _UPLOAD_BATCH_BYTES,
@@ -32,6 +34,39 @@ from offcore_torch.optimizer.slots import (
     _storage_id,
     _unhooked_step,
 )
+
+
+# Note [An upload's destination is made once per storage]
+# An upload writes ``param.detach()`` (the in-place copy into a leaf that requires grad is refused), kept
+# alive as ``h2d_dst`` until the next upload (Note [Writes to parameters after step()]). A new detached
+# tensor per upload and step lived a whole step, so the collector's young collections promoted one per
+# parameter per step into the oldest generation (Note [Objects renewed across rounds] in
+# offcore/residency.py says what that costs). The last destination is used again while it is what
+# ``param.detach()`` would give now: the same memory (data pointer, not null), dtype, shape and strides, on a plain
+# tensor or Parameter (no ``__torch_function__`` of a subclass to run). A detached tensor shares its
+# parameter's version counter, and ``p.data = ...`` keeps the parameter's (Note [Masters are refreshed
+# when the device parameter changed]), so the version checks read the same numbers either way; after
+# ``p.data = ...`` or a storage moved by offload_parameters the pointer differs and a new one is made.
+# Likewise a batch's ``(destination, source)`` tuple for ``copy_many`` (Note [Uploads are issued in
+# batches]) is the slot's last one (``h2d_pair``) while both are the same tensors: thousands of new
+# tuples per batch, alive for the whole call, were promoted by the young collections the call itself
+# brought about. ``close()`` drops them with the destinations (they hold views of the pool's blocks).
+def _upload_dst(slot: _Slot) -> torch.Tensor:
+    """The tensor ``slot``'s upload writes: its parameter detached (Note [An upload's destination is made once
+    per storage])."""
+    param = slot.param
+    dst = slot.h2d_dst
+    if (
+        dst is not None
+        and type(param) in _NO_TORCH_FUNCTION
+        and 0 != dst.data_ptr() == param.data_ptr()  # not 0: a storage freed (resized to nothing) holds no memory
+        and dst.dtype == param.dtype
+        and dst.shape == param.shape
+        and dst.stride() == param.stride()
+    ):
+        return dst
+    slot.h2d_pair = None  # it holds the last destination: kept alive by ``h2d_dst`` alone until the next upload
+    return param.detach()
 
 
 class _HostRounds:
@@ -220,8 +255,14 @@ class _HostRounds:
             return
         params = [slot.param for slot in slots]
         before = [param._version for param in params]
-        dsts = [param.detach() for param in params]
-        pairs = [(d, s.master if s.stage is None else s.stage) for d, s in zip(dsts, slots, strict=True)]
+        dsts = [_upload_dst(slot) for slot in slots]
+        pairs = []
+        for dst, slot in zip(dsts, slots, strict=True):
+            src = slot.master if slot.stage is None else slot.stage
+            pair = slot.h2d_pair
+            if pair is None or pair[0] is not dst or pair[1] is not src:  # Note [An upload's destination is ...]
+                pair = slot.h2d_pair = (dst, src)
+            pairs.append(pair)
         try:
             event = self._copy_many(pairs, stream=stream)
         except Exception as first:
@@ -246,7 +287,7 @@ class _HostRounds:
         """One upload (``_copy_uploads``), retried once if refused at submission."""
         src = slot.stage if slot.stage is not None else slot.master
         before = slot.param._version
-        dst = slot.param.detach()
+        dst = _upload_dst(slot)
         event = self._copy_retrying(
             dst,
             src,
@@ -281,6 +322,7 @@ class _HostRounds:
         return rs
 
     def _begin_round(self) -> ResidencyScheduler:
+        finished = self._rs
         self._close_round()
         rs = ResidencyScheduler(
             self._predictor,
@@ -289,6 +331,15 @@ class _HostRounds:
             budget=self._upload_budget,
             margin=0.0,
         )
+        # Note [Objects renewed across rounds] (offcore/residency.py): the finished round's objects are renewed
+        # for the same keys, unless an event may still come for one: a gradient whose copy has not been seen to
+        # land (``_in_flight``), or a worker task (it holds its round's scheduler: ``_land``, a host step)
+        if finished is not None:
+            with self._lock:
+                quiet = not self._in_flight and not self._futures
+            if quiet:
+                rs.recycle(finished)
+        self._grad_keys = itertools.count(-1, -1)  # gradient objects: negative keys, the same ones each round
         rs.forward_began(time.perf_counter())
         for slot in self._slots:
             if slot.host_param is not None:

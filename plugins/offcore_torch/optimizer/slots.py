@@ -59,6 +59,7 @@ class _Slot:
         "synced_storage",
         "h2d_versions",
         "h2d_dst",
+        "h2d_pair",
         "hook",
         "layout",
         "state_nbytes",
@@ -91,6 +92,9 @@ class _Slot:
         # the last H2D's destination, kept alive until the next one: ``p.data = ...`` may drop the parameter's
         # storage while the copy into it is in flight (Note [Writes to parameters after step()])
         self.h2d_dst: torch.Tensor | None = None
+        # the last batched upload's (destination, source), given to copy_many again while both are the same
+        # tensors (Note [An upload's destination is made once per storage] in rounds.py)
+        self.h2d_pair: tuple[torch.Tensor, torch.Tensor] | None = None
         self.hook: Any = None
         # tier="nvme" (Note [Optimizer states on NVMe]): the state tensors kept on disk, as
         # (name, dtype, shape, byte offset) in one object of ``state_nbytes``; ``state_buf`` is the
