@@ -38,6 +38,7 @@ def test_the_worker_runs_every_variant_on_both_backends() -> None:
     for backend in bench.BACKENDS:
         for variant in bench.SAVE_VARIANTS:
             assert worker.save_step(backend, variant, 4, 1024) >= 0.0
+    assert worker.save_steps("fake", "offcore", 4, 1024, 3) >= 0.0  # the median of three steps
     answer = worker.param_step("instant", 3)
     assert set(answer) == {"bare", "user"}
 
@@ -46,6 +47,9 @@ def test_arguments() -> None:
     bench = _load()
     args = bench.parse_args([])
     assert args.objects == [100, 400, 1600, 12800] and args.size_bytes == 16 << 10 and not args.sizes
+    assert args.saves_per_round == 2000
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--saves-per-round", "0"])
     assert bench.parse_args(["--sizes", "16KiB", "64KiB"]).size_bytes == [16 << 10, 64 << 10]
     with pytest.raises(SystemExit):
         bench.parse_args(["--compare-with", str(ROOT / "docs")])  # not a checkout of offcore
@@ -56,6 +60,7 @@ def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.Captur
     bench = _load()
     out = tmp_path / "objects.json"
     argv = ["--objects", "4", "8", "--size", "1KiB", "--rounds", "1", "--warmup", "1", "--params", "3"]
+    argv += ["--saves-per-round", "8"]  # two steps of 4 saves per round, one of 8
     assert bench.main([*argv, "--compare-with", str(ROOT), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["trees"] == ["after (this tree)", "before (--compare-with)"]
