@@ -230,11 +230,12 @@ def test_offloading_completes_a_step_that_runs_out_of_memory_keeping_everything(
 
 
 def test_the_bound_holds_when_the_copies_lag_behind_forward(make_fake_device: Callable[..., Any]) -> None:
-    """The load-independent part of the bound (its I term): a device-to-host link of 1 GiB/s makes every copy
-    land ~1 ms after forward made its storage, as a copy worker starved by a loaded machine would; one copy in
-    flight at a time (``max_inflight=0``) keeps the peak within the bound. Uncapped, the storages waiting for
-    their copies pile up past it (measured: 25.77 MiB against 24.06)."""
+    """The load-independent part of the bound (its I term): a device-to-host link of 1 GiB/s makes each 1 MiB
+    copy land ~1 ms after forward made its storage, later than forward needs to make the next one here, as a copy
+    worker starved by a loaded machine would; one copy in flight at a time (``max_inflight=0``) keeps the peak
+    within the bound. Uncapped, the storages waiting for their copies pile up past it (measured: 25.77 MiB
+    against 24.06). (How many times forward waited is left unchecked: on a loaded machine forward may itself be
+    slower than the link, and then it never has to.)"""
     device = make_fake_device(capacity=BIG_CAPACITY, d2h_bandwidth="1GiB/s")
     figures = measure_step(device, offloaded)
-    assert figures["handle"].stats().inflight_waits > 0  # forward did wait for copies in flight
     assert figures["peak"] <= bound_of(figures), describe(figures)
