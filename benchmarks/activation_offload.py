@@ -218,14 +218,7 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
         if seen is None:
             if self._scope is not None and not self._depth:
                 return tensor  # a new storage outside the scope (offcore: "outside_modules")
-            index, self._index = self._index, self._index + 1
-            if index == len(self._buffers) or self._buffers[index].numel() != nbytes:
-                host = self.device.allocate(nbytes, offcore.Tier.PINNED)
-                if index == len(self._buffers):
-                    self._buffers.append(host)
-                else:
-                    self._buffers[index] = host
-            host = self._buffers[index]
+            host = self._host_buffer(nbytes)
             src = torch.empty(0, dtype=torch.uint8).set_(storage)
             device = self.device
             self._d2h.wait_event(device.current_stream().record_event(self._order))
@@ -233,6 +226,16 @@ class CopiesOnly(torch.autograd.graph.saved_tensors_hooks):
             self.copied_bytes += nbytes
             seen = self._seen[key] = (src, host)
         return (tensor, seen)
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """The pinned host buffer of the next new storage (by save index), kept across steps."""
+        index, self._index = self._index, self._index + 1
+        buffers = self._buffers
+        if index == len(buffers):
+            buffers.append(self.device.allocate(nbytes, offcore.Tier.PINNED))
+        elif buffers[index].numel() != nbytes:
+            buffers[index] = self.device.allocate(nbytes, offcore.Tier.PINNED)
+        return buffers[index]
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not tuple:

@@ -73,7 +73,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import os
@@ -81,7 +80,6 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,35 +127,23 @@ class SaveOnCpuSameCopies(torch.autograd.graph.saved_tensors_hooks):
         return restored
 
 
-class BatchedCopiesOnly(torch.autograd.graph.saved_tensors_hooks):
+class BatchedCopiesOnly(CopiesOnly):
     """The cost floor of a design that copies saved tensors in batches: keep-all plus the copies alone.
 
-    As ``CopiesOnly`` (every saved tensor stays on the device; pack copies each new device storage to a
-    host buffer reused across steps, unpack copies it back into a fresh device buffer), except that the
-    copies go ``batch`` saves at a time: pack collects them, and a full batch (or the first unpack of an
-    incomplete one) is one ordering event and one ``copy_many`` to the host; the first unpack of a batch
-    allocates a device buffer per saved storage and brings the whole batch back in one ``copy_many``.
-    A backend without ``copy_many`` gets a ``copy_`` per pair behind the batch's one ordering event.
-    What is left per saved tensor is what no batching removes: the hook calls, the bytes moved both ways,
-    a device allocation, and the Python that puts a tensor into a batch.
+    ``CopiesOnly`` (every saved tensor stays on the device; pack copies each new device storage to a
+    host buffer reused across steps, unpack copies it back into a fresh device buffer; its streams and
+    buffers), except that the copies go ``batch`` saves at a time: pack collects them, and a full batch
+    (or the first unpack of an incomplete one) is one ordering event and one ``copy_many`` to the host;
+    the first unpack of a batch allocates a device buffer per saved storage and brings the whole batch
+    back in one ``copy_many``. A backend without ``copy_many`` gets a ``copy_`` per pair behind the
+    batch's one ordering event. What is left per saved tensor is what no batching removes: the hook
+    calls, the bytes moved both ways, a device allocation, and the Python that puts a tensor into a batch.
     """
 
-    _per_device: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
-
     def __init__(self, device: Any, batch: int = 32) -> None:
-        self.device = device
+        super().__init__(device, min_bytes="1")
         self.batch = batch
-        held = BatchedCopiesOnly._per_device.get(device)
-        if held is None:
-            held = BatchedCopiesOnly._per_device[device] = (device.new_stream(), device.new_stream(), [])
-        self._d2h, self._h2d, self._buffers = held
-        self._order = device.new_event()
-        self._seen: dict[int, list[Any]] = {}
         self._open: list[Any] = [[], [], False]  # sources, host buffers, whether it was brought back
-        self._index = 0
-        # the batches brought back: their device buffers go once their copy landed (as CopiesOnly's)
-        self._reloads: collections.deque[tuple[list[torch.Tensor], Any]] = collections.deque()
-        super().__init__(self._pack, self._unpack)
 
     def _copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:
         device = self.device
@@ -183,15 +169,11 @@ class BatchedCopiesOnly(torch.autograd.graph.saved_tensors_hooks):
         key = storage._cdata
         batch = self._seen.get(key)
         if batch is None:
-            index, self._index = self._index, self._index + 1
             nbytes = storage.nbytes()
-            if index == len(self._buffers):
-                self._buffers.append(self.device.allocate(nbytes, offcore.Tier.PINNED))
-            elif self._buffers[index].numel() != nbytes:
-                self._buffers[index] = self.device.allocate(nbytes, offcore.Tier.PINNED)
             batch = self._seen[key] = self._open
             batch[0].append(torch.empty(0, dtype=torch.uint8).set_(storage))
-            batch[1].append(self._buffers[index])
+            batch[1].append(self._host_buffer(nbytes))
+            self.copied_bytes += nbytes
             if len(batch[0]) == self.batch:
                 self._flush()
         return (tensor, batch)
