@@ -349,9 +349,13 @@ __all__ = ["OffloadOptimizer", "MASTER_WEIGHTS_KEY"]
 
 _STEP_ON_CALLER = True  # step()'s host step on the caller when the worker is idle (Note [One host step at step()]);
 # benchmarks/optimizer_offload.py (b) turns it off in every other round, to compare the two side by side
-_PRUNE_EVERY = (
-    64  # finished tasks are let go at least this often (Note [Finished tasks are let go while backward runs])
-)
+# finished tasks are let go at least this often (Note [Finished tasks are let go while backward runs])
+_PRUNE_EVERY = 64
+
+
+def _unsettled(tasks: list[_Task]) -> list[_Task]:
+    """The tasks still needed in ``_futures``: not finished, or failed (their failure is raised later)."""
+    return [task for task in tasks if not task.finished or task.error is not None]
 
 
 # Note [One OffloadOptimizer per parameter]
@@ -1050,7 +1054,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
         for future in futures:
             self._wait_task(future)
         with self._lock:
-            self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
+            self._futures = _unsettled(self._futures)
         self._release_landed()
 
     def _show(self, slot: _Slot) -> _HostGradient:
@@ -1207,7 +1211,7 @@ class OffloadOptimizer(_Gradients, _HostRounds, _NvmeStates, _StateDicts, torch.
             futures = self._futures
             n = len(futures)
             if n >= self._prune_at:  # Note [Finished tasks are let go while backward runs]
-                futures = self._futures = [f for f in futures if not f.finished or f.error is not None]
+                futures = self._futures = _unsettled(futures)
                 self._prune_at = 2 * len(futures) + _PRUNE_EVERY
             elif n < _PRUNE_EVERY:  # emptied since (a drain, the end of backward)
                 self._prune_at = _PRUNE_EVERY
