@@ -362,6 +362,17 @@ __all__ = ["simulate", "SimResult", "TimelineEvent"]
 # the cap a forward that makes saves faster than the link moves them held them all (the peak of
 # keeping them, at a slow enough link) where the runtime holds at most max(cap, one save) of them
 # and runs slower by the waits: the simulated step was short and its peak high by the same amount.
+#
+# Note [Saves at a forward's end that wait behind each other]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# At one instant the simulator runs ends before starts: a layer's forward ends (its transient bytes
+# freed) before the saves made at that instant (its output) start their copies. The end asks whether
+# its first pending save must wait; when that one may go now but a later one made at the same
+# instant must wait behind it (two storages saved at the end of the forward, together over the cap),
+# the end lets those saves go first and asks again: the waiting save then stalls the forward and
+# delays its end, as a single waiting save does. Before, the end went on, the next layer and then
+# backward ran before the stalled save was ever made, and backward's use of it raised KeyError in
+# the scheduler (a 400 MiB layer output in two storages under the default 256 MiB cap did).
 # Not modelled: OffloadOptimizer's cap on gradients in flight (``max_inflight_gradients``, at least
 # 64 MiB and twice the largest gradient, applied per parameter where the simulator knows a layer's
 # gradients as one copy): a backward that makes gradients faster than the link moves them is

@@ -435,6 +435,21 @@ class _Step:
         wait_for = copies_to_land(self.plan.max_inflight, nbytes, (obj.nbytes for obj in flying))
         return max(self.now, flying[wait_for - 1].d2h_end) if wait_for else self.now
 
+    def _a_later_save_waits(self, pending: list[_Object]) -> bool:
+        """Whether a save in ``pending`` after the first must wait for a copy in flight once those before it
+        started theirs now (Note [Saves at a forward's end that wait behind each other]); a copy started now
+        counts as landing later."""
+        cap = self.plan.max_inflight
+        flying = [(obj.nbytes, obj.d2h_end) for obj in self.d2h_in_flight]
+        for obj in pending:
+            if not obj.managed:
+                continue
+            wait_for = copies_to_land(cap, obj.nbytes, (nbytes for nbytes, _ in flying))
+            if wait_for and flying[wait_for - 1][1] > self.now:  # they land in link order
+                return True
+            flying = [*flying[wait_for:], (obj.nbytes, math.inf)]
+        return False
+
     def pack(self, obj: _Object) -> None:
         """Forward saved ``obj``: its D2H is enqueued now (Note [Simulated lifetimes])."""
         sched = self.sched
@@ -961,10 +976,17 @@ class _Step:
 
             self.at(nominal, _START, saved)
 
+        deferred = [-math.inf]  # the instant finish last let this forward's saves made then go first
+
         def finish() -> None:
             # a save at this very instant (the layer's output, after the frees) that must wait delays the end too
             if self.now < end + stalled[0] or (pending and stall(pending[0]) > self.now):
                 self.at(end + stalled[0], _END, finish)
+                return
+            if pending and deferred[0] != self.now and self._a_later_save_waits(pending):
+                # Note [Saves at a forward's end that wait behind each other]
+                deferred[0] = self.now
+                self.at(self.now, _START, finish)
                 return
             self.event("compute", f"forward:{self.names[i]}", piece[0], self.now, "forward", i)
             if self.plan.drain_offloads and action is Action.OFFLOAD:
