@@ -163,7 +163,7 @@ class HostBufferPool:
                 offset = block.take(size)
                 if offset is not None:
                     return self._hand_out(block_id, offset, size, nbytes)
-            if self._unpark():  # parked buffers of other sizes merge back first
+            if any(self._parked.values()) and self._unpark():  # parked buffers of other sizes merge back first
                 for block_id, block in self._blocks.items():
                     offset = block.take(size)
                     if offset is not None:
@@ -204,8 +204,10 @@ class HostBufferPool:
         for parked in self._parked.values():
             count += len(parked)
             for buffer in parked:
-                buffer.parked = False
                 blocks[buffer.block].give(buffer.offset, buffer.size)
+        for parked in self._parked.values():  # all given back (a refused give leaves every one parked)
+            for buffer in parked:
+                buffer.parked = False
         self._parked.clear()
         return count
 
