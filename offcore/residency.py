@@ -837,10 +837,11 @@ class ResidencyScheduler:
             vtime = self.vtime = now - plan._drift
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         actions = self._prefetches(plan, due, managed_key) if due else NO_ACTIONS
-        if self._on_nvme:  # Note [Two hops from NVMe]
-            actions = self._with_stages(plan, vtime, actions)
-        if self._budget_evictions:  # Note [One device budget across kinds]
-            actions = self._with_evictions(actions, skip=managed_key)
+        if self._on_nvme or self._budget_evictions:
+            if self._on_nvme:  # Note [Two hops from NVMe]
+                actions = self._with_stages(plan, vtime, actions)
+            if self._budget_evictions:  # Note [One device budget across kinds]
+                actions = self._with_evictions(actions, skip=managed_key)
         return self._resumes_recorded(actions) if record else actions
 
     def reloaded(self, key: int, event: Any) -> None:
@@ -924,8 +925,7 @@ class ResidencyScheduler:
                     continue  # not in host memory yet: its stage comes first (Note [Two hops from NVMe])
                 done.add(key)  # no device copy to make: it needs no more planning
                 continue
-            nbytes = obj.nbytes  # type: ignore[union-attr]
-            outstanding, budget = self.outstanding, self.budget
+            nbytes, outstanding, budget = obj.nbytes, self.outstanding, self.budget  # type: ignore[union-attr]
             if reserved and outstanding + reserved + nbytes > budget:
                 self.counters["prefetch_behind_landing"] += 1
                 return  # Note [A copy still landing keeps its place in the budget]

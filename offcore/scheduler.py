@@ -383,15 +383,13 @@ class Scheduler:
         """Predicted first use (seconds after backward starts) of every key in ``step.pack_times``."""
         if not step.pack_times:
             return {}
-        last_pack = max(step.pack_times.values())
+        packed = step.pack_times
+        last = max(packed.values())
         with self._lock:
             learned = dict(self._first_use)
             ratio = self.backward_ratio
-        # once per step, per saved object: one comprehension (a line per key, not three)
-        return {
-            key: t if (t := learned.get(key)) is not None else ratio * (last_pack - packed_at)
-            for key, packed_at in step.pack_times.items()
-        }
+        # once per step, per saved object: one comprehension on one line (one line event per key, not three)
+        return {k: t if (t := learned.get(k)) is not None else ratio * (last - at) for k, at in packed.items()}
 
     def observe(self, step: StepObservation) -> None:
         """Learn from a finished step (steps whose backward never ran teach nothing)."""
@@ -399,13 +397,10 @@ class Scheduler:
             return
         with self._lock:
             a = self.smoothing
-            learned = self._first_use
+            learned, b = self._first_use, 1 - a
             # the keys are distinct: updating from one comprehension is the loop's update, key by key
             learned.update(
-                {
-                    key: t if (old := learned.get(key)) is None else (1 - a) * old + a * t
-                    for key, t in step.first_use.items()
-                }
+                {k: t if (old := learned.get(k)) is None else b * old + a * t for k, t in step.first_use.items()}
             )
             if step.forward_seconds > 0 and step.backward_seconds > 0:
                 measured = step.backward_seconds / step.forward_seconds
