@@ -73,8 +73,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 # built once from TRANSITIONS, and assigns; only a refused transition calls ``_move`` (which
 # raises with the full message). Same checks as ``_move``, one set lookup and no call.
 # offcore/residency.py makes a few of these transitions itself where it knows the source state (one
-# call less per saved tensor: ``awaited``, ``consumed``, ``host_updated_prefetches``): a change to what a
-# transition sets here (finish_prefetch, drop_restored_copy, start_offload + release_device_copy) goes there too.
+# call less per saved tensor: ``landed_held``, ``started``, ``awaited``, ``consumed``, ``host_updated_prefetches``):
+# a change to what a transition sets here (release_device_copy, start_prefetch, finish_prefetch,
+# drop_restored_copy, start_offload) goes there too.
 _ENTERED_FROM: dict[State, frozenset[State]] = {
     new: frozenset(old for old, allowed in TRANSITIONS.items() if new in allowed) for new in State
 }

@@ -139,7 +139,7 @@ from typing import Any
 
 from offcore.errors import ConfigurationError, IllegalTransitionError
 from offcore.kinds import Kind, Tier
-from offcore.objects import ManagedObject, State
+from offcore.objects import _FROM_FOR_PREFETCHING, ManagedObject, State
 from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
 
 __all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES", "NO_ACTIONS"]
@@ -561,7 +561,13 @@ class ResidencyScheduler:
         if self.plan is None:  # _land with no plan (forward): free the device copy
             obj = self.objects[key]
             if obj.state is _OFFLOADING:
-                obj.release_device_copy()  # refuses unless the D2H event completed
+                event = obj.d2h_event
+                if event is not None and event.query():  # release_device_copy, inlined (once per saved tensor)
+                    obj.state = _OFFLOADED  # OFFLOADING -> OFFLOADED (Note [Transitions checked inline])
+                    obj.tier = obj.host_tier or _PINNED
+                    obj.d2h_event = None
+                else:
+                    obj.release_device_copy()  # refuses: the D2H event has not completed
             return False
         return self._land(key, needed)
 
@@ -1092,7 +1098,11 @@ class ResidencyScheduler:
         if self.record:
             self._log("started", key)
         obj = self.objects[key]
-        obj.start_prefetch(event)
+        if obj.state in _FROM_FOR_PREFETCHING:  # start_prefetch, inlined (Note [Transitions checked inline])
+            obj.state = _PREFETCHING
+            obj.h2d_event = event
+        else:
+            obj.start_prefetch(event)  # raises
         counted = self._counted
         if key not in counted:  # _count, inlined (once per prefetch)
             counted.add(key)
