@@ -139,7 +139,7 @@ from typing import Any
 
 from offcore.errors import ConfigurationError, IllegalTransitionError
 from offcore.kinds import Kind, Tier
-from offcore.objects import _FROM_FOR_PREFETCHING, ManagedObject, State
+from offcore.objects import _FROM_FOR_PREFETCHING, ManagedObject, State, _ids
 from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
 
 __all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES", "NO_ACTIONS"]
@@ -180,6 +180,7 @@ _OFFLOADED, _OFFLOADING, _PREFETCHING, _RESIDENT, _RESTORED = (
     State.RESTORED,
 )
 _DEVICE, _NVME, _PINNED = Tier.DEVICE, Tier.NVME, Tier.PINNED
+_next_id = _ids.__next__  # ManagedObject's id factory (Note [A new object built positionally] in offcore/objects.py)
 
 
 class _Completed:
@@ -518,8 +519,10 @@ class ResidencyScheduler:
             raise IllegalTransitionError(f"object key {key} is registered already")
         # a new object is RESIDENT, and RESIDENT -> OFFLOADING is allowed: start_offload's transition,
         # made by the constructor (one call per saved tensor less)
+        # ManagedObject(kind=kind, nbytes=nbytes, state=_OFFLOADING, name=name, d2h_event=event, host_tier=host_tier),
+        # every field positionally (Note [A new object built positionally] in offcore/objects.py)
         obj = objects[key] = ManagedObject(
-            kind=kind, nbytes=nbytes, state=_OFFLOADING, name=name, d2h_event=event, host_tier=host_tier
+            kind, nbytes, _DEVICE, _OFFLOADING, 0, None, name, _next_id(), event, None, host_tier
         )
         return obj
 
