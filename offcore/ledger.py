@@ -62,56 +62,67 @@ class Ledger:
     bindings call it once per copy and per host buffer on their hot path.
     """
 
-    _current: dict[tuple[Tier, Kind], int] = field(default_factory=lambda: defaultdict(int))
-    _peak: dict[tuple[Tier, Kind], int] = field(default_factory=lambda: defaultdict(int))
-    _tier_current: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
-    _tier_peak: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
+    # Note [One cell per (tier, kind)]
+    # add and remove run once per host buffer and per copy on a binding's hot path. Each (tier, kind) has
+    # one cell, ``[current, peak, tier cell]``, and each tier one, ``[current, peak]`` (shared by the cells
+    # of its kinds): a record is one dict lookup and list updates, not a lookup per running total. A cell is
+    # made by the first add or remove of its (tier, kind), as the totals' entries were.
+    _cells: dict[tuple[Tier, Kind], list[Any]] = field(default_factory=dict)
+    _tiers: dict[Tier, list[int]] = field(default_factory=dict)
     copies: dict[Direction, CopyTotals] = field(default_factory=lambda: defaultdict(CopyTotals))
     wait_seconds: float = 0.0
     waits: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def _cell(self, tier: Tier, kind: Kind) -> list[Any]:
+        """The cell of (``tier``, ``kind``), made at its first use (lock held)."""
+        tier_cell = self._tiers.get(tier)
+        if tier_cell is None:
+            tier_cell = self._tiers[tier] = [0, 0]
+        cell = self._cells[(tier, kind)] = [0, 0, tier_cell]
+        return cell
+
     def add(self, tier: Tier, kind: Kind, nbytes: int) -> None:
         """Count ``nbytes`` of ``kind`` as now living on ``tier``."""
         with self._lock:
-            key = (tier, kind)
-            now = self._current[key] + nbytes
-            self._current[key] = now
-            if now > self._peak[key]:
-                self._peak[key] = now
-            total = self._tier_current[tier] + nbytes
-            self._tier_current[tier] = total
-            if total > self._tier_peak[tier]:
-                self._tier_peak[tier] = total
+            cell = self._cells.get((tier, kind)) or self._cell(tier, kind)
+            now = cell[0] = cell[0] + nbytes
+            if now > cell[1]:
+                cell[1] = now
+            tier_cell = cell[2]
+            total = tier_cell[0] = tier_cell[0] + nbytes
+            if total > tier_cell[1]:
+                tier_cell[1] = total
 
     def remove(self, tier: Tier, kind: Kind, nbytes: int) -> None:
         """Count ``nbytes`` of ``kind`` as really freed from ``tier``."""
         with self._lock:
-            key = (tier, kind)
-            if self._current[key] < nbytes:
+            cell = self._cells.get((tier, kind)) or self._cell(tier, kind)
+            if cell[0] < nbytes:
                 raise IllegalTransitionError(
                     f"ledger underflow: removing {nbytes} bytes of {kind.value} from {tier.value}, "
-                    f"which holds {self._current[key]}; every remove needs a matching add"
+                    f"which holds {cell[0]}; every remove needs a matching add"
                 )
-            self._current[key] -= nbytes
-            self._tier_current[tier] -= nbytes
+            cell[0] -= nbytes
+            cell[2][0] -= nbytes
 
     def _tier_total(self, tier: Tier) -> int:
-        return self._tier_current.get(tier, 0)
+        tier_cell = self._tiers.get(tier)
+        return 0 if tier_cell is None else tier_cell[0]
 
     def bytes(self, tier: Tier, kind: Kind | None = None) -> int:
         """Bytes now on ``tier`` (of ``kind``, or of every kind)."""
         with self._lock:
             if kind is None:
                 return self._tier_total(tier)
-            return self._current.get((tier, kind), 0)
+            cell = self._cells.get((tier, kind))
+            return 0 if cell is None else cell[0]
 
     def peak(self, tier: Tier, kind: Kind | None = None) -> int:
         """Peak bytes on ``tier`` since the last ``reset_step`` (of ``kind``, or all kinds together)."""
         with self._lock:
-            if kind is None:
-                return self._tier_peak.get(tier, 0)
-            return self._peak.get((tier, kind), 0)
+            cell = self._tiers.get(tier) if kind is None else self._cells.get((tier, kind))
+            return 0 if cell is None else cell[1]
 
     def record_copy(self, direction: Direction, nbytes: int, *, seconds: float | None = None, copies: int = 1) -> None:
         """Count a copy of ``nbytes`` in ``direction``; ``seconds``: its measured time, if it was timed.
@@ -143,10 +154,10 @@ class Ledger:
 
     def reset_step(self) -> None:
         with self._lock:
-            for key, value in self._current.items():
-                self._peak[key] = value
-            for tier in list(self._tier_peak):
-                self._tier_peak[tier] = self._tier_total(tier)
+            for cell in self._cells.values():
+                cell[1] = cell[0]
+            for tier_cell in self._tiers.values():
+                tier_cell[1] = tier_cell[0]
             self.copies.clear()
             self.wait_seconds = 0.0
             self.waits.clear()
@@ -154,10 +165,10 @@ class Ledger:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-ready summary."""
         with self._lock:
-            tiers = {t for t, _ in self._current} | set(self._tier_peak)
+            tiers = {t for t, _ in self._cells}
             return {
-                "bytes": {t.value: {k.value: v for (tt, k), v in self._current.items() if tt is t} for t in tiers},
-                "peak_bytes": {t.value: self._tier_peak[t] for t in tiers},
+                "bytes": {t.value: {k.value: c[0] for (tt, k), c in self._cells.items() if tt is t} for t in tiers},
+                "peak_bytes": {t.value: self._tiers[t][1] for t in tiers},
                 "copies": {
                     d.value: {"bytes": c.bytes, "seconds": c.seconds, "copies": c.copies, "bandwidth": c.bandwidth}
                     for d, c in self.copies.items()

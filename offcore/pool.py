@@ -18,7 +18,8 @@ small for it) before it is refused.
 # neighbours) whenever a request finds no parked buffer of its size and no block room, and
 # before any block is judged idle (``trim``, a request reclaiming idle blocks), so the
 # budget, the merging and the no-leak guarantees are those of the plain pool. A buffer
-# released twice is refused whether it is parked or merged.
+# released twice is refused whether it is parked or merged (a parked buffer carries ``parked``:
+# one attribute, set and cleared under the lock, instead of a set of parked ids to keep).
 
     >>> from offcore.pool import HostBufferPool
     >>> import numpy as np
@@ -35,7 +36,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import CapacityExceededError, ConfigurationError, IllegalTransitionError
@@ -56,6 +57,7 @@ class HostBuffer:
     block: int
     offset: int
     size: int  # reserved bytes (nbytes rounded up to the pool's alignment)
+    parked: bool = field(default=False, repr=False)  # released, on its pool's free list (Note [Free lists by size])
 
 
 class _Block:
@@ -125,7 +127,6 @@ class HostBufferPool:
         self._next_block = 0
         # released buffers by exact size, taken back as they are (Note [Free lists by size])
         self._parked: dict[int, list[HostBuffer]] = {}
-        self._parked_ids: set[int] = set()  # id() of every parked buffer (a second release is refused)
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.peak_used_bytes = 0
@@ -146,23 +147,23 @@ class HostBufferPool:
         too small for this request, or it would have fit one) go back to the backend
         first; :class:`~offcore.CapacityExceededError` only when even that is not enough.
         """
-        if nbytes <= 0:
-            raise ConfigurationError(f"cannot acquire a host buffer of {nbytes} bytes")
         with self._lock:
-            parked = self._parked.get(nbytes)
+            parked = self._parked.get(nbytes)  # only sizes > 0 are ever parked
             if parked:  # the common case: a buffer of this very size came back (Note [Free lists by size])
                 buffer = parked.pop()
-                self._parked_ids.discard(id(buffer))
+                buffer.parked = False
                 used = self.used_bytes = self.used_bytes + buffer.size
                 if used > self.peak_used_bytes:
                     self.peak_used_bytes = used
                 return buffer
+            if nbytes <= 0:
+                raise ConfigurationError(f"cannot acquire a host buffer of {nbytes} bytes")
             size = self._round(nbytes)
             for block_id, block in self._blocks.items():
                 offset = block.take(size)
                 if offset is not None:
                     return self._hand_out(block_id, offset, size, nbytes)
-            if self._parked_ids and self._unpark():  # parked buffers of other sizes merge back first
+            if any(self._parked.values()) and self._unpark():  # parked buffers of other sizes merge back first
                 for block_id, block in self._blocks.items():
                     offset = block.take(size)
                     if offset is not None:
@@ -198,13 +199,16 @@ class HostBufferPool:
 
     def _unpark(self) -> int:
         """Give every parked buffer back to its block, merged (lock held); returns how many."""
-        count = len(self._parked_ids)
+        count = 0
         blocks = self._blocks
         for parked in self._parked.values():
+            count += len(parked)
             for buffer in parked:
                 blocks[buffer.block].give(buffer.offset, buffer.size)
+        for parked in self._parked.values():  # all given back (a refused give leaves every one parked)
+            for buffer in parked:
+                buffer.parked = False
         self._parked.clear()
-        self._parked_ids.clear()
         return count
 
     def _free_idle_blocks(self) -> int:
@@ -230,8 +234,7 @@ class HostBufferPool:
                     f"host buffer at offset {buffer.offset} ({buffer.size} bytes) belongs to a block this pool "
                     "no longer holds; release each buffer exactly once"
                 )
-            key = id(buffer)
-            if key in self._parked_ids:
+            if buffer.parked:
                 raise IllegalTransitionError(
                     f"host buffer at offset {buffer.offset} ({buffer.size} bytes) is already free in its pool block; "
                     "release each buffer exactly once"
@@ -240,7 +243,7 @@ class HostBufferPool:
             if parked is None:
                 parked = self._parked[buffer.nbytes] = []
             parked.append(buffer)  # Note [Free lists by size]
-            self._parked_ids.add(key)
+            buffer.parked = True
             self.used_bytes -= buffer.size
 
     def trim(self) -> int:

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 
 from offcore.errors import ConfigurationError
 from offcore.units import parse_duration
@@ -175,33 +177,40 @@ class PrefetchPlan:
         use_times, nbytes_of = self.use_times, self.nbytes
         # an object is needed at the first use of any key that reads it (a storage saved several times);
         # an object no reader names is needed at its own use (0.0 when it has none)
-        need: dict[int, float] = {}
-        for key in nbytes_of:
-            keys = readers.get(key) if readers else None
-            if keys is None:
-                need[key] = use_times.get(key, 0.0)
-            else:
-                uses = [use_times[k] for k in keys if k in use_times]
-                need[key] = min(uses) if uses else use_times.get(key, 0.0)
+        if readers:
+            need: dict[int, float] = {}
+            for key in nbytes_of:
+                keys = readers.get(key)
+                if keys is None:
+                    need[key] = use_times.get(key, 0.0)
+                else:
+                    uses = [use_times[k] for k in keys if k in use_times]
+                    need[key] = min(uses) if uses else use_times.get(key, 0.0)
+        else:
+            need = {key: use_times.get(key, 0.0) for key in nbytes_of}
         self.need = need
         # deadline order, ties by key: a stable sort by need of the keys in key order
         self.order: list[int] = sorted(sorted(nbytes_of), key=need.__getitem__)
-        self._position = {key: i for i, key in enumerate(self.order)}  # reopen() finds a key's place at once
+        self._position: dict[int, int] | None = None  # a key's place in ``order``, built by the first reopen()
+        # predicted copy seconds per size, as the plan used them (a replay of the step reuses them): asked
+        # once per size, in the order the chain below meets the sizes (the last deadline first)
+        backwards = self.order[::-1]
+        durations = {nbytes: duration(nbytes) for nbytes in dict.fromkeys(map(nbytes_of.__getitem__, backwards))}
+        self.durations = durations
         latest: dict[int, float] = {}
         self.latest_start = latest
-        # predicted copy seconds per size, as the plan used them (a replay of the step reuses them)
-        durations: dict[int, float] = {}
-        self.durations = durations
         chain_start = math.inf
-        for key in reversed(self.order):
-            finish = need[key] - margin
-            if finish > chain_start:
-                finish = chain_start
-            nbytes = nbytes_of[key]
-            seconds = durations.get(nbytes)
-            if seconds is None:
-                seconds = durations[nbytes] = duration(nbytes)
-            chain_start = latest[key] = finish - seconds
+        for key in backwards:
+            # min() keeps its first argument on a tie or a NaN, as ``finish if not finish > chain_start``
+            chain_start = latest[key] = min(need[key] - margin, chain_start) - durations[nbytes_of[key]]
+        # Note [Latest starts in deadline order]
+        # Each copy's latest start is at most the next one's less its own seconds, so with no negative or NaN
+        # duration (and no NaN need) ``latest_start`` along ``order`` never decreases: the copies due before a
+        # horizon are then a prefix of what is left, found by one bisect (``due``). The plan checks it (one
+        # C-level pass) rather than assume it of the duration it was given, and scans otherwise.
+        self._latest_seq: list[float] = list(map(latest.__getitem__, self.order))
+        seq = self._latest_seq
+        self._sorted_latest = all(map(operator.le, seq, islice(seq, 1, None)))
         self._triggers = sorted(self.use_times.values())
         self._cursor = 0
         self._done: set[int] = set()
@@ -305,11 +314,19 @@ class PrefetchPlan:
         triggers = self._triggers
         i = bisect.bisect_right(triggers, vtime)
         horizon = triggers[i] if i < len(triggers) else math.inf
-        order, done, latest = self.order, self._done, self.latest_start
+        order, done = self.order, self._done
         cursor, end = self._cursor, len(order)
         while cursor < end and order[cursor] in done:
             cursor += 1
         self._cursor = cursor
+        if self._sorted_latest:  # Note [Latest starts in deadline order]: the due keys are a prefix
+            stop = bisect.bisect_right(self._latest_seq, horizon, cursor)
+            if stop == cursor:  # the common trigger: nothing due
+                return []
+            if stop == cursor + 1:  # one due: the cursor's key (not done, see above)
+                return [order[cursor]]
+            return [key for key in order[cursor:stop] if key not in done]
+        latest = self.latest_start
         out: list[int] = []
         for i in range(cursor, end):
             key = order[i]
@@ -329,7 +346,10 @@ class PrefetchPlan:
         """``key`` needs a copy again (its prefetched device copy was evicted before use)."""
         if key in self._done:
             self._done.discard(key)
-            self._cursor = min(self._cursor, self._position[key])
+            position = self._position
+            if position is None:  # built on first use: most steps evict nothing
+                position = self._position = {k: i for i, k in enumerate(self.order)}
+            self._cursor = min(self._cursor, position[key])
 
 
 class Scheduler:
@@ -363,15 +383,13 @@ class Scheduler:
         """Predicted first use (seconds after backward starts) of every key in ``step.pack_times``."""
         if not step.pack_times:
             return {}
-        last_pack = max(step.pack_times.values())
+        packed = step.pack_times
+        last = max(packed.values())
         with self._lock:
             learned = dict(self._first_use)
             ratio = self.backward_ratio
-        out: dict[int, float] = {}
-        for key, packed_at in step.pack_times.items():
-            t = learned.get(key)
-            out[key] = t if t is not None else ratio * (last_pack - packed_at)
-        return out
+        # once per step, per saved object: one comprehension on one line (one line event per key, not three)
+        return {k: t if (t := learned.get(k)) is not None else ratio * (last - at) for k, at in packed.items()}
 
     def observe(self, step: StepObservation) -> None:
         """Learn from a finished step (steps whose backward never ran teach nothing)."""
@@ -379,9 +397,11 @@ class Scheduler:
             return
         with self._lock:
             a = self.smoothing
-            for key, t in step.first_use.items():
-                old = self._first_use.get(key)
-                self._first_use[key] = t if old is None else (1 - a) * old + a * t
+            learned, b = self._first_use, 1 - a
+            # the keys are distinct: updating from one comprehension is the loop's update, key by key
+            learned.update(
+                {k: t if (old := learned.get(k)) is None else b * old + a * t for k, t in step.first_use.items()}
+            )
             if step.forward_seconds > 0 and step.backward_seconds > 0:
                 measured = step.backward_seconds / step.forward_seconds
                 self.backward_ratio = (1 - a) * self.backward_ratio + a * measured
