@@ -209,17 +209,6 @@ class Action:
     nbytes: int
 
 
-# Note [A prefetch's Action without the frozen __init__]
-# A frozen dataclass's __init__ sets each field through object.__setattr__ (three Python-level calls and a
-# frame, ~370 ns); _prefetches offers one Action per prefetch, once per saved tensor. It builds it as that
-# __init__ does -- a new instance, then each slot's own setter -- without the frame (~220 ns): the same
-# object (equal, same repr, frozen afterwards). Only while Action has exactly these slots and no
-# __post_init__, which the assert checks at import.
-_new_action = object.__new__
-_set_kind, _set_key, _set_nbytes = (Action.__dict__[name].__set__ for name in ("kind", "key", "nbytes"))
-assert Action.__slots__ == ("kind", "key", "nbytes") and not hasattr(Action, "__post_init__")
-
-
 class Watermark:
     """Offload only while free device memory is below ``alpha`` × capacity, with hysteresis.
 
@@ -972,10 +961,7 @@ class ResidencyScheduler:
                         shared.release(self, key)
                     return
             self._refused = False
-            action = _new_action(Action)  # Action(_PREFETCH, key, nbytes): Note [A prefetch's Action without ...]
-            _set_kind(action, _PREFETCH)
-            _set_key(action, key)
-            _set_nbytes(action, nbytes)
+            action = Action(_PREFETCH, key, nbytes)
             if record:  # _emit, inlined
                 self.actions.append(action)
             yield action
