@@ -136,8 +136,9 @@ class FakeDevice(Copies):
         self._fault_lock = threading.Lock()
         self._copies = 0
         self._fault: tuple[int, FaultMode, str] | None = None
+        self._fault_at = 0  # the armed fault's copy number, 0 when none is armed (read first by the fast path)
         if self.options.fail_copy is not None:
-            self._fault = (self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}")
+            self._arm((self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}"))
         self._ops: BufferOps = NUMPY_OPS
         self._tracker: Any = None
         if self.options.buffers == "torch":  # torch is imported here, never for numpy buffers
@@ -178,6 +179,7 @@ class FakeDevice(Copies):
                 self._on_device_storage, None if hook is None else hook.small_pair, self._tracker.ledger
             )
             self._memmove = memmove_holding_gil if hook is None else hook.move_bytes
+        self._reserve = self._link.reserver  # Note [A direction's route is built once] (link.py)
 
     @property
     def closed(self) -> bool:
@@ -301,6 +303,7 @@ class FakeDevice(Copies):
         """Open every gate, finish queued work and stop every stream's worker thread; copies are refused from
         then on."""
         self._closed = True
+        self._small_pair = None  # copies take the general path, which refuses them (Note [A closed device says so])
         self._gates.open_all()
         self._finalizer()
 

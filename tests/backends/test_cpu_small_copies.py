@@ -1,7 +1,7 @@
 """The fake device's fast path for small plain copies (Note [The small copy's fast path] in offcore_cpu/copying.py).
 
 A device without the sanitizer takes small copies between two plain ``torch.Tensor`` buffers on one
-of its copy streams through ``_copy_small``; everything else goes down ``copy_``'s general path. Each
+of its copy streams on ``copy_``'s fast path; everything else goes down its general path (``_copy_checked``). Each
 test runs a case on such a device and checks it against what the general path gives (the same
 device's answers with the fast path switched off, or the sanitized device's), so a shortcut that
 skipped a check or booked a copy differently shows up here.
@@ -47,21 +47,30 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     device.close()
 
 
-def _counting(dev: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _counting(dev: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Counters of the pairs the fast path's checker took, and of the copies that went down the general path."""
     taken: list[int] = []
-    small = dev._copy_small
+    general: list[int] = []
+    small, checked = dev._small_pair, dev._copy_checked
+
+    def took(dst: Any, src: Any) -> Any:
+        pair = small(dst, src)
+        if pair is not None:
+            taken.append(1)
+        return pair
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        taken.append(1)
-        return small(*args, **kwargs)
+        general.append(1)
+        return checked(*args, **kwargs)
 
-    monkeypatch.setattr(dev, "_copy_small", counted)
-    return taken
+    monkeypatch.setattr(dev, "_small_pair", took)
+    monkeypatch.setattr(dev, "_copy_checked", counted)
+    return taken, general
 
 
 def test_small_plain_copies_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     device = offcore.device("cpu", **FAST)
-    taken = _counting(device, monkeypatch)
+    taken, general = _counting(device, monkeypatch)
     with device:
         stream = device.new_stream()
         src = torch.arange(4096, dtype=torch.float32)
@@ -70,7 +79,7 @@ def test_small_plain_copies_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) 
         back = torch.empty_like(src)
         device.copy_(back.view(torch.uint8), host, stream=stream).synchronize()
     device.close()
-    assert len(taken) == 2
+    assert len(taken) == 2 and not general
     assert torch.equal(back, src)
 
 
