@@ -180,6 +180,10 @@ class FakeDevice(Copies):
             )
             self._memmove = memmove_holding_gil if hook is None else hook.move_bytes
         self._reserve = self._link.reserver  # Note [A direction's route is built once] (link.py)
+        # allocate's device buffers counted by the hook (torch buffers, no sanitizer): asked first
+        self._hooked_empty: Callable[[int], Any] | None = None
+        if self._tracker is not None and self._ops is not NUMPY_OPS and not self.options.sanitize:
+            self._hooked_empty = self._tracker.hooked_empty
 
     @property
     def closed(self) -> bool:
@@ -362,7 +366,12 @@ class FakeDevice(Copies):
 
             >>> buf = dev.allocate(4096, "device")          # doctest: +SKIP
         """
-        # the binding allocates once per reload: plain ints and Tier members skip the parsing
+        hooked = self._hooked_empty  # Note [Device buffers counted by the hook] (tracking.py), asked first
+        if hooked is not None and tier is _DEVICE and type(nbytes) is int:  # the binding's reloads
+            counted = hooked(nbytes)  # None for 0 or fewer bytes: parsed and answered below
+            if counted is not None:
+                return counted
+        # plain ints and Tier members skip the parsing
         size = (
             nbytes
             if type(nbytes) is int and nbytes >= 0
@@ -376,9 +385,8 @@ class FakeDevice(Copies):
         if tier is _NVME:
             raise ConfigurationError("the fake device allocates device, pinned or pageable memory, not NVMe")
         if tier is _DEVICE:
-            tracker = self._tracker
-            if tracker is not None and self._ops is not NUMPY_OPS and not self._sanitizer.enabled:
-                counted = tracker.hooked_empty(size)  # Note [Device buffers counted by the hook] (tracking.py)
+            if hooked is not None:  # a size the fast path above did not take (a str, a numpy integer)
+                counted = hooked(size)
                 if counted is not None:
                     return counted
             self._arena.check_fits(size)  # fail before touching host memory
@@ -393,22 +401,23 @@ class FakeDevice(Copies):
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
         ops = ops_for(buffer)
-        if ops is None:
-            return False
-        owner = ops.owner(buffer)
         # an activation binding asks this of every saved tensor, almost always device memory: the
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
         arena = self._arena
-        owns = arena._owns
-        if owns is not None and ops is self._ops:  # a torch storage: the hook's owns by address, asked directly
+        if ops is self._ops and (owns := arena._owns) is not None:  # torch: the hook's owns by address, directly
+            owner = buffer.untyped_storage()  # TORCH_OPS.owner
             try:
                 if owns(owner.data_ptr()):
                     return True
             except (RuntimeError, NotImplementedError):  # meta storages and the like: the arena answers
                 pass
-        elif arena._probe is not None and arena._probe(owner):
+            return arena.tier_of(owner) is _DEVICE
+        if ops is None:
+            return False
+        owner = ops.owner(buffer)
+        if arena._probe is not None and arena._probe(owner):
             return True
         return arena.tier_of(owner) is _DEVICE
 
