@@ -175,6 +175,59 @@ def test_injected_faults_fire_on_the_same_copy(dev: Any, mode: str) -> None:
     assert torch.equal(dst, torch.full((16,), 2.0))
 
 
+def test_a_disarmed_or_replaced_fault_is_not_fired_by_the_fast_path(dev: Any) -> None:
+    """The fast path finds the armed fault by its copy number (``_fault_at``): disarming and re-arming keep it."""
+    stream = dev.new_stream()
+    src, dst = torch.ones(16), torch.empty(16)
+    dev.inject_copy_fault(1)
+    dev.inject_copy_fault(None)  # disarmed: the next copy runs
+    dev.copy_(dst, src, stream=stream).synchronize()
+    assert not dev.copy_fault_armed
+    dev.inject_copy_fault(3)
+    dev.inject_copy_fault(1)  # replaces it
+    with pytest.raises(InjectedFault):
+        dev.copy_(dst, src, stream=stream)
+    for _ in range(3):  # the replaced fault (3rd from its arming) does not fire either
+        dev.copy_(dst, src, stream=stream).synchronize()
+    assert not dev.copy_fault_armed and dev.copy_log()[-1]["number"] == 5
+
+
+@pytest.mark.parametrize(
+    "link",
+    [{"latency": "2ms"}, {"h2d_bandwidth": "1GiB/s", "d2h_bandwidth": "1GiB/s"}],
+    ids=["latency", "bandwidth"],
+)
+def test_a_limited_link_times_the_fast_paths_copies(dev: Any, link: dict[str, Any]) -> None:
+    """Only a link with infinite bandwidth and no latency books its copies as instant (Note [A direction's
+    route is built once]); a latency or a bandwidth alone still makes each copy last its emulated time."""
+    limited = offcore.device("cpu", **{**FAST, **link})
+    try:
+        if dev._small_pair is None:
+            limited._small_pair = None
+        with limited:
+            stream = limited.new_stream()
+            src, dst = limited.allocate(64 * 1024, Tier.DEVICE), limited.allocate(64 * 1024, Tier.PINNED)
+            first = limited.copy_(dst, src, stream=stream)
+            second = limited.copy_(dst, src, stream=stream)
+            second.synchronize()
+            assert first.query()
+        one, two = limited.copy_log()[-2:]
+        for entry in (one, two):
+            assert entry["emulated_seconds"] > 0
+            assert entry["end"] - entry["start"] >= entry["emulated_seconds"]
+        assert two["start"] >= one["end"]  # the channel is busy until the first one lands
+    finally:
+        limited.close()
+
+
+def test_an_unlimited_links_copies_land_when_they_start(dev: Any) -> None:
+    stream = dev.new_stream()
+    src, dst = dev.allocate(4096, Tier.DEVICE), dev.allocate(4096, Tier.PINNED)
+    dev.copy_(dst, src, stream=stream).synchronize()
+    (entry,) = dev.copy_log()[-1:]
+    assert entry["emulated_seconds"] == 0.0 and entry["end"] == entry["start"]
+
+
 def test_a_closed_copy_gate_holds_a_small_copy(dev: Any) -> None:
     stream = dev.new_stream()
     src, dst = torch.ones(16), torch.zeros(16)
