@@ -40,7 +40,7 @@ from offcore_cpu.buffers import NUMPY_OPS, BufferOps, describe, ops_for
 from offcore_cpu.copying import Copies
 from offcore_cpu.errors import SanitizerViolation
 from offcore_cpu.gates import Gate, GateSet
-from offcore_cpu.host_pool import FakeHostBufferPool
+from offcore_cpu.host_pool import FakeHostBufferPool, PoisoningHostBufferPool
 from offcore_cpu.link import Link
 from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable
 from offcore_cpu.sanitizer import Ordering, Sanitizer
@@ -140,13 +140,16 @@ class FakeDevice(Copies):
         if self.options.fail_copy is not None:
             self._arm((self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}"))
         self._ops: BufferOps = NUMPY_OPS
+        self._tensor_type: type | None = None  # torch.Tensor with torch buffers (holds: its own family, no lookup)
         self._tracker: Any = None
         if self.options.buffers == "torch":  # torch is imported here, never for numpy buffers
+            import torch
+
             from offcore_cpu.torch_buffers import TORCH_OPS
             from offcore_cpu.torch_errors import TorchFakeDeviceOutOfMemoryError
             from offcore_cpu.tracking import StorageTracker
 
-            self._ops = TORCH_OPS
+            self._ops, self._tensor_type = TORCH_OPS, torch.Tensor
             self._arena = MemoryArena(self._label, self.options.capacity, error_class=TorchFakeDeviceOutOfMemoryError)
             self._tracker = StorageTracker(
                 self._arena, poison_uninitialised=self.options.sanitize, accounting=self.options.accounting
@@ -400,12 +403,12 @@ class FakeDevice(Copies):
 
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
-        ops = ops_for(buffer)
         # an activation binding asks this of every saved tensor, almost always device memory: the
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
         arena = self._arena
+        ops = self._ops if type(buffer) is self._tensor_type else ops_for(buffer)  # a plain tensor: torch's, known
         if ops is self._ops and (owns := arena._owns) is not None:  # torch: the hook's owns by address, directly
             owner = buffer.untyped_storage()  # TORCH_OPS.owner
             try:
@@ -494,12 +497,16 @@ class FakeDevice(Copies):
             >>> buf = pool.acquire(4096); pool.release(buf)    # doctest: +SKIP
         """
         tier = _PINNED if pinned else _PAGEABLE
+        if self._sanitizer.enabled:
+            return PoisoningHostBufferPool(
+                lambda nbytes: self.allocate(nbytes, tier),
+                poison=self._release_host,
+                budget=budget,
+                block_size=block_size,
+                alignment=alignment,
+            )
         return FakeHostBufferPool(
-            lambda nbytes: self.allocate(nbytes, tier),
-            poison=self._release_host if self._sanitizer.enabled else None,
-            budget=budget,
-            block_size=block_size,
-            alignment=alignment,
+            lambda nbytes: self.allocate(nbytes, tier), budget=budget, block_size=block_size, alignment=alignment
         )
 
     def poison(self, buffer: Any) -> bool:
