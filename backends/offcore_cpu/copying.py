@@ -153,7 +153,7 @@ class Copies:
         if pair is None:
             return self._copy_checked(dst, src, stream, start_event)
         # the pair checked in one pass: Note [The small copy's fast path]
-        nbytes, dst_address, src_address, known = pair
+        nbytes, dst_at, src_at, known = pair
         direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
         with self._fault_lock:  # _count_copy, inlined (Note [Injected copy faults])
             number = self._copies = self._copies + 1
@@ -161,23 +161,21 @@ class Copies:
         state = stream._state
         if armed or (self._gates._copy_gates and self._gates.any_closed_for(state, direction)):
             return self._copy_held(dst, src, direction, nbytes, stream, number, armed)
-        name = stream.name
         with state.lock:  # the inline copy (Note [Inline copies on an idle stream]): book, move, log
-            if state.pending or state.error is not None or state.closed:
-                span = None
-            else:
+            if not (state.pending or state.error is not None or state.closed):
                 enqueued = _now()
                 span = self._reserve[direction](nbytes, state.busy_until)
-                if span is not None:
+                if span is not None:  # None: a queued copy holds the link
                     start, end = span
-                    self._memmove(dst_address, src_address, nbytes)
+                    self._memmove(dst_at, src_at, nbytes)
                     state.busy_until = end  # never earlier: a booking starts at busy_until or later
-                    log = (name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
-                    self._copy_log.append(log)
-        if span is None:  # a busy stream, or a queued copy holds the link: queue it
-            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        return landed_event(self._compute, name, end)
+                    # the log's tuple holds the direction's value: Note [The copy log holds no tracked objects]
+                    self._copy_log.append(
+                        (stream.name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_at, dst_at)
+                    )
+                    self.ledger.record_copy(direction, nbytes, seconds=end - start)
+                    return landed_event(self._compute, stream.name, end)
+        return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)  # a busy stream or link
 
     def _copy_checked(self, dst: Any, src: Any, stream: Any, start_event: Any) -> FakeEvent:
         """:meth:`copy_` of a pair the fast path did not take: every check, each concern's own helper."""

@@ -407,18 +407,18 @@ class FakeDevice(Copies):
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
-        arena = self._arena
         ops = self._ops if type(buffer) is self._tensor_type else ops_for(buffer)  # a plain tensor: torch's, known
-        if ops is self._ops and (owns := arena._owns) is not None:  # torch: the hook's owns by address, directly
+        if ops is self._ops and (owns := self._arena._owns) is not None:  # torch: the hook's owns by address
             owner = buffer.untyped_storage()  # TORCH_OPS.owner
             try:
                 if owns(owner.data_ptr()):
                     return True
             except (RuntimeError, NotImplementedError):  # meta storages and the like: the arena answers
                 pass
-            return arena.tier_of(owner) is _DEVICE
+            return self._arena.tier_of(owner) is _DEVICE
         if ops is None:
             return False
+        arena = self._arena
         owner = ops.owner(buffer)
         if arena._probe is not None and arena._probe(owner):
             return True
