@@ -67,8 +67,12 @@ _DIRECTIONS = {
 # its tuples hold only strings and numbers: the collector untracks them at their first collection.
 _BY_VALUE = {direction.value: direction for direction in Direction}
 # a fast-path copy's direction by its checker's known bits, when it knows both sides (torch_buffers.SmallPair:
-# 1, 2 the destination, the source on the device; 4, 8 in host memory)
-_BY_KNOWN = {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}
+# 1, 2 the destination, the source on the device; 4, 8 in host memory), indexed by those four bits (None: a side
+# the device looks up)
+_BY_KNOWN: tuple[Direction | None, ...] = tuple(
+    {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}.get(bits)
+    for bits in range(16)
+)
 
 
 class Copies:
@@ -154,7 +158,7 @@ class Copies:
             return self._copy_checked(dst, src, stream, start_event)
         # the pair checked in one pass: Note [The small copy's fast path]
         nbytes, dst_at, src_at, known = pair
-        direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
+        direction = _BY_KNOWN[known] or self._direction_of(dst, src, known)
         with self._fault_lock:  # _count_copy, inlined (Note [Injected copy faults])
             number = self._copies = self._copies + 1
             armed = number == self._fault_at and self._disarm()
@@ -405,7 +409,7 @@ class Copies:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
                     nbytes, dst_address, src_address, known = pair
-                    direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
+                    direction = _BY_KNOWN[known] or self._direction_of(dst, src, known)
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break

@@ -112,7 +112,7 @@ class _Route:
     def reserve(self, nbytes: int, not_before: float) -> tuple[float, float] | None:
         """:meth:`Link.reserve` for this route's direction."""
         lock = self.lock
-        if not lock.acquire(blocking=False):
+        if not lock.acquire(False):  # without waiting
             return None
         try:  # once per inline copy: comparisons rather than max()
             channel = self.channel
@@ -133,7 +133,7 @@ class _Route:
     def _reserve_instant(self, nbytes: int, not_before: float) -> tuple[float, float] | None:
         """:meth:`reserve` on an instant route: the copy ends when it starts."""
         lock = self.lock
-        if not lock.acquire(blocking=False):
+        if not lock.acquire(False):  # without waiting
             return None
         try:
             channel = self.channel
