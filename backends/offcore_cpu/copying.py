@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from time import perf_counter as _now
 from typing import Any, NoReturn
 
 from offcore.errors import ConfigurationError
@@ -66,8 +67,12 @@ _DIRECTIONS = {
 # its tuples hold only strings and numbers: the collector untracks them at their first collection.
 _BY_VALUE = {direction.value: direction for direction in Direction}
 # a fast-path copy's direction by its checker's known bits, when it knows both sides (torch_buffers.SmallPair:
-# 1, 2 the destination, the source on the device; 4, 8 in host memory)
-_BY_KNOWN = {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}
+# 1, 2 the destination, the source on the device; 4, 8 in host memory), indexed by those four bits (None: a side
+# the device looks up)
+_BY_KNOWN: tuple[Direction | None, ...] = tuple(
+    {1 | 2: Direction.D2D, 1 | 8: Direction.H2D, 4 | 2: Direction.D2H, 4 | 8: Direction.H2H}.get(bits)
+    for bits in range(16)
+)
 
 
 class Copies:
@@ -88,8 +93,10 @@ class Copies:
     _fault_lock: threading.Lock
     _copies: int
     _fault: tuple[int, FaultMode, str] | None
+    _fault_at: int
     _small_pair: Callable[[Any, Any], tuple[int, int, int, int] | None] | None
     _memmove: Callable[[int, int, int], Any]
+    _reserve: dict[Direction, Callable[[int, float], tuple[float, float] | None]]
 
     # the device's methods they call (device.py)
     def _check_open(self, what: str) -> None:
@@ -109,6 +116,27 @@ class Copies:
         """The direction of a copy from ``src`` to ``dst`` (by :meth:`holds`)."""
         return Direction.between(_DEVICE if self.holds(src) else _PINNED, _DEVICE if self.holds(dst) else _PINNED)
 
+    # Note [The small copy's fast path]
+    # Most copies a binding makes are small plain tensors between device and host memory on an idle
+    # copy stream, with the sanitizer off: they run inline (Note [Inline copies on an idle stream]).
+    # copy_'s general path asks each question of them through a helper per concern (the family's
+    # ops, the plain and liveness checks twice per side, the arena per side, the gates, the link),
+    # about 12 us of Python per copy for a memmove of 16 KiB. A device made without the sanitizer
+    # and with torch buffers first asks its ``_small_pair`` checker (torch_buffers.small_pair_checker),
+    # which answers every check the general path makes of two exact ``torch.Tensor`` sides in one
+    # pass, and which side is device memory (or declines: then the general path runs, checks again
+    # and reports what is wrong). With the allocator hook that pass is one call into the hook
+    # (``small_pair`` in _alloc_hook.cpp: the questions asked of the TensorImpls, and the hook's own
+    # table for the device's side; a Python call per question cost ~1.5 us a copy), and the bytes
+    # move with the hook's ``move_bytes``; with the dispatch accounting it is TorchBuffers.small_pair
+    # and the arena. copy_ then numbers the copy (the armed fault is due when the number is
+    # ``_fault_at``), books the link (the direction's reserver: Note [A direction's route is built
+    # once] in link.py) and moves the bytes under the stream's lock exactly as the inline path does,
+    # in one flat block (it runs twice per offloaded activation), falling back to the general path's
+    # fault handling and queueing where that would (``_copy_held``, ``_enqueue_copy``). What it skips
+    # is only what cannot apply without the sanitizer: no jitter, no flight, no ordering check. A
+    # closed copy gate (tests) queues the copy; a closed device has no checker (``close`` drops it),
+    # so its copies go down the general path, which refuses them.
     def copy_(self, dst: Any, src: Any, *, stream: Any, start_event: Any = None) -> FakeEvent:
         """Enqueue ``dst[...] = src`` on ``stream``; the returned event completes when the data landed.
 
@@ -122,17 +150,39 @@ class Copies:
         stream it runs on the calling thread before returning. An injected fault makes one
         call fail (Note [Injected copy faults]).
         """
-        small = self._small_pair
-        if (
-            small is not None
-            and start_event is None
-            and type(stream) is WorkerStream
-            and stream._compute is self._compute
-            and not self._closed
-        ):  # a copy stream of this device: the pair is checked in one pass (Note [The small copy's fast path])
-            pair = small(dst, src)
-            if pair is not None:
-                return self._copy_small(dst, src, pair, stream)
+        small = self._small_pair  # None once the device is closed, or with the sanitizer
+        if small is None or start_event is not None or type(stream) is not WorkerStream:
+            return self._copy_checked(dst, src, stream, start_event)
+        pair = small(dst, src) if stream._compute is self._compute else None  # a copy stream of this device
+        if pair is None:
+            return self._copy_checked(dst, src, stream, start_event)
+        # the pair checked in one pass: Note [The small copy's fast path]
+        nbytes, dst_at, src_at, known = pair
+        direction = _BY_KNOWN[known] or self._direction_of(dst, src, known)
+        with self._fault_lock:  # _count_copy, inlined (Note [Injected copy faults])
+            number = self._copies = self._copies + 1
+            armed = number == self._fault_at and self._disarm()
+        state = stream._state
+        if armed or (self._gates._copy_gates and self._gates.any_closed_for(state, direction)):
+            return self._copy_held(dst, src, direction, nbytes, stream, number, armed)
+        with state.lock:  # the inline copy (Note [Inline copies on an idle stream]): book, move, log
+            if not (state.pending or state.error is not None or state.closed):
+                enqueued = _now()
+                span = self._reserve[direction](nbytes, state.busy_until)
+                if span is not None:  # None: a queued copy holds the link
+                    start, end = span
+                    self._memmove(dst_at, src_at, nbytes)
+                    state.busy_until = end  # never earlier: a booking starts at busy_until or later
+                    # the log's tuple holds the direction's value: Note [The copy log holds no tracked objects]
+                    self._copy_log.append(
+                        (stream.name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_at, dst_at)
+                    )
+                    self.ledger.record_copy(direction, nbytes, seconds=end - start)
+                    return landed_event(self._compute, stream.name, end)
+        return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)  # a busy stream or link
+
+    def _copy_checked(self, dst: Any, src: Any, stream: Any, start_event: Any) -> FakeEvent:
+        """:meth:`copy_` of a pair the fast path did not take: every check, each concern's own helper."""
         self._check_open("copy_")
         ops = ops_for(dst)
         if ops is None or ops is not ops_for(src):
@@ -234,69 +284,24 @@ class Copies:
         )
         return stream.run_and_record(run, FakeEvent(self._compute, enable_timing=True))
 
-    # Note [The small copy's fast path]
-    # Most copies a binding makes are small plain tensors between device and host memory on an idle
-    # copy stream, with the sanitizer off: they run inline (Note [Inline copies on an idle stream]).
-    # copy_'s general path asks each question of them through a helper per concern (the family's
-    # ops, the plain and liveness checks twice per side, the arena per side, the gates, the link),
-    # about 12 us of Python per copy for a memmove of 16 KiB. A device made without the sanitizer
-    # and with torch buffers first asks its ``_small_pair`` checker (torch_buffers.small_pair_checker),
-    # which answers every check the general path makes of two exact ``torch.Tensor`` sides in one
-    # pass, and which side is device memory (or declines: then the general path runs, checks again
-    # and reports what is wrong). With the allocator hook that pass is one call into the hook
-    # (``small_pair`` in _alloc_hook.cpp: the questions asked of the TensorImpls, and the hook's own
-    # table for the device's side; a Python call per question cost ~1.5 us a copy), and the bytes
-    # move with the hook's ``move_bytes``; with the dispatch accounting it is TorchBuffers.small_pair
-    # and the arena. _copy_small then numbers the copy, books the link and moves the bytes under the
-    # stream's lock exactly as the inline path does, falling back to the general path's fault
-    # handling and queueing where that would. What it skips is only what cannot apply without the
-    # sanitizer: no jitter, no flight, no ordering check. A closed copy gate (tests) queues the copy.
-    def _copy_small(self, dst: Any, src: Any, pair: tuple[int, int, int, int], stream: WorkerStream) -> FakeEvent:
-        """copy_ of a pair the ``_small_pair`` checker took, on one of this device's copy streams.
-
-        One flat function (it runs twice per offloaded activation): ``_count_copy``, the inline copy
-        (``try_inline`` and ``_inline_copy``) and the event's ``_land_at``, inlined.
-        """
-        nbytes, dst_address, src_address, known = pair
-        direction = _BY_KNOWN.get(known)
-        if direction is None:
-            direction = self._direction_of(dst, src, known)
-        with self._fault_lock:  # _count_copy, inlined
-            number = self._copies = self._copies + 1
-            armed = self._fault
-            if armed is not None and armed[0] == number:
-                self._fault = None
-            else:
-                armed = None
-        if armed is not None:
+    def _copy_held(
+        self,
+        dst: Any,
+        src: Any,
+        direction: Direction,
+        nbytes: int,
+        stream: WorkerStream,
+        number: int,
+        armed: tuple[int, FaultMode, str] | bool,
+    ) -> FakeEvent:
+        """A fast-path copy that does not run inline: its armed fault fires, or a closed copy gate queues it."""
+        if armed:
+            assert isinstance(armed, tuple)
             fault = self._injected(armed)
             if fault.mode == "submit":
                 raise fault
             return self._enqueue_fault(self._ops, dst, nbytes, stream, fault)
-        state = stream._state
-        # small_pair takes at most _GIL_HELD_COPY_LIMIT bytes, below _INLINE_COPY_LIMIT: only a gate or a busy
-        # stream or link queues it
-        gates = self._gates
-        if gates._copy_gates and gates.any_closed_for(state, direction):
-            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
-        name = stream.name
-        with state.lock:  # the inline copy (Note [Inline copies on an idle stream]): book, move, log
-            span = None
-            if not (state.pending or state.error is not None or state.closed):
-                enqueued = time.perf_counter()
-                span = self._link.reserve(direction, nbytes, state.busy_until)
-                if span is not None:
-                    start, end = span
-                    self._memmove(dst_address, src_address, nbytes)
-                    if end > state.busy_until:
-                        state.busy_until = end
-                    self._copy_log.append(
-                        (name, direction._value_, nbytes, enqueued, start, end, 0.0, number, src_address, dst_address)
-                    )
-        if span is None:
-            return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
-        self.ledger.record_copy(direction, nbytes, seconds=end - start)
-        return landed_event(self._compute, name, end)
+        return self._enqueue_copy(self._ops, dst, src, direction, nbytes, 0.0, stream, number)
 
     def _inline_run(
         self,
@@ -404,7 +409,7 @@ class Copies:
                 pair = None if small is None else small(dst, src)
                 if pair is not None:  # the checks in one pass (Note [The small copy's fast path])
                     nbytes, dst_address, src_address, known = pair
-                    direction = _BY_KNOWN.get(known) or self._direction_of(dst, src, known)
+                    direction = _BY_KNOWN[known] or self._direction_of(dst, src, known)
                     if gates and self._gates.any_closed_for(state, direction):
                         special = True
                         break
@@ -535,7 +540,7 @@ class Copies:
         fault_mode = parse_fault_mode(mode, "mode")
         source = f"dev.inject_copy_fault({n}, mode={fault_mode!r})"
         with self._fault_lock:
-            self._fault = None if n is None else (self._copies + n, fault_mode, source)
+            self._arm(None if n is None else (self._copies + n, fault_mode, source))
 
     @property
     def copy_fault_armed(self) -> bool:
@@ -543,16 +548,24 @@ class Copies:
         with self._fault_lock:
             return self._fault is not None
 
+    def _arm(self, fault: tuple[int, FaultMode, str] | None) -> None:
+        """Arm ``fault`` (None: disarm), replacing any fault still armed; with ``_fault_lock`` held."""
+        self._fault = fault
+        self._fault_at = 0 if fault is None else fault[0]  # copy numbers start at 1: 0 is never due
+
+    def _disarm(self) -> tuple[int, FaultMode, str]:
+        """The armed fault, disarmed: its copy (number ``_fault_at``) was just numbered; ``_fault_lock`` held."""
+        fault = self._fault
+        assert fault is not None
+        self._arm(None)
+        return fault
+
     def _count_copy(self) -> tuple[int, InjectedFault | None]:
         """Number this copy_ call; the error to fail it with when the armed fault is due."""
         with self._fault_lock:
-            self._copies += 1
-            count = self._copies
-            fault = self._fault
-            if fault is None or fault[0] != count:
-                return count, None
-            self._fault = None
-        return count, self._injected(fault)
+            count = self._copies = self._copies + 1
+            armed = count == self._fault_at and self._disarm()
+        return count, self._injected(armed) if armed else None
 
     def _injected(self, fault: tuple[int, FaultMode, str]) -> InjectedFault:
         """The error an armed fault fails its copy with."""

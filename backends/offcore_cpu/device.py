@@ -40,7 +40,7 @@ from offcore_cpu.buffers import NUMPY_OPS, BufferOps, describe, ops_for
 from offcore_cpu.copying import Copies
 from offcore_cpu.errors import SanitizerViolation
 from offcore_cpu.gates import Gate, GateSet
-from offcore_cpu.host_pool import FakeHostBufferPool
+from offcore_cpu.host_pool import FakeHostBufferPool, PoisoningHostBufferPool
 from offcore_cpu.link import Link
 from offcore_cpu.options import FakeDeviceOptions, FaultMode, numpy_importable
 from offcore_cpu.sanitizer import Ordering, Sanitizer
@@ -136,16 +136,20 @@ class FakeDevice(Copies):
         self._fault_lock = threading.Lock()
         self._copies = 0
         self._fault: tuple[int, FaultMode, str] | None = None
+        self._fault_at = 0  # the armed fault's copy number, 0 when none is armed (read first by the fast path)
         if self.options.fail_copy is not None:
-            self._fault = (self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}")
+            self._arm((self.options.fail_copy, self.options.fail_copy_mode, f"fail_copy={self.options.fail_copy}"))
         self._ops: BufferOps = NUMPY_OPS
+        self._tensor_type: type | None = None  # torch.Tensor with torch buffers (holds: its own family, no lookup)
         self._tracker: Any = None
         if self.options.buffers == "torch":  # torch is imported here, never for numpy buffers
+            import torch
+
             from offcore_cpu.torch_buffers import TORCH_OPS
             from offcore_cpu.torch_errors import TorchFakeDeviceOutOfMemoryError
             from offcore_cpu.tracking import StorageTracker
 
-            self._ops = TORCH_OPS
+            self._ops, self._tensor_type = TORCH_OPS, torch.Tensor
             self._arena = MemoryArena(self._label, self.options.capacity, error_class=TorchFakeDeviceOutOfMemoryError)
             self._tracker = StorageTracker(
                 self._arena, poison_uninitialised=self.options.sanitize, accounting=self.options.accounting
@@ -178,6 +182,11 @@ class FakeDevice(Copies):
                 self._on_device_storage, None if hook is None else hook.small_pair, self._tracker.ledger
             )
             self._memmove = memmove_holding_gil if hook is None else hook.move_bytes
+        self._reserve = self._link.reserver  # Note [A direction's route is built once] (link.py)
+        # allocate's device buffers counted by the hook (torch buffers, no sanitizer): asked first
+        self._hooked_empty: Callable[[int], Any] | None = None
+        if self._tracker is not None and self._ops is not NUMPY_OPS and not self.options.sanitize:
+            self._hooked_empty = self._tracker.hooked_empty
 
     @property
     def closed(self) -> bool:
@@ -301,6 +310,7 @@ class FakeDevice(Copies):
         """Open every gate, finish queued work and stop every stream's worker thread; copies are refused from
         then on."""
         self._closed = True
+        self._small_pair = None  # copies take the general path, which refuses them (Note [A closed device says so])
         self._gates.open_all()
         self._finalizer()
 
@@ -359,7 +369,12 @@ class FakeDevice(Copies):
 
             >>> buf = dev.allocate(4096, "device")          # doctest: +SKIP
         """
-        # the binding allocates once per reload: plain ints and Tier members skip the parsing
+        hooked = self._hooked_empty  # Note [Device buffers counted by the hook] (tracking.py), asked first
+        if hooked is not None and tier is _DEVICE and type(nbytes) is int:  # the binding's reloads
+            counted = hooked(nbytes)  # None for 0 or fewer bytes: parsed and answered below
+            if counted is not None:
+                return counted
+        # plain ints and Tier members skip the parsing
         size = (
             nbytes
             if type(nbytes) is int and nbytes >= 0
@@ -373,9 +388,8 @@ class FakeDevice(Copies):
         if tier is _NVME:
             raise ConfigurationError("the fake device allocates device, pinned or pageable memory, not NVMe")
         if tier is _DEVICE:
-            tracker = self._tracker
-            if tracker is not None and self._ops is not NUMPY_OPS and not self._sanitizer.enabled:
-                counted = tracker.hooked_empty(size)  # Note [Device buffers counted by the hook] (tracking.py)
+            if hooked is not None:  # a size the fast path above did not take (a str, a numpy integer)
+                counted = hooked(size)
                 if counted is not None:
                     return counted
             self._arena.check_fits(size)  # fail before touching host memory
@@ -389,23 +403,24 @@ class FakeDevice(Copies):
 
     def holds(self, buffer: Any) -> bool:
         """True when ``buffer`` (or the storage/array it views) is device memory of this device."""
-        ops = ops_for(buffer)
-        if ops is None:
-            return False
-        owner = ops.owner(buffer)
         # an activation binding asks this of every saved tensor, almost always device memory: the
         # allocator hook's answer first (what it counts is device memory, never host memory: host
         # buffers are allocated with it suspended, and an arena registration of a counted storage
         # as host memory is refused), then the arena's (its lock and table)
-        arena = self._arena
-        owns = arena._owns
-        if owns is not None and ops is self._ops:  # a torch storage: the hook's owns by address, asked directly
+        ops = self._ops if type(buffer) is self._tensor_type else ops_for(buffer)  # a plain tensor: torch's, known
+        if ops is self._ops and (owns := self._arena._owns) is not None:  # torch: the hook's owns by address
+            owner = buffer.untyped_storage()  # TORCH_OPS.owner
             try:
                 if owns(owner.data_ptr()):
                     return True
             except (RuntimeError, NotImplementedError):  # meta storages and the like: the arena answers
                 pass
-        elif arena._probe is not None and arena._probe(owner):
+            return self._arena.tier_of(owner) is _DEVICE
+        if ops is None:
+            return False
+        arena = self._arena
+        owner = ops.owner(buffer)
+        if arena._probe is not None and arena._probe(owner):
             return True
         return arena.tier_of(owner) is _DEVICE
 
@@ -482,12 +497,16 @@ class FakeDevice(Copies):
             >>> buf = pool.acquire(4096); pool.release(buf)    # doctest: +SKIP
         """
         tier = _PINNED if pinned else _PAGEABLE
+        if self._sanitizer.enabled:
+            return PoisoningHostBufferPool(
+                lambda nbytes: self.allocate(nbytes, tier),
+                poison=self._release_host,
+                budget=budget,
+                block_size=block_size,
+                alignment=alignment,
+            )
         return FakeHostBufferPool(
-            lambda nbytes: self.allocate(nbytes, tier),
-            poison=self._release_host if self._sanitizer.enabled else None,
-            budget=budget,
-            block_size=block_size,
-            alignment=alignment,
+            lambda nbytes: self.allocate(nbytes, tier), budget=budget, block_size=block_size, alignment=alignment
         )
 
     def poison(self, buffer: Any) -> bool:

@@ -23,21 +23,22 @@ from typing import Any
 
 from offcore.pool import HostBuffer, HostBufferPool
 
-__all__ = ["FakeHostBufferPool"]
+__all__ = ["FakeHostBufferPool", "PoisoningHostBufferPool"]
 
 
 class FakeHostBufferPool(HostBufferPool):
-    """A :class:`offcore.HostBufferPool` that poisons released buffers through ``poison``."""
+    """A :class:`offcore.HostBufferPool` of the fake device's host memory (a device without the sanitizer:
+    a released buffer goes back as it is, with the base class's ``release`` and nothing added per buffer)."""
 
-    def __init__(
-        self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], object] | None, **kwargs: Any
-    ) -> None:
+
+class PoisoningHostBufferPool(FakeHostBufferPool):
+    """The pool of a sanitizing device: it poisons released buffers through ``poison``."""
+
+    def __init__(self, allocate_block: Callable[[int], Any], *, poison: Callable[[Any], object], **kwargs: Any) -> None:
         super().__init__(allocate_block, **kwargs)
-        self._poison = poison  # None: a device without the sanitizer (nothing to poison, once per offloaded storage)
+        self._poison = poison
 
     def release(self, buffer: HostBuffer) -> None:
-        """Return ``buffer`` (poisoned first when the device sanitizes)."""
-        poison = self._poison
-        if poison is not None:
-            poison(buffer.view)
+        """Return ``buffer``, poisoned first."""
+        self._poison(buffer.view)
         super().release(buffer)

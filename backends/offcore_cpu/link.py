@@ -75,6 +75,85 @@ def reduce_timer_slack() -> bool:
         return False
 
 
+# Note [A direction's route is built once]
+# Every inline copy books its direction's channel (Link.reserve), twice per offloaded activation. What a
+# booking needs of the link is fixed when the device is made: the channel (its lock and when the transfers
+# booked on it end), the latency and the direction's bandwidth. So each direction gets a _Route with those,
+# and the device keeps ``Link.reserver`` (direction -> the route's booking method) instead of looking each
+# up per copy. A route of an unlimited link (infinite bandwidth, no latency) books with ``_reserve_instant``:
+# its copies last ``0.0 + n / inf == 0.0`` seconds, so the timed method's duration, its end and its rounding
+# guard reduce to ``end = start`` -- the same (start, end) to the bit, computed once, not per copy.
+
+
+class _Channel:
+    """One channel of the link: held by a worker's :meth:`Link.transfer`; when the transfers booked on it end."""
+
+    __slots__ = ("lock", "free_at")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free_at = 0.0  # inline copies reserve ahead
+
+
+class _Route:
+    """A direction across the link: its channel and what a copy costs there (Note [A direction's route is built
+    once])."""
+
+    __slots__ = ("channel", "lock", "latency", "bandwidth")
+
+    def __init__(self, channel: _Channel, latency: float, bandwidth: float) -> None:
+        self.channel, self.lock, self.latency, self.bandwidth = channel, channel.lock, latency, bandwidth
+
+    @property
+    def instant(self) -> bool:
+        """Whether every copy on this route lasts 0 seconds (unlimited bandwidth, no latency)."""
+        return self.latency == 0 and self.bandwidth == math.inf
+
+    def reserve(self, nbytes: int, not_before: float) -> tuple[float, float] | None:
+        """:meth:`Link.reserve` for this route's direction."""
+        lock = self.lock
+        if not lock.acquire(False):  # without waiting
+            return None
+        try:  # once per inline copy: comparisons rather than max()
+            channel = self.channel
+            start = time.perf_counter()
+            if not_before > start:
+                start = not_before
+            if channel.free_at > start:
+                start = channel.free_at
+            duration = self.latency + nbytes / self.bandwidth
+            end = start + duration
+            if end - start < duration:  # rounding: never report less than the emulated time
+                end = math.nextafter(end, math.inf)
+            channel.free_at = end
+            return start, end
+        finally:
+            lock.release()
+
+    def _reserve_instant(self, nbytes: int, not_before: float) -> tuple[float, float] | None:
+        """:meth:`reserve` on an instant route: the copy ends when it starts."""
+        lock = self.lock
+        if not lock.acquire(False):  # without waiting
+            return None
+        try:
+            channel = self.channel
+            start = time.perf_counter()
+            if not_before > start:
+                start = not_before
+            if channel.free_at > start:
+                start = channel.free_at
+            channel.free_at = start
+            return start, start
+        finally:
+            lock.release()
+
+
+def _reserve_off_link(nbytes: int, not_before: float) -> tuple[float, float]:
+    """A booking of a copy that does not cross the link (H2H, D2D): no link time."""
+    start = time.perf_counter()
+    return (not_before, not_before) if not_before > start else (start, start)
+
+
 class Link:
     """Channels of the emulated link and the time each copy occupies them."""
 
@@ -82,10 +161,23 @@ class Link:
         self.bandwidth = {Direction.H2D: h2d_bandwidth, Direction.D2H: d2h_bandwidth}
         self.latency = latency
         self.duplex = duplex
-        h2d_channel = threading.Lock()
-        self._channels = {Direction.H2D: h2d_channel, Direction.D2H: threading.Lock() if duplex else h2d_channel}
-        # per channel: when the transfers reserved so far end (inline copies reserve ahead)
-        self._free_at: dict[int, float] = {id(lock): 0.0 for lock in self._channels.values()}
+        h2d_channel = _Channel()
+        d2h_channel = _Channel() if duplex else h2d_channel
+        self._routes = {
+            Direction.H2D: _Route(h2d_channel, latency, h2d_bandwidth),
+            Direction.D2H: _Route(d2h_channel, latency, d2h_bandwidth),
+        }
+        # direction -> how a copy in it books the link now: Note [A direction's route is built once]
+        self.reserver: dict[Direction, Callable[[int, float], tuple[float, float] | None]] = {
+            Direction.H2H: _reserve_off_link,
+            Direction.D2D: _reserve_off_link,
+        }
+        for direction, route in self._routes.items():
+            self.reserver[direction] = route._reserve_instant if route.instant else route.reserve
+
+    def booked_until(self) -> list[float]:
+        """When the transfers booked so far end, per channel (one for a shared link)."""
+        return [channel.free_at for channel in {id(r.channel): r.channel for r in self._routes.values()}.values()]
 
     def reserve(self, direction: Direction, nbytes: int, not_before: float = 0.0) -> tuple[float, float] | None:
         """Book the next free slot of ``direction``'s channel for ``nbytes`` without waiting.
@@ -95,29 +187,7 @@ class Link:
         worker's :meth:`transfer` holds the channel (the caller queues its copy instead).
         Used by inline copies (Note [Inline copies on an idle stream]).
         """
-        channel = self._channels.get(direction)
-        if channel is None:  # H2H, D2D: no link time
-            start = max(time.perf_counter(), not_before)
-            return start, start
-        if not channel.acquire(blocking=False):
-            return None
-        try:  # once per inline copy: comparisons rather than max(), one lookup of the channel's time
-            free_at = self._free_at
-            key = id(channel)
-            start = time.perf_counter()
-            if not_before > start:
-                start = not_before
-            booked = free_at[key]
-            if booked > start:
-                start = booked
-            duration = self.latency + nbytes / self.bandwidth[direction]
-            end = start + duration
-            if end - start < duration:  # rounding: never report less than the emulated time
-                end = math.nextafter(end, math.inf)
-            free_at[key] = end
-            return start, end
-        finally:
-            channel.release()
+        return self.reserver[direction](nbytes, not_before)
 
     def reserve_run(
         self, direction: Direction, sizes: Sequence[int], not_before: float = 0.0
@@ -131,18 +201,16 @@ class Link:
         now = time.perf_counter()
         start = not_before if not_before > now else now
         spans: list[tuple[float, float]] = []
-        channel = self._channels.get(direction)
-        if channel is None:  # H2H, D2D: no link time
+        route = self._routes.get(direction)
+        if route is None:  # H2H, D2D: no link time
             return [(start, start)] * len(sizes)
-        if not channel.acquire(blocking=False):
+        channel = route.channel
+        if not channel.lock.acquire(blocking=False):
             return None
         try:
-            free_at = self._free_at
-            key = id(channel)
-            booked = free_at[key]
-            if booked > start:
-                start = booked
-            latency, bandwidth = self.latency, self.bandwidth[direction]
+            if channel.free_at > start:
+                start = channel.free_at
+            latency, bandwidth = route.latency, route.bandwidth
             nextafter, inf = math.nextafter, math.inf
             for nbytes in sizes:
                 duration = latency + nbytes / bandwidth
@@ -151,13 +219,13 @@ class Link:
                     end = nextafter(end, inf)
                 spans.append((start, end))
                 start = end
-            free_at[key] = start
+            channel.free_at = start
             return spans
         finally:
-            channel.release()
+            channel.lock.release()
 
     def crosses_link(self, direction: Direction) -> bool:
-        return direction in self._channels
+        return direction in self._routes
 
     def duration(self, direction: Direction, nbytes: int) -> float:
         """Emulated seconds for ``nbytes`` in ``direction`` (0 for H2H and D2D)."""
@@ -168,11 +236,11 @@ class Link:
     @contextlib.contextmanager
     def channel(self, direction: Direction) -> Iterator[None]:
         """Hold the channel ``direction`` uses (nothing for H2H and D2D) for the duration of a transfer."""
-        channel = self._channels.get(direction)
-        if channel is None:
+        route = self._routes.get(direction)
+        if route is None:
             yield
         else:
-            with channel:
+            with route.lock:
                 yield
 
     def transfer(
@@ -199,17 +267,17 @@ class Link:
         the transfer then sleeps once until its end: the same completion time, one wake-up
         (and one GIL hand-off) fewer per copy.
         """
-        channel = self._channels.get(direction)
-        if channel is None:  # H2H, D2D: only the memcpy
+        route = self._routes.get(direction)
+        if route is None:  # H2H, D2D: only the memcpy
             start = time.perf_counter()
             if extra_delay > 0:
                 sleep_until(start + extra_delay)
             memcpy()
             return start, time.perf_counter()
-        with channel:
+        channel = route.channel
+        with channel.lock:
             start = time.perf_counter()
-            key = id(channel)
-            free_at = self._free_at[key]
+            free_at = channel.free_at
             if free_at > start:  # inline copies booked the channel until then
                 sleep_until(free_at)
                 start = max(time.perf_counter(), free_at)
@@ -218,7 +286,7 @@ class Link:
             try:
                 return self._occupy(direction, nbytes, memcpy, start, extra_delay, data_first)
             finally:
-                self._free_at[key] = max(self._free_at[key], time.perf_counter())
+                channel.free_at = max(channel.free_at, time.perf_counter())
 
     def _occupy(
         self,

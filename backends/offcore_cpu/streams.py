@@ -76,6 +76,7 @@ __all__ = ["FakeEvent", "ComputeStream", "WorkerStream"]
 
 
 _new = object.__new__
+_now = time.perf_counter
 
 
 class _Marker:
@@ -104,16 +105,12 @@ class _Marker:
     @staticmethod
     def landing_at(stream_name: str, due: float) -> _Marker:
         """The recording of work that already ran on the calling thread and lands at ``due``: complete now if
-        ``due`` has passed (built without ``__init__``: once per inline copy), else a :class:`_DueMarker`."""
-        now = time.perf_counter()
+        ``due`` has passed (a :class:`_Landed`), else a :class:`_DueMarker`."""
+        now = _now()
         if due > now:
             return _DueMarker(stream_name, due)
-        marker = _new(_Marker)
-        marker.stream_name = stream_name
-        marker.error = None
-        marker._latch = None
+        marker = _new(_Landed)
         marker.timestamp = now
-        marker.is_set = True
         return marker
 
     def complete(self, error: BaseException | None, at: float | None = None) -> None:
@@ -171,6 +168,21 @@ class _DueMarker(_Marker):
         sleep_until(self.due)
 
 
+class _Landed(_Marker):
+    """A recording whose work ran on the calling thread and had landed when it was recorded.
+
+    Made once per inline copy (Note [Inline copies on an idle stream]) without ``__init__``: only its
+    ``timestamp`` (when it was recorded) is its own; the rest of a completed, successful recording is
+    the class's (its work never fails later, so its stream's name is never reported).
+    """
+
+    __slots__ = ()
+    is_set = True  # type: ignore[assignment]
+    error = None  # type: ignore[assignment]
+    _latch = None  # type: ignore[assignment]
+    stream_name = ""  # type: ignore[assignment]
+
+
 class FakeEvent:
     """A marker in a fake-device stream (``torch.Event`` semantics).
 
@@ -213,6 +225,8 @@ class FakeEvent:
     def query(self) -> bool:
         """True once the recorded work has completed; raises StreamWorkError if it failed."""
         marker = self._marker
+        if type(marker) is _Landed and self._compute.order is None:  # an inline copy's: complete, never failed
+            return True
         if marker is None:
             return True
         if not marker.is_set:
@@ -273,7 +287,12 @@ def landed_event(compute: ComputeStream, stream_name: str, due: float) -> FakeEv
     event._compute = compute
     event.enable_timing = True
     event._clock = None
-    event._marker = _Marker.landing_at(stream_name, due)
+    now = _now()  # _Marker.landing_at, inlined
+    if due > now:
+        event._marker = _DueMarker(stream_name, due)
+    else:
+        marker = event._marker = _new(_Landed)
+        marker.timestamp = now
     return event
 
 
@@ -308,6 +327,9 @@ class ComputeStream:
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         """Record ``event`` (or a new one); it is complete at once."""
+        if type(event) is FakeEvent and not event.enable_timing and self.order is None:
+            event._marker = _COMPUTE_DONE  # the binding's ordering events: Note [Untimed compute recordings ...]
+            return event
         event = event if event is not None else FakeEvent(self)
         if type(event) is not FakeEvent:  # _marker_of's check, asked only of what is not plainly an event
             _marker_of(event)

@@ -538,6 +538,34 @@ def test_link_durations() -> None:
     assert unlimited.duration(Direction.H2D, 256 * MiB) == 5e-6  # only the latency is left
 
 
+@pytest.mark.parametrize("duplex", [True, False])
+def test_an_unlimited_links_instant_booking_is_the_timed_one_to_the_bit(duplex: bool) -> None:
+    """Note [A direction's route is built once]: infinite bandwidth and no latency book with the instant
+    method; from the same channel state it answers what the timed method does, and leaves the same state."""
+    instant = Link(h2d_bandwidth=math.inf, d2h_bandwidth=math.inf, latency=0.0, duplex=duplex)
+    timed = Link(h2d_bandwidth=math.inf, d2h_bandwidth=math.inf, latency=0.0, duplex=duplex)
+    assert instant.reserver[Direction.H2D] == instant._routes[Direction.H2D]._reserve_instant
+    soon = time.perf_counter() + 60.0  # in the future: the bookings do not depend on the clock
+    for direction, not_before, booked in [
+        (Direction.H2D, soon, 0.0),
+        (Direction.D2H, soon, soon + 1.5),  # the channel is booked beyond not_before
+        (Direction.H2D, soon + 0.25, soon + 0.125),
+        (Direction.D2H, 0.0, soon + 3.0),
+    ]:
+        for link in (instant, timed):
+            link._routes[direction].channel.free_at = booked
+        got = instant.reserve(direction, 16 * 1024, not_before)
+        want = timed._routes[direction].reserve(16 * 1024, not_before)
+        assert got == want and got is not None and got[0] == got[1] == max(not_before, booked)
+        assert instant.booked_until() == timed.booked_until()
+    for link in (
+        Link(h2d_bandwidth=math.inf, d2h_bandwidth=math.inf, latency=5e-6, duplex=True),
+        Link(h2d_bandwidth=2**30, d2h_bandwidth=math.inf, latency=0.0, duplex=True),
+    ):
+        start, end = link.reserve(Direction.H2D, 16 * 1024, soon)  # type: ignore[misc]
+        assert end - start >= link.duration(Direction.H2D, 16 * 1024) > 0
+
+
 @pytest.mark.parametrize("data_first", [False, True])
 def test_transfer_ends_at_its_emulated_time_whichever_moment_the_bytes_move(data_first: bool) -> None:
     # data_first (the fake device without its sanitizer) moves the bytes at once and sleeps once;

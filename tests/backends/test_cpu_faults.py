@@ -126,7 +126,7 @@ def test_submit_fault_raises_at_once_and_changes_nothing(make_device: Any, sanit
     dev.copy_(host, device, stream=dev.current_stream())  # copy #1 (compute stream): no worker thread
     host[:] = 0
     stats, ledger, log = dev.memory_stats(), dev.ledger.snapshot(), dev.copy_log()
-    link_free_at = dict(dev._link._free_at)
+    link_free_at = dev._link.booked_until()
 
     with pytest.raises(InjectedFault, match=r"copy #2 .*fault injected by fail_copy=2 \(mode 'submit'\)") as caught:
         dev.copy_(host, device, stream=stream)
@@ -135,7 +135,7 @@ def test_submit_fault_raises_at_once_and_changes_nothing(make_device: Any, sanit
     # nothing happened: no memory, no link booking, no ledger or log entry, nothing enqueued
     assert dev.memory_stats() == stats
     assert dev.ledger.snapshot() == ledger and dev.copy_log() == log
-    assert dev._link._free_at == link_free_at
+    assert dev._link.booked_until() == link_free_at
     assert stream.query() and "pending=0" in repr(stream)
     assert not _worker_started("submit-fault"), "the failed copy reached the stream"
     assert not host.any(), "the destination was touched"

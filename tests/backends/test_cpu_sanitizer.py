@@ -412,3 +412,25 @@ def test_a_storage_shrunk_under_a_queued_copy_is_a_violation_not_a_crash(make_de
     violations = dev.sanitizer_violations(clear=True)
     assert any(v["kind"] == "use-after-free" and v["side"] == side for v in violations), violations
     assert any("freed or shrunk (resize_)" in v["message"] for v in violations), violations
+
+
+def test_the_ordering_sees_recordings_that_need_no_work_item() -> None:
+    """The recordings the fast paths make without a work item (an idle copy stream's, an untimed one on the
+    compute stream) still carry the sanitizer's clocks, and a query that finds one complete is observed."""
+    from offcore_cpu.sanitizer import Ordering
+    from offcore_cpu.streams import ComputeStream, FakeEvent, WorkerStream
+
+    compute = ComputeStream()
+    compute.order = order = Ordering()
+    stream = WorkerStream(compute, name="idle")
+    try:
+        untimed = compute.record_event(FakeEvent(compute))
+        assert untimed._clock is not None  # stamped: a stream that waits on it is ordered after the host
+        observed: list[Any] = []
+        seen = order.observe
+        order.observe = lambda clock: (observed.append(clock), seen(clock))  # type: ignore[method-assign]
+        landed = stream.record_event(FakeEvent(compute, enable_timing=True))  # idle: complete at once
+        assert landed.query()
+        assert observed == [landed._clock] and landed._clock is not None
+    finally:
+        stream.close()

@@ -1,7 +1,7 @@
 """The fake device's fast path for small plain copies (Note [The small copy's fast path] in offcore_cpu/copying.py).
 
 A device without the sanitizer takes small copies between two plain ``torch.Tensor`` buffers on one
-of its copy streams through ``_copy_small``; everything else goes down ``copy_``'s general path. Each
+of its copy streams on ``copy_``'s fast path; everything else goes down its general path (``_copy_checked``). Each
 test runs a case on such a device and checks it against what the general path gives (the same
 device's answers with the fast path switched off, or the sanitized device's), so a shortcut that
 skipped a check or booked a copy differently shows up here.
@@ -47,21 +47,30 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     device.close()
 
 
-def _counting(dev: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _counting(dev: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Counters of the pairs the fast path's checker took, and of the copies that went down the general path."""
     taken: list[int] = []
-    small = dev._copy_small
+    general: list[int] = []
+    small, checked = dev._small_pair, dev._copy_checked
+
+    def took(dst: Any, src: Any) -> Any:
+        pair = small(dst, src)
+        if pair is not None:
+            taken.append(1)
+        return pair
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        taken.append(1)
-        return small(*args, **kwargs)
+        general.append(1)
+        return checked(*args, **kwargs)
 
-    monkeypatch.setattr(dev, "_copy_small", counted)
-    return taken
+    monkeypatch.setattr(dev, "_small_pair", took)
+    monkeypatch.setattr(dev, "_copy_checked", counted)
+    return taken, general
 
 
 def test_small_plain_copies_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     device = offcore.device("cpu", **FAST)
-    taken = _counting(device, monkeypatch)
+    taken, general = _counting(device, monkeypatch)
     with device:
         stream = device.new_stream()
         src = torch.arange(4096, dtype=torch.float32)
@@ -70,7 +79,7 @@ def test_small_plain_copies_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) 
         back = torch.empty_like(src)
         device.copy_(back.view(torch.uint8), host, stream=stream).synchronize()
     device.close()
-    assert len(taken) == 2
+    assert len(taken) == 2 and not general
     assert torch.equal(back, src)
 
 
@@ -164,6 +173,59 @@ def test_injected_faults_fire_on_the_same_copy(dev: Any, mode: str) -> None:
     assert not dev.copy_fault_armed
     dev.copy_(dst, torch.full((16,), 2.0), stream=stream).synchronize()
     assert torch.equal(dst, torch.full((16,), 2.0))
+
+
+def test_a_disarmed_or_replaced_fault_is_not_fired_by_the_fast_path(dev: Any) -> None:
+    """The fast path finds the armed fault by its copy number (``_fault_at``): disarming and re-arming keep it."""
+    stream = dev.new_stream()
+    src, dst = torch.ones(16), torch.empty(16)
+    dev.inject_copy_fault(1)
+    dev.inject_copy_fault(None)  # disarmed: the next copy runs
+    dev.copy_(dst, src, stream=stream).synchronize()
+    assert not dev.copy_fault_armed
+    dev.inject_copy_fault(3)
+    dev.inject_copy_fault(1)  # replaces it
+    with pytest.raises(InjectedFault):
+        dev.copy_(dst, src, stream=stream)
+    for _ in range(3):  # the replaced fault (3rd from its arming) does not fire either
+        dev.copy_(dst, src, stream=stream).synchronize()
+    assert not dev.copy_fault_armed and dev.copy_log()[-1]["number"] == 5
+
+
+@pytest.mark.parametrize(
+    "link",
+    [{"latency": "2ms"}, {"h2d_bandwidth": "1GiB/s", "d2h_bandwidth": "1GiB/s"}],
+    ids=["latency", "bandwidth"],
+)
+def test_a_limited_link_times_the_fast_paths_copies(dev: Any, link: dict[str, Any]) -> None:
+    """Only a link with infinite bandwidth and no latency books its copies as instant (Note [A direction's
+    route is built once]); a latency or a bandwidth alone still makes each copy last its emulated time."""
+    limited = offcore.device("cpu", **{**FAST, **link})
+    try:
+        if dev._small_pair is None:
+            limited._small_pair = None
+        with limited:
+            stream = limited.new_stream()
+            src, dst = limited.allocate(64 * 1024, Tier.DEVICE), limited.allocate(64 * 1024, Tier.PINNED)
+            first = limited.copy_(dst, src, stream=stream)
+            second = limited.copy_(dst, src, stream=stream)
+            second.synchronize()
+            assert first.query()
+        one, two = limited.copy_log()[-2:]
+        for entry in (one, two):
+            assert entry["emulated_seconds"] > 0
+            assert entry["end"] - entry["start"] >= entry["emulated_seconds"]
+        assert two["start"] >= one["end"]  # the channel is busy until the first one lands
+    finally:
+        limited.close()
+
+
+def test_an_unlimited_links_copies_land_when_they_start(dev: Any) -> None:
+    stream = dev.new_stream()
+    src, dst = dev.allocate(4096, Tier.DEVICE), dev.allocate(4096, Tier.PINNED)
+    dev.copy_(dst, src, stream=stream).synchronize()
+    (entry,) = dev.copy_log()[-1:]
+    assert entry["emulated_seconds"] == 0.0 and entry["end"] == entry["start"]
 
 
 def test_a_closed_copy_gate_holds_a_small_copy(dev: Any) -> None:
