@@ -208,7 +208,7 @@ class _Residency:
             raise
         self._in_use.allocated(entry.nbytes)
         try:
-            done = self._copy(_H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
+            done = self._copy_h2d(dst, entry.host_view, entry.nbytes, entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it
             del dst
             self._copy_failed(entry, exc, "host-to-device prefetch could not be submitted")

@@ -354,6 +354,7 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         ledger = self._ledger
         peak = self._peak_final if self._peak_final is not None else self._peak_now()
         out = OffloadStats(**{k: v for k, v in s.as_dict().items()})
+        out.saved_tensors = self._next_key  # one key per pack (_pack)
         out.peak_device_bytes = peak if peak > self._peak_baseline else self._peak_samples
         out.peak_pinned_bytes = ledger.peak(Tier.PINNED)
         out.peak_pageable_bytes = ledger.peak(Tier.PAGEABLE)

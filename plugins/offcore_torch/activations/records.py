@@ -189,6 +189,16 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         "nvme",
     )
 
+    # the types of the slots __init__ sets in chained assignments (annotations only: no class attributes)
+    _name: str | None
+    obj: ManagedObject
+    src: torch.Tensor | None
+    items: weakref.ref[Offloaded]
+    more_items: tuple[weakref.ref[Offloaded], ...] | None
+    restored: torch.UntypedStorage | None
+    restored_ref: weakref.ref[torch.UntypedStorage] | None
+    nvme: str | None
+
     # identity, not weakref.ref's equality and hash of the referent: two entries on one storage (a
     # disposed one and its successor) are two entries
     __eq__ = object.__eq__
@@ -207,42 +217,40 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         meta: TensorMeta,
         nbytes: int,
         skey: int,
+        host: Any = None,
+        host_view: torch.Tensor | None = None,
+        version_at_copy: int = 0,
     ) -> None:
-        # weakref.ref's own __init__ only checks its two arguments (__new__ took them)
+        # weakref.ref's own __init__ only checks its two arguments (__new__ took them). Once per
+        # offloaded storage: the slots that start alike are set in one chained assignment each.
         self.region = region
         self.key = key
         self.where = where
         self.meta = meta
-        self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
         self.nbytes = nbytes
-        # registered with the region's scheduler once its device-to-host copy was submitted
-        self.obj: ManagedObject = None  # type: ignore[assignment]
         self.skey = skey
-        self.src: torch.Tensor | None = None
-        self.host: Any = None
-        self.host_view: torch.Tensor | None = None
-        self.version_at_copy = 0
-        # the records, weakly (Note [An entry's records])
-        self.items: weakref.ref[Offloaded] = None  # type: ignore[assignment]
-        self.more_items: tuple[weakref.ref[Offloaded], ...] | None = None
+        self.host = host
+        self.host_view = host_view
+        self.version_at_copy = version_at_copy
+        # _name: built when first asked (labels of timed copies, stalls); obj: the scheduler's object,
+        # registered once the device-to-host copy was submitted; items: the first record, weakly, and
+        # more_items the further ones (Note [An entry's records]); restored / restored_ref: the device
+        # copy backward reads; nvme: where its host copy is on the NVMe tier
+        # (offcore_torch.activations.nvme): None (never spilled), or "writing", "disk", "both", "reading"
+        self._name = self.obj = self.src = self.items = self.more_items = None  # type: ignore[assignment]
+        self.restored = self.restored_ref = self.nvme = None
+        # used: unpacked at least once (in any round, or read by hand outside backward); modified_in_flight:
+        # its version changed before its copy landed; keepers_pointed: the records' version keepers point at
+        # ``restored`` (storage.py Note [Restore through the version keeper]); alive_elsewhere: the scheduler
+        # was told its device memory lives on (device_copy_alive) and not yet that it died
+        self.used = self.modified_in_flight = self.keepers_pointed = self.alive_elsewhere = False
         self.live = 0
-        self.restored: torch.UntypedStorage | None = None
-        self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
+        self.used_round = -1  # the last backward round that unpacked it
         self.state = _COPYING
         self.fate = _UNKNOWN
-        self.used = False  # unpacked at least once (in any round, or read by hand outside backward)
-        self.used_round = -1  # the last backward round that unpacked it
         # pack keys of every record that reads this storage: a tuple of ints, which the cyclic garbage
         # collector stops tracking at its first pass (a list it would traverse at every full collection)
         self.keys: tuple[int, ...] = (key,)
-        self.modified_in_flight = False
-        # the records' version keepers point at ``restored`` (storage.py Note [Restore through the version keeper])
-        self.keepers_pointed = False
-        # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
-        self.alive_elsewhere = False
-        # where its host copy is on the NVMe tier (offcore_torch.activations.nvme): None (never spilled), or
-        # "writing", "disk", "both", "reading"
-        self.nvme: str | None = None
 
     @property
     def name(self) -> str:
