@@ -184,7 +184,6 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         "used_round",
         "keys",
         "modified_in_flight",
-        "keepers_pointed",
         "alive_elsewhere",
         "nvme",
     )
@@ -240,10 +239,9 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         self._name = self.obj = self.src = self.items = self.more_items = None  # type: ignore[assignment]
         self.restored = self.restored_ref = self.nvme = None
         # used: unpacked at least once (in any round, or read by hand outside backward); modified_in_flight:
-        # its version changed before its copy landed; keepers_pointed: the records' version keepers point at
-        # ``restored`` (storage.py Note [Restore through the version keeper]); alive_elsewhere: the scheduler
-        # was told its device memory lives on (device_copy_alive) and not yet that it died
-        self.used = self.modified_in_flight = self.keepers_pointed = self.alive_elsewhere = False
+        # its version changed before its copy landed; alive_elsewhere: the scheduler was told its device
+        # memory lives on (device_copy_alive) and not yet that it died
+        self.used = self.modified_in_flight = self.alive_elsewhere = False
         self.live = 0
         self.used_round = -1  # the last backward round that unpacked it
         self.state = _COPYING

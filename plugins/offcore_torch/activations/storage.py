@@ -21,10 +21,11 @@ storage offset and dtype.
 # another saved view of it (whose unpack then raises), the caller's own tensor if it is
 # still alive. So a restore must hand out a member of the *original* family, not a new
 # tensor over the restored bytes. The record's version keeper is such a member: the
-# restore points it at the restored storage (``.data`` assignment: storage and
-# metadata swapped, version counter kept, not bumped) and returns a ``detach()`` alias of
-# it (same counter, same storage). When backward is done with the storage, offcore
-# points the keeper back at an empty storage; the alias autograd holds keeps its own.
+# restore takes a ``detach()`` alias of it (same counter) and points the alias at the
+# restored storage (``.data`` assignment: storage and metadata swapped, version counter
+# kept, not bumped). The keeper itself never holds the restored storage (it stays on the
+# empty one it points at once the copy landed), so nothing has to point it back when
+# backward is done with the storage: the alias autograd holds is the only reference.
 
 # Note [Lazy conj and neg bits]
 # ``z.conj()`` and ``torch._neg_view`` return views whose *data* is the original's and
@@ -181,17 +182,19 @@ class TensorMeta:
     def restore(self, keeper: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
         """The saved tensor again, over ``storage``, in the family of ``keeper`` (its version keeper).
 
-        Note [Restore through the version keeper]: ``keeper`` is pointed at ``storage``, and
-        the result is a ``detach()`` alias of it with this metadata and conj/neg bits.
+        Note [Restore through the version keeper]: the result is a ``detach()`` alias of
+        ``keeper`` pointed at ``storage``, with this metadata and conj/neg bits; ``keeper``
+        is left as it is.
         """
         if dispatch_modes():
             with internal_ops():
-                keeper.data = self._plain(storage)
-                return self._with_bits(keeper.detach())
-        keeper.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                out = keeper.detach()
+                out.data = self._plain(storage)
+                return self._with_bits(out)
+        out = keeper.detach()
+        out.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
             storage, self.offset, self.shape, self.stride
         )  # _plain, inlined (once per unpack)
-        out = keeper.detach()
         return self._with_bits(out) if self.neg or self.conj else out
 
     def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
