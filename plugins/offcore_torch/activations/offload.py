@@ -202,6 +202,8 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         self._d2h_order: Any = None
         self._h2d_order: Any = None
         self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
+        # an empty uint8 tensor per device: ``.new()`` of it starts each copy's whole-storage byte view (pack.py)
+        self._no_bytes: dict[torch.device, torch.Tensor] = {}
         self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
         self._h2d_ordered = False  # the H2D stream waits on the compute stream as it is now (one trigger's copies)
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])

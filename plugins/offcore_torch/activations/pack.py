@@ -329,8 +329,11 @@ class _Pack:
         if modes:  # raw_bytes(storage, meta.device), inlined
             with internal_ops():
                 src = entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
-        else:
-            src = entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        else:  # the same, from this region's empty byte tensor on that device (no torch.empty argument parsing)
+            no_bytes = self._no_bytes.get(meta.device)
+            if no_bytes is None:
+                no_bytes = self._no_bytes[meta.device] = torch.empty(0, dtype=torch.uint8, device=meta.device)
+            src = entry.src = no_bytes.new().set_(storage)
         try:
             done = self._copy_d2h(host_view, src, nbytes, entry)
         except BaseException as exc:

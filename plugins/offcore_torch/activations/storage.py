@@ -192,10 +192,13 @@ class TensorMeta:
                 out.data = self._plain(storage)
                 return self._with_bits(out)
         out = keeper.detach()
-        out.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-            storage, self.offset, self.shape, self.stride
-        )  # _plain, inlined (once per unpack)
-        return self._with_bits(out) if self.neg or self.conj else out
+        if self.neg or self.conj:
+            out.data = self._plain(storage)
+            return self._with_bits(out)
+        # _plain, inlined (once per unpack): ``keeper.new()`` is an empty tensor of its dtype on its
+        # device (this metadata's), without torch.empty's argument parsing
+        out.data = keeper.new().set_(storage, self.offset, self.shape, self.stride)
+        return out
 
     def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
