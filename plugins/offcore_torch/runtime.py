@@ -232,7 +232,8 @@ class DeviceRuntime:
     def poll(self) -> None:
         """Run the releases whose copies landed, and see which device-to-host copies landed. Cheap when idle.
 
-        Copy timings are read in batches (Note [Timings are read in batches]).
+        Copy timings are read in batches (Note [Timings are read in batches]). The binding's
+        ``offcore_torch.activations.copies.poll`` does the same inline: keep the two alike.
         """
         if self._deferred_total:
             for release in self._ready_releases():

@@ -249,20 +249,20 @@ class _Residency:
         obj = entry.obj
         state = obj.state
         host, host_view = entry.host, entry.host_view
-        pool = (self._host_pool or self._pool()) if host is not None else None
-        poison = self.device if self._sanitize else None
         if state is not _PREFETCHING and state is not _OFFLOADING:
             # nothing in flight touches its buffers (the common case, after backward): _release_buffers, inlined
             entry.host = entry.host_view = entry.src = entry.restored = None
-            if pool is not None:
-                pool.release(host)  # the pool poisons it under the sanitizer
-            elif poison is not None and host_view is not None:
-                poison.poison(host_view)
+            if host is not None:
+                (self._host_pool or self._pool()).release(host)  # the pool poisons it under the sanitizer
+            elif self._sanitize and host_view is not None:
+                self.device.poison(host_view)
             if host_view is not None:  # a failed offload returned its host buffer already
                 self._ledger.remove(obj.host_tier or _PINNED, _ACTIVATION, obj.nbytes)
             if state is not _RELEASED:
                 obj.release()
             return
+        pool = (self._host_pool or self._pool()) if host is not None else None
+        poison = self.device if self._sanitize else None
         runtime = self.runtime
         if state is _PREFETCHING:
             pending, stream = obj.h2d_event, runtime.h2d_stream

@@ -115,9 +115,12 @@ class _Pack:
         if entry is not None and entry() is storage and entry.state is not _DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
-        reason = rules.for_new_storage(nbytes, marked)
-        if reason is not None:
-            return self._keep(tensor, key, reason)
+        # for_new_storage refuses only an unmarked storage, and (for_storage having passed it: not
+        # small unless excluded or out of scope) only while excluded, scoped or under a watermark
+        if marked is None and (rules.checks_new or rules.exclude_depth):
+            reason = rules.for_new_storage(nbytes, marked)
+            if reason is not None:
+                return self._keep(tensor, key, reason)
         cap = self._max_inflight
         if cap is not None and must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]

@@ -154,9 +154,7 @@ class TensorMeta:
         """``tensor``'s metadata: the instance shared by every tensor with the same (Note [Saved tensors share
         their metadata])."""
         key = (
-            # a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of ints at its
-            # first pass, a torch.Size (a subclass) it walks at every full collection
-            tuple(tensor.shape),
+            tensor.shape,  # a torch.Size: a tuple subclass, equal to and hashed as the plain tuple stored
             tensor.stride(),  # a tuple
             tensor.storage_offset(),
             tensor.dtype,
@@ -168,6 +166,9 @@ class TensorMeta:
         if meta is None:
             if len(_SHARED_META) >= _SHARED_META_MAX:
                 _SHARED_META.clear()
+            # stored with a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of
+            # ints at its first pass, a torch.Size (a subclass) it walks at every full collection
+            key = (tuple(key[0]), *key[1:])
             meta = _SHARED_META[key] = TensorMeta(*key)
         return meta
 
