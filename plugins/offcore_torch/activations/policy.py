@@ -50,6 +50,8 @@ class _Local(threading.local):
 
 _local = _Local()
 _current_autograd_node = torch._C._current_autograd_node
+# read once per saved tensor (before_storage): module attributes looked up once here
+_TENSOR, _PARAMETER, _STRIDED = torch.Tensor, nn.Parameter, torch.strided
 
 # Note [Module names are learnt once per tree]
 # A region learns the names of a module tree's submodules (how offloaded storages are named)
@@ -354,8 +356,8 @@ class PackRules:
             return "no_offload"
         cls = type(tensor)  # storage.is_offloadable_kind, inlined (once per saved tensor)
         if (
-            (cls is not torch.Tensor and cls is not nn.Parameter)
-            or tensor.layout is not torch.strided
+            (cls is not _TENSOR and cls is not _PARAMETER)
+            or tensor.layout is not _STRIDED
             or tensor.is_quantized
             or tensor.is_nested
             or tensor.is_meta
