@@ -19,7 +19,7 @@ from offcore.inflight import must_wait
 from offcore.kinds import Direction, Kind, Tier
 from offcore.objects import State
 from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
-from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded
+from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded, new_entry
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
@@ -328,7 +328,7 @@ class _Pack:
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         # the weak reference to ``storage``
-        entry = Entry(storage, self, key, where, meta, nbytes, skey, buffer, host_view, tensor._version)
+        entry = new_entry(storage, self, key, where, meta, nbytes, skey, buffer, host_view, tensor._version)
         if modes:  # raw_bytes(storage, meta.device), inlined
             with internal_ops():
                 src = entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
