@@ -35,7 +35,6 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
-from offcore_torch.activations.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
@@ -370,7 +369,9 @@ class PackRules:
             return "empty"
         if skey in self.param_keys:
             return "parameter"
-        if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
+        # a leaf requiring grad (or a view of one) outside any module: is_parameter_like(tensor), inlined
+        base = tensor._base  # (storage.py Note [is_leaf, not grad_fn])
+        if (base.requires_grad and base.is_leaf) if base is not None else (tensor.requires_grad and tensor.is_leaf):
             return "leaf"
         if (
             marked is None
