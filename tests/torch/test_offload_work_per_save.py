@@ -11,8 +11,11 @@ count is ``a + b * saves``); a per-save budget catches work added to every save 
 A scan inside a C builtin (``sorted``, ``list.index``) executes no lines of ours: the benchmark's
 12,800-save figure against the 400-save one (benchmarks/hook_overhead.py) covers those.
 
-Measured (CPython 3.11, torch 2.13): 592-599 lines per added save over 100 to 800 saves, each doubling
-within 1 % of the others; a scan of the live entries at each unpack made it 750, 899, 1,202.
+Measured (CPython 3.11, torch 2.13): 537-557 lines per added save over 100 to 800 saves (592-599 before
+the binding's per-save trim: entries made without Python __new__/__init__, one copy method per direction,
+restores through an alias of the version keeper, policy checks skipped where fixed per region); a scan of
+the live entries at each unpack made it 750, 899, 1,202. Under load the doublings can differ by a few %:
+deadline prefetch follows measured times, and a prefetch issued too late is an on-demand reload (more lines).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ pytestmark = pytest.mark.torch
 # package, but its lines are the backend's: left out)
 _OURS = (os.path.dirname(offcore.__file__) + os.sep, os.path.dirname(offcore_torch.__file__) + os.sep)
 _BACKEND = os.path.join(os.path.dirname(offcore_torch.__file__), "instant.py")
-# lines per added save on CPython 3.11 (measured 592-599): +10 %; other versions count lines differently
-LINES_PER_SAVE_BUDGET = 655
+# lines per added save on CPython 3.11 (measured 537-557): +10 %; other versions count lines differently
+LINES_PER_SAVE_BUDGET = 610
 
 
 def _lines_executed(dev: Any, x: Any, saves: int) -> int:

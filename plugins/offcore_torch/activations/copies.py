@@ -16,6 +16,7 @@ from offcore.errors import (
 )
 from offcore.kinds import Direction
 from offcore_torch.runtime import (
+    _TIMING_BATCH,
     DeviceRuntime,
     runtime_of,
 )
@@ -117,11 +118,11 @@ class _AllocatedBytes:
             value = self.value = self.read()
         return value + self.added
 
-    def allocated(self, nbytes: int) -> None:
+    def allocated(self, nbytes: int) -> None:  # (inlined in landings._start_prefetch: keep the two alike)
         if self.batch:
             self.added += -(-nbytes // 512) * 512
 
-    def end(self) -> None:
+    def end(self) -> None:  # (inlined in landings._execute: keep the two alike)
         self.batch = False
         self.value = None
         self.added = 0
@@ -156,7 +157,14 @@ def poll(runtime: DeviceRuntime) -> None:
     landings; this binding dispatches them, so any region's pack or unpack, or a call to
     :func:`synchronize`, settles every region's copies, active or finished.
     """
-    runtime.poll()
+    # runtime.poll(), inlined (once per pack and unpack while copies are in flight)
+    if runtime._deferred_total:
+        for release in runtime._ready_releases():
+            release()
+    if runtime._timed_pending >= _TIMING_BATCH and not runtime.timings_between_steps:
+        runtime._resolve_timed()
+    if runtime._d2h_in_flight:
+        runtime._poll_d2h()
     landed = runtime._landed  # the runtime's queue of landings (what take_landed empties), drained in order
     while landed:
         entry, failure = landed.popleft()

@@ -57,20 +57,26 @@ class _Residency:
             self._d2h_failed(entry, failure)
             return
         entry.state = _LANDED
+        sched = self._sched
+        upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
+        # does backward still read it this round (some record not unpacked yet)? And did a record's
+        # tensor change while the copy was in flight (Note [Saved-tensor version checks])?
         first = entry.items
         if entry.more_items is None and first is not None:  # entry.live_items(), inlined: one record per storage
             item = first()
-            items = [] if item is None else [item]
+            if item is None:
+                items, needed = [], False
+            else:
+                items, needed = [item], item.unpacked_round != upcoming
+                if item.keeper._version != item.version:
+                    entry.modified_in_flight = True
         else:
-            items = entry.live_items()
-        sched = self._sched
-        upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
-        needed = False  # does backward still read it this round (some record not unpacked yet)?
-        for item in items:
-            if item.keeper._version != item.version:
-                entry.modified_in_flight = True
-            if item.unpacked_round != upcoming:
-                needed = True
+            items, needed = entry.live_items(), False
+            for item in items:
+                if item.keeper._version != item.version:
+                    entry.modified_in_flight = True
+                if item.unpacked_round != upcoming:
+                    needed = True
         if sched.landed_held(entry.key, needed=needed):
             return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
@@ -159,7 +165,9 @@ class _Residency:
         finally:
             if not outer:
                 self._h2d_ordered = False  # the next trigger's copies order after compute again
-                in_use.end()
+                in_use.batch = False  # in_use.end(), inlined (once per trigger)
+                in_use.value = None
+                in_use.added = 0
 
     # Note [An evicted prefetch still in flight]
     # An EVICT (the prefetch budget's, or the shared device budget's for another owner: Note [One
@@ -206,9 +214,11 @@ class _Residency:
                 sched.refused(entry.key, "oom")
                 return False
             raise
-        self._in_use.allocated(entry.nbytes)
+        in_use = self._in_use
+        if in_use.batch:  # in_use.allocated(nbytes), inlined (once per prefetch)
+            in_use.added += -(-entry.nbytes // 512) * 512
         try:
-            done = self._copy(_H2D, dst, entry.host_view, nbytes=entry.nbytes, entry=entry)
+            done = self._copy_h2d(dst, entry.host_view, entry.nbytes, entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it
             del dst
             self._copy_failed(entry, exc, "host-to-device prefetch could not be submitted")
@@ -249,20 +259,20 @@ class _Residency:
         obj = entry.obj
         state = obj.state
         host, host_view = entry.host, entry.host_view
-        pool = (self._host_pool or self._pool()) if host is not None else None
-        poison = self.device if self._sanitize else None
         if state is not _PREFETCHING and state is not _OFFLOADING:
             # nothing in flight touches its buffers (the common case, after backward): _release_buffers, inlined
             entry.host = entry.host_view = entry.src = entry.restored = None
-            if pool is not None:
-                pool.release(host)  # the pool poisons it under the sanitizer
-            elif poison is not None and host_view is not None:
-                poison.poison(host_view)
+            if host is not None:
+                (self._host_pool or self._pool()).release(host)  # the pool poisons it under the sanitizer
+            elif self._sanitize and host_view is not None:
+                self.device.poison(host_view)
             if host_view is not None:  # a failed offload returned its host buffer already
                 self._ledger.remove(obj.host_tier or _PINNED, _ACTIVATION, obj.nbytes)
             if state is not _RELEASED:
                 obj.release()
             return
+        pool = (self._host_pool or self._pool()) if host is not None else None
+        poison = self.device if self._sanitize else None
         runtime = self.runtime
         if state is _PREFETCHING:
             pending, stream = obj.h2d_event, runtime.h2d_stream

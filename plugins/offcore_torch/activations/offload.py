@@ -202,6 +202,8 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         self._d2h_order: Any = None
         self._h2d_order: Any = None
         self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
+        # an empty uint8 tensor per device: ``.new()`` of it starts each copy's whole-storage byte view (pack.py)
+        self._no_bytes: dict[torch.device, torch.Tensor] = {}
         self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
         self._h2d_ordered = False  # the H2D stream waits on the compute stream as it is now (one trigger's copies)
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
@@ -354,6 +356,7 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         ledger = self._ledger
         peak = self._peak_final if self._peak_final is not None else self._peak_now()
         out = OffloadStats(**{k: v for k, v in s.as_dict().items()})
+        out.saved_tensors = self._next_key  # one key per pack (_pack)
         out.peak_device_bytes = peak if peak > self._peak_baseline else self._peak_samples
         out.peak_pinned_bytes = ledger.peak(Tier.PINNED)
         out.peak_pageable_bytes = ledger.peak(Tier.PAGEABLE)

@@ -19,7 +19,7 @@ from offcore.inflight import must_wait
 from offcore.kinds import Direction, Kind, Tier
 from offcore.objects import State
 from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
-from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded
+from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded, new_entry
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
@@ -86,9 +86,8 @@ class _Pack:
     def _pack(self, tensor: torch.Tensor) -> Any:
         # Once per saved tensor: the decisions are PackRules' (policy.py), asked in their order.
         key = self._next_key
-        self._next_key = key + 1
+        self._next_key = key + 1  # also the stats' saved_tensors (stats())
         self._sched.produced(key, time.perf_counter())
-        self._stats.saved_tensors += 1
         runtime = self.runtime
         if (
             runtime._d2h_in_flight
@@ -97,8 +96,9 @@ class _Pack:
             or runtime._timed_pending >= _TIMING_BATCH  # fewer: poll would leave them (runtime.poll)
         ):
             poll(runtime)  # poll's own checks, inlined: with nothing in flight the call is skipped
-        if self._spill is not None and self._spill.pending:
-            self._spill.poll()
+        spill = self._spill
+        if spill is not None and spill.pending:
+            spill.poll()
         rules = self._rules
         reason = rules.before_storage(tensor)
         if reason is not None:
@@ -115,11 +115,14 @@ class _Pack:
         if entry is not None and entry() is storage and entry.state is not _DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
-        reason = rules.for_new_storage(nbytes, marked)
-        if reason is not None:
-            return self._keep(tensor, key, reason)
+        # for_new_storage refuses only an unmarked storage, and (for_storage having passed it: not
+        # small unless excluded or out of scope) only while excluded, scoped or under a watermark
+        if marked is None and (rules.checks_new or rules.exclude_depth):
+            reason = rules.for_new_storage(nbytes, marked)
+            if reason is not None:
+                return self._keep(tensor, key, reason)
         cap = self._max_inflight
-        if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
+        if cap is not None and must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
         meta = TensorMeta.of(tensor)
         try:
@@ -212,58 +215,69 @@ class _Pack:
             return None
         return None, view, _PAGEABLE
 
-    def _copy(self, direction: Direction, dst: torch.Tensor, src: torch.Tensor, *, nbytes: int, entry: Entry) -> Any:
-        """Enqueue one copy on its direction's stream, ordered after the compute stream as it is now.
-
-        For D2H the current compute stream produced ``src``; for H2D the new device buffer may
-        reuse memory the compute stream used until now. Either way the copy stream waits for an
-        event recorded on the stream that is current *at this call* (never a cached one).
-        Returns the copy's completion event. Each region times its first two copies per
-        direction (its bandwidth figure), every copy when tracing, and otherwise the runtime's
-        sample (:meth:`DeviceRuntime.sample`), for the link estimate.
-        """
-        device, runtime = self.device, self.runtime
-        if direction is _D2H:
-            stream, count = runtime.d2h_stream, self._d2h_copies
-            self._d2h_copies = count + 1
-            self._d2h_bytes += nbytes
-            order = self._d2h_order
-        else:
-            stream, count = runtime.h2d_stream, self._h2d_copies
-            self._h2d_copies = count + 1
-            self._h2d_bytes += nbytes
-            order = self._h2d_order
-        timed = False
+    # Note [One copy method per direction]
+    # A saved storage costs two copies: its device-to-host copy at pack (``_copy_d2h``) and its
+    # host-to-device prefetch (``_copy_h2d``). Each direction has its own method, so no branch on
+    # the direction is taken per copy: both enqueue the copy on their direction's stream, ordered
+    # after the compute stream as it is now (for D2H the compute stream produced ``src``; for H2D
+    # the new device buffer may reuse memory the compute stream used until now): the copy stream
+    # waits for an event recorded on the stream that is current *at this call* (never a cached
+    # one; Note [Ordering events are recorded again]). Each returns the copy's completion event.
+    # Each region times its first two copies per direction (its bandwidth figure), every copy when
+    # tracing, and otherwise the runtime's sample (DeviceRuntime.sample, inlined), for the link
+    # estimate; a copy that is timed, or seen by a running profiler, goes through ``_copy_timed``.
+    def _copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, entry: Entry) -> Any:
+        """The device-to-host copy of ``src`` into ``dst`` (Note [One copy method per direction])."""
+        runtime = self.runtime
+        count = self._d2h_copies
+        self._d2h_copies = count + 1
+        self._d2h_bytes += nbytes
         if runtime.timing:
-            if self._tracing or count < 2:
-                timed = True
-            elif direction is _D2H:  # runtime.sample(direction), inlined (once per copy)
-                asked = runtime._sampled_d2h
-                runtime._sampled_d2h = asked + 1
-                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
-            else:
-                asked = runtime._sampled_h2d
-                runtime._sampled_h2d = asked + 1
-                timed = asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1)
-        if timed or _profiler._is_profiler_enabled:
-            return self._copy_timed(stream, direction, dst, src, nbytes=nbytes, entry=entry, timed=timed)
+            if count < 2 or self._tracing:
+                return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=True)
+            asked = runtime._sampled_d2h  # runtime.sample(_D2H), inlined
+            runtime._sampled_d2h = asked + 1
+            if asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1):
+                return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=True)
+        if _profiler._is_profiler_enabled:
+            return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=False)
+        device, stream = self.device, runtime.d2h_stream
+        order = self._d2h_order
         if order is None:  # Note [Ordering events are recorded again]
-            order = device.new_event()
-            if direction is _D2H:
-                self._d2h_order = order
-            else:
-                self._h2d_order = order
-        if direction is _D2H or not self._h2d_ordered:
+            order = self._d2h_order = device.new_event()
+        stream.wait_event(device.current_stream().record_event(order))
+        return device.copy_(dst, src, stream=stream)
+
+    def _copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, entry: Entry) -> Any:
+        """The host-to-device copy of ``src`` into ``dst`` (Note [One copy method per direction])."""
+        runtime = self.runtime
+        count = self._h2d_copies
+        self._h2d_copies = count + 1
+        self._h2d_bytes += nbytes
+        if runtime.timing:
+            if count < 2 or self._tracing:
+                return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=True)
+            asked = runtime._sampled_h2d  # runtime.sample(_H2D), inlined
+            runtime._sampled_h2d = asked + 1
+            if asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1):
+                return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=True)
+        if _profiler._is_profiler_enabled:
+            return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=False)
+        device, stream = self.device, runtime.h2d_stream
+        if not self._h2d_ordered:
+            order = self._h2d_order
+            if order is None:  # Note [Ordering events are recorded again]
+                order = self._h2d_order = device.new_event()
             stream.wait_event(device.current_stream().record_event(order))
             # the prefetches of one trigger start back to back: nothing reaches the compute stream
             # in between, so the first one's wait orders them all (Note [Ordering events are recorded again])
-            self._h2d_ordered = direction is not _D2H
+            self._h2d_ordered = True
         return device.copy_(dst, src, stream=stream)
 
     def _copy_timed(
         self, stream: Any, direction: Direction, dst: Any, src: Any, *, nbytes: int, entry: Entry, timed: bool
     ) -> Any:
-        """:meth:`_copy` for a copy that is timed, or seen by a running profiler (its own range)."""
+        """:meth:`_copy_d2h` or :meth:`_copy_h2d` for a copy that is timed, or seen by a running profiler (its own range)."""
         device, runtime = self.device, self.runtime
         with _range(_RANGE_NAMES[direction]):
             stream.wait_event(device.current_stream().record_event())
@@ -313,16 +327,18 @@ class _Pack:
             buffer, host_view, tier = host
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
-        entry = Entry(storage, self, key, where, meta, nbytes, skey)  # the weak reference to ``storage``
-        entry.host, entry.host_view = buffer, host_view
-        entry.version_at_copy = tensor._version
+        # the weak reference to ``storage``
+        entry = new_entry(storage, self, key, where, meta, nbytes, skey, buffer, host_view, tensor._version)
         if modes:  # raw_bytes(storage, meta.device), inlined
             with internal_ops():
-                entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
-        else:
-            entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+                src = entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        else:  # the same, from this region's empty byte tensor on that device (no torch.empty argument parsing)
+            no_bytes = self._no_bytes.get(meta.device)
+            if no_bytes is None:
+                no_bytes = self._no_bytes[meta.device] = torch.empty(0, dtype=torch.uint8, device=meta.device)
+            src = entry.src = no_bytes.new().set_(storage)
         try:
-            done = self._copy(_D2H, host_view, entry.src, nbytes=nbytes, entry=entry)
+            done = self._copy_d2h(host_view, src, nbytes, entry)
         except BaseException as exc:
             # nothing was enqueued: the host buffer goes back now, and the tensor stays on the device
             if buffer is not None:
@@ -335,7 +351,10 @@ class _Pack:
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
-        self.runtime.track_d2h(done, entry, nbytes)
+        runtime = self.runtime
+        with runtime.lock:  # runtime.track_d2h(done, entry, nbytes), inlined (once per offloaded storage)
+            runtime._d2h_in_flight.append((done, entry))
+            runtime._d2h_bytes += nbytes
         self._ledger.add(tier, _ACTIVATION, nbytes)
         stats = self._stats
         stats.offloaded_bytes += nbytes

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from offcore.ledger import Ledger
     from offcore.residency import ResidencyScheduler
 
-__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry", "Region"]
+__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry", "new_entry", "Region"]
 
 
 class Region(Protocol):
@@ -157,7 +157,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     An entry is the weak reference to its storage (``entry()``: the storage while it lives, else
     None) whose callback, :func:`storage_died`, tells the region when the storage dies (Note [When
     may a device copy be freed?], point 2): no reference object of its own per storage, and no
-    entry -> weakref -> entry cycle (Note [An entry's records]).
+    entry -> weakref -> entry cycle (Note [An entry's records]). Made by :func:`new_entry`.
     """
 
     __slots__ = (
@@ -184,65 +184,25 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         "used_round",
         "keys",
         "modified_in_flight",
-        "keepers_pointed",
         "alive_elsewhere",
         "nvme",
     )
+
+    # the types of the slots new_entry sets in chained assignments (annotations only: no class attributes)
+    _name: str | None
+    obj: ManagedObject
+    src: torch.Tensor | None
+    items: weakref.ref[Offloaded]
+    more_items: tuple[weakref.ref[Offloaded], ...] | None
+    restored: torch.UntypedStorage | None
+    restored_ref: weakref.ref[torch.UntypedStorage] | None
+    nvme: str | None
 
     # identity, not weakref.ref's equality and hash of the referent: two entries on one storage (a
     # disposed one and its successor) are two entries
     __eq__ = object.__eq__
     __ne__ = object.__ne__
     __hash__ = object.__hash__
-
-    def __new__(cls, storage: torch.UntypedStorage, *_: Any) -> Entry:  # the rest is __init__'s
-        return weakref.ref.__new__(cls, storage, storage_died)
-
-    def __init__(
-        self,
-        storage: torch.UntypedStorage,
-        region: Region,
-        key: int,
-        where: str,
-        meta: TensorMeta,
-        nbytes: int,
-        skey: int,
-    ) -> None:
-        # weakref.ref's own __init__ only checks its two arguments (__new__ took them)
-        self.region = region
-        self.key = key
-        self.where = where
-        self.meta = meta
-        self._name: str | None = None  # built when first asked (labels of timed copies, stalls)
-        self.nbytes = nbytes
-        # registered with the region's scheduler once its device-to-host copy was submitted
-        self.obj: ManagedObject = None  # type: ignore[assignment]
-        self.skey = skey
-        self.src: torch.Tensor | None = None
-        self.host: Any = None
-        self.host_view: torch.Tensor | None = None
-        self.version_at_copy = 0
-        # the records, weakly (Note [An entry's records])
-        self.items: weakref.ref[Offloaded] = None  # type: ignore[assignment]
-        self.more_items: tuple[weakref.ref[Offloaded], ...] | None = None
-        self.live = 0
-        self.restored: torch.UntypedStorage | None = None
-        self.restored_ref: weakref.ref[torch.UntypedStorage] | None = None
-        self.state = _COPYING
-        self.fate = _UNKNOWN
-        self.used = False  # unpacked at least once (in any round, or read by hand outside backward)
-        self.used_round = -1  # the last backward round that unpacked it
-        # pack keys of every record that reads this storage: a tuple of ints, which the cyclic garbage
-        # collector stops tracking at its first pass (a list it would traverse at every full collection)
-        self.keys: tuple[int, ...] = (key,)
-        self.modified_in_flight = False
-        # the records' version keepers point at ``restored`` (storage.py Note [Restore through the version keeper])
-        self.keepers_pointed = False
-        # the scheduler was told its device memory lives on (device_copy_alive) and not yet that it died
-        self.alive_elsewhere = False
-        # where its host copy is on the NVMe tier (offcore_torch.activations.nvme): None (never spilled), or
-        # "writing", "disk", "both", "reading"
-        self.nvme: str | None = None
 
     @property
     def name(self) -> str:
@@ -276,6 +236,58 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
             if item.unpacked_round != round_:
                 return False
         return True
+
+
+_new_ref = weakref.ref.__new__
+
+
+def new_entry(
+    storage: torch.UntypedStorage,
+    region: Region,
+    key: int,
+    where: str,
+    meta: TensorMeta,
+    nbytes: int,
+    skey: int,
+    host: Any = None,
+    host_view: torch.Tensor | None = None,
+    version_at_copy: int = 0,
+) -> Entry:
+    """A new :class:`Entry`: the weak reference to ``storage`` (callback :func:`storage_died`), its slots set.
+
+    Once per offloaded storage: made by weakref.ref's own ``__new__`` (C) and set up here, without
+    a Python-level ``__new__`` and ``__init__`` (a frame each); the slots that start alike are set
+    in one chained assignment each.
+    """
+    entry = _new_ref(Entry, storage, storage_died)
+    entry.region = region
+    entry.key = key
+    entry.where = where
+    entry.meta = meta
+    entry.nbytes = nbytes
+    entry.skey = skey
+    entry.host = host
+    entry.host_view = host_view
+    entry.version_at_copy = version_at_copy
+    # _name: built when first asked (labels of timed copies, stalls); obj: the scheduler's object,
+    # registered once the device-to-host copy was submitted; items: the first record, weakly, and
+    # more_items the further ones (Note [An entry's records]); restored / restored_ref: the device
+    # copy backward reads; nvme: where its host copy is on the NVMe tier
+    # (offcore_torch.activations.nvme): None (never spilled), or "writing", "disk", "both", "reading"
+    entry._name = entry.obj = entry.src = entry.items = entry.more_items = None  # type: ignore[assignment]
+    entry.restored = entry.restored_ref = entry.nvme = None
+    # used: unpacked at least once (in any round, or read by hand outside backward); modified_in_flight:
+    # its version changed before its copy landed; alive_elsewhere: the scheduler was told its device
+    # memory lives on (device_copy_alive) and not yet that it died
+    entry.used = entry.modified_in_flight = entry.alive_elsewhere = False
+    entry.live = 0
+    entry.used_round = -1  # the last backward round that unpacked it
+    entry.state = _COPYING
+    entry.fate = _UNKNOWN
+    # pack keys of every record that reads this storage: a tuple of ints, which the cyclic garbage
+    # collector stops tracking at its first pass (a list it would traverse at every full collection)
+    entry.keys = (key,)
+    return entry
 
 
 def storage_died(entry: Entry) -> None:

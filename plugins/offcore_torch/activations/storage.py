@@ -21,10 +21,11 @@ storage offset and dtype.
 # another saved view of it (whose unpack then raises), the caller's own tensor if it is
 # still alive. So a restore must hand out a member of the *original* family, not a new
 # tensor over the restored bytes. The record's version keeper is such a member: the
-# restore points it at the restored storage (``.data`` assignment: storage and
-# metadata swapped, version counter kept, not bumped) and returns a ``detach()`` alias of
-# it (same counter, same storage). When backward is done with the storage, offcore
-# points the keeper back at an empty storage; the alias autograd holds keeps its own.
+# restore takes a ``detach()`` alias of it (same counter) and points the alias at the
+# restored storage (``.data`` assignment: storage and metadata swapped, version counter
+# kept, not bumped). The keeper itself never holds the restored storage (it stays on the
+# empty one it points at once the copy landed), so nothing has to point it back when
+# backward is done with the storage: the alias autograd holds is the only reference.
 
 # Note [Lazy conj and neg bits]
 # ``z.conj()`` and ``torch._neg_view`` return views whose *data* is the original's and
@@ -153,9 +154,7 @@ class TensorMeta:
         """``tensor``'s metadata: the instance shared by every tensor with the same (Note [Saved tensors share
         their metadata])."""
         key = (
-            # a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of ints at its
-            # first pass, a torch.Size (a subclass) it walks at every full collection
-            tuple(tensor.shape),
+            tensor.shape,  # a torch.Size: a tuple subclass, equal to and hashed as the plain tuple stored
             tensor.stride(),  # a tuple
             tensor.storage_offset(),
             tensor.dtype,
@@ -167,6 +166,9 @@ class TensorMeta:
         if meta is None:
             if len(_SHARED_META) >= _SHARED_META_MAX:
                 _SHARED_META.clear()
+            # stored with a plain tuple, not the torch.Size: the garbage collector stops tracking a tuple of
+            # ints at its first pass, a torch.Size (a subclass) it walks at every full collection
+            key = (tuple(key[0]), *key[1:])
             meta = _SHARED_META[key] = TensorMeta(*key)
         return meta
 
@@ -181,18 +183,23 @@ class TensorMeta:
     def restore(self, keeper: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
         """The saved tensor again, over ``storage``, in the family of ``keeper`` (its version keeper).
 
-        Note [Restore through the version keeper]: ``keeper`` is pointed at ``storage``, and
-        the result is a ``detach()`` alias of it with this metadata and conj/neg bits.
+        Note [Restore through the version keeper]: the result is a ``detach()`` alias of
+        ``keeper`` pointed at ``storage``, with this metadata and conj/neg bits; ``keeper``
+        is left as it is.
         """
         if dispatch_modes():
             with internal_ops():
-                keeper.data = self._plain(storage)
-                return self._with_bits(keeper.detach())
-        keeper.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-            storage, self.offset, self.shape, self.stride
-        )  # _plain, inlined (once per unpack)
+                out = keeper.detach()
+                out.data = self._plain(storage)
+                return self._with_bits(out)
         out = keeper.detach()
-        return self._with_bits(out) if self.neg or self.conj else out
+        if self.neg or self.conj:
+            out.data = self._plain(storage)
+            return self._with_bits(out)
+        # _plain, inlined (once per unpack): ``keeper.new()`` is an empty tensor of its dtype on its
+        # device (this metadata's), without torch.empty's argument parsing
+        out.data = keeper.new().set_(storage, self.offset, self.shape, self.stride)
+        return out
 
     def _plain(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)
@@ -239,7 +246,10 @@ def is_offloadable_kind(tensor: torch.Tensor) -> bool:
 
 
 def is_parameter_like(tensor: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear)."""
+    """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear).
+
+    (Inlined in PackRules.for_storage, once per saved tensor: keep the two alike.)
+    """
     # Note [is_leaf, not grad_fn]: ``is_leaf`` is ``grad_fn is None`` asked in C++; reading ``grad_fn``
     # makes the node's Python object, which then lives as long as the node (one more object for
     # the cyclic garbage collector per saved tensor, until backward)

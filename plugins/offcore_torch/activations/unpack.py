@@ -161,7 +161,6 @@ class _Unpack:
         else:
             storage = self._device_storage(entry, key, now, entry.used_round != round_)
         out = packed.meta.restore(packed.keeper, storage)
-        entry.keepers_pointed = True
         if packed.fmt is not None:
             out = self.device.restore_format(out, packed.fmt)
         entry.used = True
@@ -316,19 +315,7 @@ class _Unpack:
             # the common case (a copy restored and awaited): consumed and dropped in one call
             if self._sched.consumed(entry.key, dropped=True):  # it was held on landing
                 self._release_device(entry)
-            if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
-                entry.keepers_pointed = False
-                if entry.more_items is None:  # the common case: one record per storage
-                    item = entry.items()
-                    if item is not None:
-                        empty = self._empty.get(item.meta.dtype)
-                        if empty is None:
-                            self._release_keeper(item)
-                        else:  # _release_keeper, inlined (once per offloaded storage)
-                            item.keeper.data = empty
-                else:
-                    for item in entry.live_items():
-                        self._release_keeper(item)
+            # the keepers never held it (Note [Restore through the version keeper]): autograd's aliases own it now
             entry.restored = None
             if entry.nvme is not None:
                 self._spill.consumed(entry)  # type: ignore[union-attr]
@@ -341,11 +328,7 @@ class _Unpack:
 
     def _drop_restored(self, entry: Entry) -> None:
         """Stop referencing the restored storage (after its H2D landed); the host copy stays."""
-        storage = entry.restored
-        if entry.keepers_pointed:  # the keepers let go of it (Note [Restore through the version keeper])
-            entry.keepers_pointed = False
-            for item in entry.live_items():
-                self._release_keeper(item)
+        storage = entry.restored  # (the keepers never held it: Note [Restore through the version keeper])
         if storage is None:
             self._sched.dropped(entry.key)  # no copy held: only the budget count goes
             return
