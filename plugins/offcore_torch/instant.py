@@ -61,7 +61,11 @@ class InstantDevice:
         self.torch_device = torch.device("cpu")
         self._allocated = 0
         self._peak = 0
-        self._lock = threading.Lock()
+        # reentrant: a storage's death callback (_device_freed, _host_freed) runs on whichever thread
+        # drops its last reference or runs the garbage collector, which may be this one inside the lock
+        # (allocate makes objects there: a collection it triggers frees a buffer kept by a cycle). A
+        # plain Lock deadlocked there (seen in benchmarks/hook_overhead.py's batched floor)
+        self._lock = threading.RLock()
         self._host: set[int] = set()  # the storages of host buffers (everything else is device memory)
         self._host_refs: dict[weakref.ref[Any], int] = {}
         self._device_bytes: dict[weakref.ref[Any], int] = {}  # the live device buffers' storages, and their bytes

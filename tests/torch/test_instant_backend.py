@@ -78,3 +78,28 @@ def test_offload_on_the_instant_backend_is_bit_exact() -> None:
     kept, offloaded = step(False), step(True)
     for a, b in zip(kept, offloaded, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_buffer_freed_by_a_collection_inside_the_devices_lock_does_not_deadlock() -> None:
+    """A storage's death callback takes the device's lock; a collection run while this thread holds it (the
+    device makes objects there, and one may trigger the collector) frees a buffer kept alive by a cycle."""
+    import gc
+    import threading
+
+    dev = InstantDevice(capacity="1MiB")
+    buffer = dev.allocate(4096, offcore.Tier.DEVICE)
+    cycle: list[object] = [buffer]
+    cycle.append(cycle)  # only the collector frees it
+    del buffer
+    assert dev.memory_stats().allocated_bytes == 4096
+    del cycle
+
+    def collect_inside_the_lock() -> None:
+        with dev._lock:
+            gc.collect()  # the buffer dies here: _device_freed runs on this thread
+
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=60)  # a bound on a deadlock, not a wait for a result
+    assert not worker.is_alive(), "the device's lock deadlocked in a storage's death callback"
+    assert dev.memory_stats().allocated_bytes == 0
