@@ -27,8 +27,6 @@ from offcore_torch.activations.storage import (
     internal_ops,
 )
 from offcore_torch.runtime import (
-    _SAMPLE_EVERY,
-    _SAMPLE_FIRST,
     _TIMING_BATCH,
 )
 
@@ -224,7 +222,7 @@ class _Pack:
     # waits for an event recorded on the stream that is current *at this call* (never a cached
     # one; Note [Ordering events are recorded again]). Each returns the copy's completion event.
     # Each region times its first two copies per direction (its bandwidth figure), every copy when
-    # tracing, and otherwise the runtime's sample (DeviceRuntime.sample, inlined), for the link
+    # tracing, and otherwise the runtime's sample (DeviceRuntime.sample), for the link
     # estimate; a copy that is timed, or seen by a running profiler, goes through ``_copy_timed``.
     def _copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, entry: Entry) -> Any:
         """The device-to-host copy of ``src`` into ``dst`` (Note [One copy method per direction])."""
@@ -232,15 +230,9 @@ class _Pack:
         count = self._d2h_copies
         self._d2h_copies = count + 1
         self._d2h_bytes += nbytes
-        if runtime.timing:
-            if count < 2 or self._tracing:
-                return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=True)
-            asked = runtime._sampled_d2h  # runtime.sample(_D2H), inlined
-            runtime._sampled_d2h = asked + 1
-            if asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1):
-                return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=True)
-        if _profiler._is_profiler_enabled:
-            return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=False)
+        timed = runtime.timing and (count < 2 or self._tracing or runtime.sample(_D2H))
+        if timed or _profiler._is_profiler_enabled:
+            return self._copy_timed(runtime.d2h_stream, _D2H, dst, src, nbytes=nbytes, entry=entry, timed=timed)
         device, stream = self.device, runtime.d2h_stream
         order = self._d2h_order
         if order is None:  # Note [Ordering events are recorded again]
@@ -254,15 +246,9 @@ class _Pack:
         count = self._h2d_copies
         self._h2d_copies = count + 1
         self._h2d_bytes += nbytes
-        if runtime.timing:
-            if count < 2 or self._tracing:
-                return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=True)
-            asked = runtime._sampled_h2d  # runtime.sample(_H2D), inlined
-            runtime._sampled_h2d = asked + 1
-            if asked < _SAMPLE_FIRST or not asked & (_SAMPLE_EVERY - 1):
-                return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=True)
-        if _profiler._is_profiler_enabled:
-            return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=False)
+        timed = runtime.timing and (count < 2 or self._tracing or runtime.sample(_H2D))
+        if timed or _profiler._is_profiler_enabled:
+            return self._copy_timed(runtime.h2d_stream, _H2D, dst, src, nbytes=nbytes, entry=entry, timed=timed)
         device, stream = self.device, runtime.h2d_stream
         if not self._h2d_ordered:
             order = self._h2d_order
