@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from offcore.errors import IllegalTransitionError
@@ -72,10 +72,8 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 # transitions per step) tests membership in the set of states each target may be entered from,
 # built once from TRANSITIONS, and assigns; only a refused transition calls ``_move`` (which
 # raises with the full message). Same checks as ``_move``, one set lookup and no call.
-# offcore/residency.py makes a few of these transitions itself where it knows the source state (one
-# call less per saved tensor: ``landed_held``, ``started``, ``awaited``, ``consumed``, ``host_updated_prefetches``):
-# a change to what a transition sets here (release_device_copy, start_prefetch, finish_prefetch,
-# drop_restored_copy, start_offload) goes there too.
+# offcore/residency.py's ``host_updated_prefetches`` makes start_offload and release_device_copy's
+# transitions itself, where it knows the source state: a change to what they set here goes there too.
 _ENTERED_FROM: dict[State, frozenset[State]] = {
     new: frozenset(old for old, allowed in TRANSITIONS.items() if new in allowed) for new in State
 }
@@ -236,12 +234,3 @@ class ManagedObject:
             self.state = _RELEASED
         else:
             self._move(_RELEASED)
-
-
-# Note [A new object built positionally]
-# A binding registers one ManagedObject per saved tensor (ResidencyScheduler.register_offloading). Its
-# dataclass __init__ called with keywords matches each one against eleven parameter names (~400 ns); called
-# with every field positionally, in this order, and the next id, it is ~260 ns. The call site names the
-# fields it sets in a comment; this assert keeps the order it relies on.
-_FIELD_ORDER = ("kind", "nbytes", "tier", "state", "version", "next_use", "name", "id", "d2h_event", "h2d_event")
-assert tuple(f.name for f in fields(ManagedObject)) == (*_FIELD_ORDER, "host_tier")

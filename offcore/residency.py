@@ -139,7 +139,7 @@ from typing import Any
 
 from offcore.errors import ConfigurationError, IllegalTransitionError
 from offcore.kinds import Kind, Tier
-from offcore.objects import _FROM_FOR_PREFETCHING, ManagedObject, State, _ids
+from offcore.objects import ManagedObject, State
 from offcore.scheduler import PrefetchPlan, Scheduler, StepObservation
 
 __all__ = ["ActionKind", "Action", "ResidencyScheduler", "Watermark", "PREFETCH_MODES", "NO_ACTIONS"]
@@ -179,8 +179,7 @@ _OFFLOADED, _OFFLOADING, _PREFETCHING, _RESIDENT, _RESTORED = (
     State.RESIDENT,
     State.RESTORED,
 )
-_DEVICE, _NVME, _PINNED = Tier.DEVICE, Tier.NVME, Tier.PINNED
-_next_id = _ids.__next__  # ManagedObject's id factory (Note [A new object built positionally] in offcore/objects.py)
+_NVME, _PINNED = Tier.NVME, Tier.PINNED
 
 
 class _Completed:
@@ -508,10 +507,8 @@ class ResidencyScheduler:
             raise IllegalTransitionError(f"object key {key} is registered already")
         # a new object is RESIDENT, and RESIDENT -> OFFLOADING is allowed: start_offload's transition,
         # made by the constructor (one call per saved tensor less)
-        # ManagedObject(kind=kind, nbytes=nbytes, state=_OFFLOADING, name=name, d2h_event=event, host_tier=host_tier),
-        # every field positionally (Note [A new object built positionally] in offcore/objects.py)
         obj = objects[key] = ManagedObject(
-            kind, nbytes, _DEVICE, _OFFLOADING, 0, None, name, _next_id(), event, None, host_tier
+            kind=kind, nbytes=nbytes, state=_OFFLOADING, name=name, d2h_event=event, host_tier=host_tier
         )
         return obj
 
@@ -550,17 +547,6 @@ class ResidencyScheduler:
         """
         if self.record:
             return self.landed(key, needed=needed).kind is _HOLD
-        if self.plan is None:  # _land with no plan (forward): free the device copy
-            obj = self.objects[key]
-            if obj.state is _OFFLOADING:
-                event = obj.d2h_event
-                if event is not None and event.query():  # release_device_copy, inlined (once per saved tensor)
-                    obj.state = _OFFLOADED  # OFFLOADING -> OFFLOADED (Note [Transitions checked inline])
-                    obj.tier = obj.host_tier or _PINNED
-                    obj.d2h_event = None
-                else:
-                    obj.release_device_copy()  # refuses: the D2H event has not completed
-            return False
         return self._land(key, needed)
 
     def _land(self, key: int, needed: bool) -> bool:
@@ -832,25 +818,17 @@ class ResidencyScheduler:
         plan = self.plan
         if plan is None:
             return NO_ACTIONS
-        # once per unpack: plan.issued, len(plan) and plan.virtual_time inlined (the plan's own attributes)
-        done = plan._done
-        if managed_key is not None and key in plan.nbytes:
-            done.add(key)
-        if len(done) == len(plan.order):  # nothing waits for a copy any more
+        if managed_key is not None:
+            plan.issued(key)
+        if not len(plan):
             return NO_ACTIONS
-        predicted = plan.use_times.get(key)
-        if predicted is not None:  # the plan's clock jumps to the predicted use
-            plan._drift = now - predicted
-            vtime = self.vtime = predicted
-        else:
-            vtime = self.vtime = now - plan._drift
+        vtime = self.vtime = plan.virtual_time(key, now)  # _offer, inlined (once per unpack)
         due = plan.due(math.inf if self.prefetch_mode == "asap" else vtime)
         actions = self._prefetches(plan, due, managed_key) if due else NO_ACTIONS
-        if self._on_nvme or self._budget_evictions:
-            if self._on_nvme:  # Note [Two hops from NVMe]
-                actions = self._with_stages(plan, vtime, actions)
-            if self._budget_evictions:  # Note [One device budget across kinds]
-                actions = self._with_evictions(actions, skip=managed_key)
+        if self._on_nvme:  # Note [Two hops from NVMe]
+            actions = self._with_stages(plan, vtime, actions)
+        if self._budget_evictions:  # Note [One device budget across kinds]
+            actions = self._with_evictions(actions, skip=managed_key)
         return self._resumes_recorded(actions) if record else actions
 
     def reloaded(self, key: int, event: Any) -> None:
@@ -881,10 +859,7 @@ class ResidencyScheduler:
             self._log("awaited", key)
         obj = self.objects[key]
         if obj.state is _PREFETCHING:
-            # finish_prefetch(stream_waited=True), inlined: PREFETCHING -> RESTORED is allowed and the stream
-            # waited (Note [Transitions checked inline] in offcore/objects.py)
-            obj.state = _RESTORED
-            obj.tier = _DEVICE
+            obj.finish_prefetch(stream_waited=True)
 
     def _free_held(self, key: int) -> None:
         obj = self.objects[key]
@@ -913,28 +888,27 @@ class ResidencyScheduler:
         read is not a victim])."""
         if self._no_prefetch_round == (self.round if self.in_backward else self.round + 1):  # upcoming_round
             return  # Note [No speculative allocation after a refusal]
-        objects, record, shared = self.objects, self.record, self.shared_budget
-        awaiting, alive, released, on_nvme = self._awaiting_host, self._alive_elsewhere, self._released, self._on_nvme
-        done = plan._done  # plan.issued(key), inlined: a due key is planned
+        objects = self.objects
+        awaiting, alive, released = self._awaiting_host, self._alive_elsewhere, self._released
         reserved = 0  # due objects still landing, held when they land (Note [A copy still landing keeps ...])
         for key in due:
             obj = objects.get(key)
             state = None if obj is None else obj.state
-            if state is not _OFFLOADED or key in awaiting or key in on_nvme or key in alive or key in released:
-                # not a reload to offer now: the checks one by one, in their order
-                if state is _OFFLOADING or state is _PREFETCHING:
-                    # a copy in flight: its D2H (the device copy is still there, see landed), or an
-                    # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
-                    if state is _OFFLOADING and key not in alive and key not in released:
-                        reserved += obj.nbytes  # type: ignore[union-attr]
-                    continue
-                if key in awaiting:
-                    continue  # its host copy is not the data yet (Note [Objects produced on the host])
-                if key in on_nvme:
-                    continue  # not in host memory yet: its stage comes first (Note [Two hops from NVMe])
-                done.add(key)  # no device copy to make: it needs no more planning
+            if state is _OFFLOADING or state is _PREFETCHING:
+                # a copy in flight: its D2H (the device copy is still there, see landed), or an
+                # evicted prefetch not landed yet (offered again once drop_landed made it offloaded)
+                if state is _OFFLOADING and key not in alive and key not in released:
+                    reserved += obj.nbytes  # type: ignore[union-attr]
                 continue
-            nbytes, outstanding, budget = obj.nbytes, self.outstanding, self.budget  # type: ignore[union-attr]
+            if key in awaiting:
+                continue  # its host copy is not the data yet (Note [Objects produced on the host])
+            if key in self._on_nvme:
+                continue  # not in host memory yet: its stage comes first (Note [Two hops from NVMe])
+            if state is not _OFFLOADED or key in alive or key in released:
+                plan.issued(key)
+                continue
+            nbytes = obj.nbytes  # type: ignore[union-attr]
+            outstanding, budget = self.outstanding, self.budget
             if reserved and outstanding + reserved + nbytes > budget:
                 self.counters["prefetch_behind_landing"] += 1
                 return  # Note [A copy still landing keeps its place in the budget]
@@ -944,32 +918,25 @@ class ResidencyScheduler:
                     return
                 for victim in victims:
                     yield self._emit(Action(_EVICT, victim, objects[victim].nbytes))
+            shared = self.shared_budget
             if shared is not None:
                 if not self._admit_shared(key, nbytes):
                     self.counters["shared_budget_full"] += 1  # copied on demand at its use, or offered again
                     return
                 while self._budget_evictions:  # its own copies the shared budget evicted for it
                     yield self._emit(self._budget_evictions.pop(0))
-            capacity = self.device_capacity
-            if capacity > 0 and self._device_in_use is not None:  # _device_has_room, inlined
-                device_in_use = self._device_in_use()
-                if record:
-                    self._log("device_in_use", device_in_use)
-                if device_in_use + nbytes > capacity:
-                    self.counters["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
-                    if shared is not None:
-                        shared.release(self, key)
-                    return
+            if not self._device_has_room(nbytes):
+                self.counters["prefetch_no_room"] += 1  # cheap to find out: the next trigger asks again
+                if shared is not None:
+                    shared.release(self, key)
+                return
             self._refused = False
-            action = Action(_PREFETCH, key, nbytes)
-            if record:  # _emit, inlined
-                self.actions.append(action)
-            yield action
+            yield self._emit(Action(_PREFETCH, key, nbytes))
             if self._refused:
                 if shared is not None and key not in self._counted:
                     shared.release(self, key)
                 return
-            done.add(key)
+            plan.issued(key)
 
     # -- the NVMe tier (Note [Two hops from NVMe]) ----------------------------------------------
     def _with_stages(self, plan: PrefetchPlan, vtime: float, prefetches: Iterator[Action]) -> Iterator[Action]:
@@ -1087,17 +1054,8 @@ class ResidencyScheduler:
         if self.record:
             self._log("started", key)
         obj = self.objects[key]
-        if obj.state in _FROM_FOR_PREFETCHING:  # start_prefetch, inlined (Note [Transitions checked inline])
-            obj.state = _PREFETCHING
-            obj.h2d_event = event
-        else:
-            obj.start_prefetch(event)  # raises
-        counted = self._counted
-        if key not in counted:  # _count, inlined (once per prefetch)
-            counted.add(key)
-            outstanding = self.outstanding = self.outstanding + obj.nbytes
-            if outstanding > self.peak_outstanding:
-                self.peak_outstanding = outstanding
+        obj.start_prefetch(event)
+        self._count(key, obj.nbytes)
 
     def refused(self, key: int, reason: str) -> None:
         """The offered prefetch of ``key`` was not started: ``"oom"`` (the allocator refused:
@@ -1129,10 +1087,9 @@ class ResidencyScheduler:
             self._log("consumed", key)
             if dropped:
                 self._log("dropped", key)
-        objects, counted = self.objects, self._counted
-        if key in counted:  # _uncount, inlined
-            counted.remove(key)
-            self.outstanding -= objects[key].nbytes
+        if key in self._counted:  # _uncount, inlined
+            self._counted.remove(key)
+            self.outstanding -= self.objects[key].nbytes
             if self.shared_budget is not None:
                 self.shared_budget.release(self, key)
         if self._budget_evictions:  # taken over: an eviction not delivered yet is void
@@ -1141,12 +1098,10 @@ class ResidencyScheduler:
         if held:
             del self._held[key]
             self._free_held(key)
-        if dropped and (obj := objects[key]).state is _RESTORED:
-            # drop_restored_copy(), inlined: RESTORED -> OFFLOADED, checked here (Note [Transitions checked
-            # inline] in offcore/objects.py)
-            obj.state = _OFFLOADED
-            obj.h2d_event = None
-            obj.tier = obj.host_tier or _PINNED
+        if dropped:
+            obj = self.objects[key]
+            if obj.state is _RESTORED:
+                obj.drop_restored_copy()
         return held
 
     def _unhold(self, key: int) -> bool:
