@@ -83,9 +83,7 @@ __all__ = ["DeviceRuntime", "runtime_for", "runtime_of", "check_device", "check_
 
 _RUNTIME_ATTRIBUTE = "_offcore_torch_runtime"
 _TIMING_BATCH = 32  # pending timing brackets a poll lets accumulate (Note [Timings are read in batches])
-_SAMPLE_FIRST = (
-    16  # the first copies of a direction, all timed (DeviceRuntime.sample; inlined in pack._copy_d2h and _copy_h2d)
-)
+_SAMPLE_FIRST = 16  # the first copies of a direction, all timed (DeviceRuntime.sample)
 _SAMPLE_EVERY = 64  # after the first 16 copies of a direction, one in this many is timed (a power of two)
 _fallback_runtimes: weakref.WeakKeyDictionary[Any, DeviceRuntime] = weakref.WeakKeyDictionary()
 _fallback_by_id: dict[int, DeviceRuntime] = {}
@@ -232,8 +230,7 @@ class DeviceRuntime:
     def poll(self) -> None:
         """Run the releases whose copies landed, and see which device-to-host copies landed. Cheap when idle.
 
-        Copy timings are read in batches (Note [Timings are read in batches]). The binding's
-        ``offcore_torch.activations.copies.poll`` does the same inline: keep the two alike.
+        Copy timings are read in batches (Note [Timings are read in batches]).
         """
         if self._deferred_total:
             for release in self._ready_releases():

@@ -16,7 +16,6 @@ from offcore.errors import (
 )
 from offcore.kinds import Direction
 from offcore_torch.runtime import (
-    _TIMING_BATCH,
     DeviceRuntime,
     runtime_of,
 )
@@ -118,11 +117,11 @@ class _AllocatedBytes:
             value = self.value = self.read()
         return value + self.added
 
-    def allocated(self, nbytes: int) -> None:  # (inlined in landings._start_prefetch: keep the two alike)
+    def allocated(self, nbytes: int) -> None:
         if self.batch:
             self.added += -(-nbytes // 512) * 512
 
-    def end(self) -> None:  # (inlined in landings._execute: keep the two alike)
+    def end(self) -> None:
         self.batch = False
         self.value = None
         self.added = 0
@@ -157,14 +156,7 @@ def poll(runtime: DeviceRuntime) -> None:
     landings; this binding dispatches them, so any region's pack or unpack, or a call to
     :func:`synchronize`, settles every region's copies, active or finished.
     """
-    # runtime.poll(), inlined (once per pack and unpack while copies are in flight)
-    if runtime._deferred_total:
-        for release in runtime._ready_releases():
-            release()
-    if runtime._timed_pending >= _TIMING_BATCH and not runtime.timings_between_steps:
-        runtime._resolve_timed()
-    if runtime._d2h_in_flight:
-        runtime._poll_d2h()
+    runtime.poll()
     landed = runtime._landed  # the runtime's queue of landings (what take_landed empties), drained in order
     while landed:
         entry, failure = landed.popleft()

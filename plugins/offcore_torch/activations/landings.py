@@ -57,26 +57,20 @@ class _Residency:
             self._d2h_failed(entry, failure)
             return
         entry.state = _LANDED
-        sched = self._sched
-        upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
-        # does backward still read it this round (some record not unpacked yet)? And did a record's
-        # tensor change while the copy was in flight (Note [Saved-tensor version checks])?
         first = entry.items
         if entry.more_items is None and first is not None:  # entry.live_items(), inlined: one record per storage
             item = first()
-            if item is None:
-                items, needed = [], False
-            else:
-                items, needed = [item], item.unpacked_round != upcoming
-                if item.keeper._version != item.version:
-                    entry.modified_in_flight = True
+            items = [] if item is None else [item]
         else:
-            items, needed = entry.live_items(), False
-            for item in items:
-                if item.keeper._version != item.version:
-                    entry.modified_in_flight = True
-                if item.unpacked_round != upcoming:
-                    needed = True
+            items = entry.live_items()
+        sched = self._sched
+        upcoming = sched.round if sched.in_backward else sched.round + 1  # sched.upcoming_round
+        needed = False  # does backward still read it this round (some record not unpacked yet)?
+        for item in items:
+            if item.keeper._version != item.version:
+                entry.modified_in_flight = True
+            if item.unpacked_round != upcoming:
+                needed = True
         if sched.landed_held(entry.key, needed=needed):
             return  # kept as a prefetch: backward needs it before the next trigger
         self._release_device(entry, items)
@@ -165,9 +159,7 @@ class _Residency:
         finally:
             if not outer:
                 self._h2d_ordered = False  # the next trigger's copies order after compute again
-                in_use.batch = False  # in_use.end(), inlined (once per trigger)
-                in_use.value = None
-                in_use.added = 0
+                in_use.end()
 
     # Note [An evicted prefetch still in flight]
     # An EVICT (the prefetch budget's, or the shared device budget's for another owner: Note [One
@@ -214,9 +206,7 @@ class _Residency:
                 sched.refused(entry.key, "oom")
                 return False
             raise
-        in_use = self._in_use
-        if in_use.batch:  # in_use.allocated(nbytes), inlined (once per prefetch)
-            in_use.added += -(-entry.nbytes // 512) * 512
+        self._in_use.allocated(entry.nbytes)
         try:
             done = self._copy_h2d(dst, entry.host_view, entry.nbytes, entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it

@@ -113,14 +113,11 @@ class _Pack:
         if entry is not None and entry() is storage and entry.state is not _DISPOSED:
             return self._pack_shared(entry, tensor, key)
 
-        # for_new_storage refuses only an unmarked storage, and (for_storage having passed it: not
-        # small unless excluded or out of scope) only while excluded, scoped or under a watermark
-        if marked is None and (rules.checks_new or rules.exclude_depth):
-            reason = rules.for_new_storage(nbytes, marked)
-            if reason is not None:
-                return self._keep(tensor, key, reason)
+        reason = rules.for_new_storage(nbytes, marked)
+        if reason is not None:
+            return self._keep(tensor, key, reason)
         cap = self._max_inflight
-        if cap is not None and must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
+        if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
         meta = TensorMeta.of(tensor)
         try:
@@ -337,10 +334,7 @@ class _Pack:
         with self._lock:
             self._by_storage[skey] = entry
             self._by_key[key] = entry
-        runtime = self.runtime
-        with runtime.lock:  # runtime.track_d2h(done, entry, nbytes), inlined (once per offloaded storage)
-            runtime._d2h_in_flight.append((done, entry))
-            runtime._d2h_bytes += nbytes
+        self.runtime.track_d2h(done, entry, nbytes)
         self._ledger.add(tier, _ACTIVATION, nbytes)
         stats = self._stats
         stats.offloaded_bytes += nbytes

@@ -35,6 +35,7 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
+from offcore_torch.activations.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
 
@@ -319,7 +320,6 @@ class PackRules:
         "scope_depth",
         "exclude_depth",
         "watermark",
-        "checks_new",
         "capacity",
         "thread",
         "foreign_thread",
@@ -339,9 +339,6 @@ class PackRules:
         self.watermark = (
             Watermark(policy.watermark, hysteresis=policy.hysteresis) if policy.watermark is not None else None
         )
-        # whether for_new_storage may refuse an unmarked storage for_storage let through outside an
-        # excluded module (the region's scope, its watermark): fixed per region, so _pack skips the call
-        self.checks_new = self.scoped or self.watermark is not None
         self.capacity = 0
         self.thread = 0  # the thread the region was entered on (install)
         self.foreign_thread: str | None = None  # a module called on another thread meanwhile (its name)
@@ -369,9 +366,7 @@ class PackRules:
             return "empty"
         if skey in self.param_keys:
             return "parameter"
-        # a leaf requiring grad (or a view of one) outside any module: is_parameter_like(tensor), inlined
-        base = tensor._base  # (storage.py Note [is_leaf, not grad_fn])
-        if (base.requires_grad and base.is_leaf) if base is not None else (tensor.requires_grad and tensor.is_leaf):
+        if is_parameter_like(tensor):  # a leaf requiring grad (or a view of one) outside any module
             return "leaf"
         if (
             marked is None

@@ -246,10 +246,7 @@ def is_offloadable_kind(tensor: torch.Tensor) -> bool:
 
 
 def is_parameter_like(tensor: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear).
-
-    (Inlined in PackRules.for_storage, once per saved tensor: keep the two alike.)
-    """
+    """A leaf that requires grad (a parameter) or a view of one (``weight.t()`` saved by Linear)."""
     # Note [is_leaf, not grad_fn]: ``is_leaf`` is ``grad_fn is None`` asked in C++; reading ``grad_fn``
     # makes the node's Python object, which then lives as long as the node (one more object for
     # the cyclic garbage collector per saved tensor, until backward)
