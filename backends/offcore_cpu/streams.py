@@ -287,12 +287,7 @@ def landed_event(compute: ComputeStream, stream_name: str, due: float) -> FakeEv
     event._compute = compute
     event.enable_timing = True
     event._clock = None
-    now = _now()  # _Marker.landing_at, inlined
-    if due > now:
-        event._marker = _DueMarker(stream_name, due)
-    else:
-        marker = event._marker = _new(_Landed)
-        marker.timestamp = now
+    event._marker = _Marker.landing_at(stream_name, due)
     return event
 
 
