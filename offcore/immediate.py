@@ -70,10 +70,6 @@ class ImmediateStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        if event.__class__ is ImmediateEvent:  # its record(), inlined: a binding records one or two per copy
-            event.time = time.perf_counter()
-            return event
-        if event is None:
-            event = ImmediateEvent()
+        event = event or ImmediateEvent()
         event.record(self)
         return event

@@ -383,13 +383,15 @@ class Scheduler:
         """Predicted first use (seconds after backward starts) of every key in ``step.pack_times``."""
         if not step.pack_times:
             return {}
-        packed = step.pack_times
-        last = max(packed.values())
+        last_pack = max(step.pack_times.values())
         with self._lock:
             learned = dict(self._first_use)
             ratio = self.backward_ratio
-        # once per step, per saved object: one comprehension on one line (one line event per key, not three)
-        return {k: t if (t := learned.get(k)) is not None else ratio * (last - at) for k, at in packed.items()}
+        out: dict[int, float] = {}
+        for key, packed_at in step.pack_times.items():
+            t = learned.get(key)
+            out[key] = t if t is not None else ratio * (last_pack - packed_at)
+        return out
 
     def observe(self, step: StepObservation) -> None:
         """Learn from a finished step (steps whose backward never ran teach nothing)."""
@@ -397,11 +399,9 @@ class Scheduler:
             return
         with self._lock:
             a = self.smoothing
-            learned, b = self._first_use, 1 - a
-            # the keys are distinct: updating from one comprehension is the loop's update, key by key
-            learned.update(
-                {k: t if (old := learned.get(k)) is None else b * old + a * t for k, t in step.first_use.items()}
-            )
+            for key, t in step.first_use.items():
+                old = self._first_use.get(key)
+                self._first_use[key] = t if old is None else (1 - a) * old + a * t
             if step.forward_seconds > 0 and step.backward_seconds > 0:
                 measured = step.backward_seconds / step.forward_seconds
                 self.backward_ratio = (1 - a) * self.backward_ratio + a * measured
