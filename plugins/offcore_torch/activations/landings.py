@@ -16,7 +16,8 @@ from offcore.ledger import Ledger
 from offcore.objects import ManagedObject, State
 from offcore.residency import ActionKind
 from offcore_torch.activations.copies import _is_oom
-from offcore_torch.activations.records import DeviceFate, Entry, EntryState, Offloaded
+from offcore_torch.activations.records import DeviceFate, Entry, EntryState, GroupEntry, Offloaded, RestoredMembers
+from offcore_torch.activations.storage import internal_ops
 
 # enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
 _EVICT, _PREFETCH, _STAGE = ActionKind.EVICT, ActionKind.PREFETCH, ActionKind.STAGE
@@ -98,8 +99,14 @@ class _Residency:
             self._pool().release(host)
         if host_view is not None:
             self._ledger.remove(tier, _ACTIVATION, entry.nbytes)
-        self._stats.offloaded_bytes -= entry.nbytes
-        self._stats.offloaded_storages -= 1
+        if type(entry) is GroupEntry:  # its members' bytes; the version keepers still hold their storages
+            entry.src = None
+            self._forget_members(entry)
+            self._stats.offloaded_bytes -= entry.data_bytes
+            self._stats.offloaded_storages -= len(entry.refs)
+        else:
+            self._stats.offloaded_bytes -= entry.nbytes
+            self._stats.offloaded_storages -= 1
         self._kept["copy_failed"] += entry.live
         self._copy_failed(entry, exc, "device-to-host copy failed")
 
@@ -107,6 +114,7 @@ class _Residency:
         """Drop offcore's device references of a landed entry; count what that really freed."""
         if entry.obj.state is _OFFLOADING:
             entry.obj.release_device_copy()  # refuses unless the D2H event completed
+        letting_go = entry.src is not None  # the first release since the copy (a group counts its members then)
         empties = self._empty
         for item in entry.live_items() if items is None else items:
             empty = empties.get(item.meta.dtype)
@@ -115,13 +123,30 @@ class _Residency:
             else:  # _release_keeper, inlined (once per offloaded storage)
                 item.keeper.data = empty
         entry.src = None
-        if entry() is not None:  # its storage lives on
+        if type(entry) is GroupEntry:
+            if letting_go and not entry.used:
+                self._members_released(entry)
+        elif entry() is not None:  # its storage lives on
             entry.alive_elsewhere = True
             self._sched.device_copy_alive(entry.key)  # no reload needed while it lives on
             if entry.fate is _UNKNOWN and not entry.used:
                 # still alive although backward has not used it: something else references it
                 entry.fate = _HELD_ELSEWHERE
                 self._stats.held_elsewhere_bytes += entry.nbytes
+
+    def _members_released(self, group: GroupEntry) -> None:
+        """A landed group let go of its members' storages (their sources and keepers): what that freed is
+        counted now, what lives on is held elsewhere until it dies (:meth:`_member_died`)."""
+        stats = self._stats
+        held: dict[int, Any] = {}
+        for member, ref in enumerate(group.refs):
+            storage = ref()
+            if storage is None:
+                stats.freed_device_bytes += group.sizes[member]
+            else:
+                held[member] = weakref.ref(storage, functools.partial(self._member_died, group, member))
+                stats.held_elsewhere_bytes += group.sizes[member]
+        group.held = held or None
 
     def _storage_died(self, entry: Entry) -> None:
         with self._lock:
@@ -196,8 +221,11 @@ class _Residency:
             except CopyFailedError:  # raised again at its use (the on-demand reload reads it again)
                 sched.refused(entry.key, "failed")
                 return False
+        group = type(entry) is GroupEntry
         try:
-            if self._checked_allocation:  # _allocate_device, inlined (once per prefetch)
+            if group:  # each member's own storage (Note [Small storages are offloaded in groups] in records.py)
+                restored, pairs = self._members_on_device(entry)  # type: ignore[arg-type]
+            elif self._checked_allocation:  # _allocate_device, inlined (once per prefetch)
                 dst = self.device.allocate(entry.nbytes, _DEVICE)
             else:
                 dst = self._allocate_device(entry.nbytes)
@@ -208,24 +236,41 @@ class _Residency:
             raise
         self._in_use.allocated(entry.nbytes)
         try:
-            done = self._copy_h2d(dst, entry.host_view, entry.nbytes, entry)
+            if group:
+                done = self._copy_group(_H2D, pairs, entry)  # type: ignore[arg-type]
+            else:
+                done = self._copy_h2d(dst, entry.host_view, entry.nbytes, entry)
         except Exception as exc:  # not submitted: backward reloads it when it needs it
-            del dst
+            if group:  # some of its copies may be enqueued: their storages live until the stream passed them
+                self._release_after_stream(self.runtime.h2d_stream, None, (restored, pairs))
             self._copy_failed(entry, exc, "host-to-device prefetch could not be submitted")
             sched.refused(entry.key, "failed")
             return False
         sched.started(entry.key, done)
-        storage = dst.untyped_storage()
+        storage = restored if group else dst.untyped_storage()
         entry.restored = storage
         entry.restored_ref = weakref.ref(storage)
-        self._stats.prefetched_bytes += entry.nbytes
-        self._stats.reloaded_bytes += entry.nbytes
+        self._stats.prefetched_bytes += entry.data_bytes
+        self._stats.reloaded_bytes += entry.data_bytes
         return True
+
+    def _members_on_device(self, group: GroupEntry) -> tuple[RestoredMembers, list[tuple[Any, Any]]]:
+        """Each member's storage allocated on the device (exactly its size), paired with its bytes on the host."""
+        restored = RestoredMembers()
+        pairs: list[tuple[Any, Any]] = []
+        allocate = self._allocate_device
+        host_view = group.host_view
+        with internal_ops():  # slices of the host buffer (Note [Metadata ops bypass dispatch modes])
+            for offset, size in zip(group.offsets, group.sizes, strict=True):
+                dst = allocate(size)
+                restored.append(dst.untyped_storage())
+                pairs.append((dst, host_view[offset : offset + size]))
+        return restored, pairs
 
     # -- release -------------------------------------------------------------------------
     def _item_died(self, entry: Entry) -> None:
         entry.live -= 1
-        if entry.state is _DISPOSED:
+        if entry.state is _DISPOSED or entry is self._open_group:  # (an open group: its flush looks at live)
             return
         if entry.live <= 0:
             self._dispose(entry)
@@ -240,6 +285,11 @@ class _Residency:
                 if self._by_storage.get(entry.skey) is entry:
                     del self._by_storage[entry.skey]
         self._by_key.pop(entry.key, None)  # keys are never reused: no check needed (pop is atomic)
+        if type(entry) is GroupEntry:
+            self._forget_members(entry)
+            entry.held = None  # (the weak references of members held elsewhere, and their callbacks, go)
+            if entry.obj is None:  # never registered: it could not be copied (_group_not_offloaded)
+                return
         self._sched.released(entry.key)
         spill = self._spill
         if spill is not None:

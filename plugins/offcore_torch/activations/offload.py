@@ -100,7 +100,7 @@ from offcore_torch.activations.landings import _Residency
 from offcore_torch.activations.nvme import ActivationSpill
 from offcore_torch.activations.pack import _Pack
 from offcore_torch.activations.policy import OffloadPolicy, PackRules, no_offload
-from offcore_torch.activations.records import Entry
+from offcore_torch.activations.records import Entry, GroupEntry
 from offcore_torch.activations.stats import OffloadStats
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
@@ -204,6 +204,9 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
         # an empty uint8 tensor per device: ``.new()`` of it starts each copy's whole-storage byte view (pack.py)
         self._no_bytes: dict[torch.device, torch.Tensor] = {}
+        # Note [Small storages are offloaded in groups] (records.py): the group new small storages join
+        self._group_below = policy.group_below
+        self._open_group: GroupEntry | None = None
         self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
         self._h2d_ordered = False  # the H2D stream waits on the compute stream as it is now (one trigger's copies)
         # copies issued per direction and their bytes, added to the ledger in batches (Note [Batched bookkeeping])
@@ -314,6 +317,8 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
             self._t_exit = time.perf_counter()
             if self._trace is not None:
                 self._trace.span("compute", "forward", self._t_enter, self._t_exit - self._t_enter)
+            if self._open_group is not None:  # forward ended: the open group is copied now
+                self._flush_group()
             self._sample_peak()
             poll(self.runtime)
             if not self.runtime.timings_between_steps:  # the link estimate the plan uses next
@@ -397,7 +402,10 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         return self._trace.to_dict()
 
     def synchronize(self) -> None:
-        """Wait for this device's copies in flight and run every release that waited on one."""
+        """Copy the open group of small storages, if any (Note [Small storages are offloaded in groups] in
+        records.py); then wait for this device's copies in flight and run every release that waited on one."""
+        if self._open_group is not None:
+            self._flush_group()
         synchronize(self.device)
 
     def __repr__(self) -> str:
@@ -448,6 +456,11 @@ def offload_activations(device: Any, **policy: Any) -> OffloadHandle:
       needs them (:mod:`offcore_torch.activations.nvme`); ``tier="nvme"`` without ``nvme=``
       uses the device's tier (:func:`offcore_torch.nvme_tier`). ``nvme_read_ahead``
       (``"256MiB"``): bytes read back from disk ahead of use at once.
+    - ``group_below`` (0: off; at most ``"1MiB"``): storages smaller than this are offloaded in
+      groups (up to 1 MiB or 256 storages each): one host buffer, one copy each way, one
+      scheduled object per group instead of per storage, which cuts offcore's host work per
+      small saved tensor (Note [Small storages are offloaded in groups] in
+      :mod:`offcore_torch.activations.records`).
 
         >>> with offcore_torch.offload_activations(dev, min_bytes="1MiB") as handle:   # doctest: +SKIP
         ...     loss = model(x)

@@ -19,7 +19,19 @@ from offcore.inflight import must_wait
 from offcore.kinds import Direction, Kind, Tier
 from offcore.objects import State
 from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
-from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded, new_entry
+from offcore_torch.activations.records import (
+    GROUP_ALIGN,
+    GROUP_MAX_BYTES,
+    GROUP_MAX_MEMBERS,
+    Entry,
+    EntryState,
+    GroupedOffloaded,
+    GroupEntry,
+    Kept,
+    Offloaded,
+    new_entry,
+    new_group,
+)
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
     TensorMeta,
@@ -32,7 +44,7 @@ from offcore_torch.runtime import (
 
 # enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
 _D2H, _H2D = Direction.D2H, Direction.H2D
-_DISPOSED, _LANDED = EntryState.DISPOSED, EntryState.LANDED
+_DISPOSED, _FAILED, _LANDED = EntryState.DISPOSED, EntryState.FAILED, EntryState.LANDED
 _ACTIVATION = Kind.ACTIVATION
 _OFFLOADED, _OFFLOADING = State.OFFLOADED, State.OFFLOADING
 _PAGEABLE = Tier.PAGEABLE
@@ -110,12 +122,19 @@ class _Pack:
             return self._keep(tensor, key, reason)
 
         entry = self._by_storage.get(skey)
-        if entry is not None and entry() is storage and entry.state is not _DISPOSED:
-            return self._pack_shared(entry, tensor, key)
+        if entry is not None and entry.state is not _DISPOSED:
+            if entry() is storage:
+                return self._pack_shared(entry, tensor, key)
+            if type(entry) is GroupEntry:  # a member's storage? (a group's own reference is always dead)
+                member = entry.index.get(skey)
+                if member is not None and entry.refs[member]() is storage:
+                    return self._pack_shared_member(entry, member, tensor, key)
 
         reason = rules.for_new_storage(nbytes, marked)
         if reason is not None:
             return self._keep(tensor, key, reason)
+        if nbytes < self._group_below:  # Note [Small storages are offloaded in groups] (records.py)
+            return self._pack_grouped(storage, nbytes, skey, tensor, key)
         cap = self._max_inflight
         if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
@@ -151,8 +170,12 @@ class _Pack:
         self._stats.inflight_waits += 1
         self._stats.inflight_wait_s += waited
 
-    def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta) -> Offloaded:
-        item = Offloaded(entry, tensor, key, self.device.format_of(tensor) if self._formats else None, meta)
+    def _record(self, entry: Entry, tensor: torch.Tensor, key: int, meta: TensorMeta, member: int = -1) -> Offloaded:
+        fmt = self.device.format_of(tensor) if self._formats else None
+        if member < 0:
+            item = Offloaded(entry, tensor, key, fmt, meta)
+        else:  # a group's member (Note [Small storages are offloaded in groups] in records.py)
+            item = GroupedOffloaded(entry, tensor, key, fmt, meta, member)
         entry.add_item(item)
         self._stats.offloaded_tensors += 1
         entry.live += 1
@@ -340,3 +363,208 @@ class _Pack:
         stats.offloaded_bytes += nbytes
         stats.offloaded_storages += 1
         return entry
+
+    # -- groups (Note [Small storages are offloaded in groups] in records.py) --------------------
+    def _pack_grouped(
+        self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int
+    ) -> Offloaded:
+        """Add a new small storage to the open group (the group is copied later, whole) and record ``tensor``."""
+        size = -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        group = self._open_group
+        if group is not None and (group.filled + size > GROUP_MAX_BYTES or len(group.refs) >= GROUP_MAX_MEMBERS):
+            self._flush_group()
+            group = None
+        meta = TensorMeta.of(tensor)
+        if group is None:
+            stack = self._rules.module_stack
+            group = self._open_group = new_group(self, key, stack[-1] if stack else "forward", meta)
+        if dispatch_modes():
+            with internal_ops():
+                src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
+        else:
+            no_bytes = self._no_bytes.get(meta.device)
+            if no_bytes is None:
+                no_bytes = self._no_bytes[meta.device] = torch.empty(0, dtype=torch.uint8, device=meta.device)
+            src = no_bytes.new().set_(storage)
+        member = len(group.refs)
+        group.index[skey] = member
+        group.refs.append(weakref.ref(storage))
+        group.sizes.append(nbytes)
+        group.offsets.append(group.filled)
+        group.versions.append(tensor._version)
+        group.src.append(src)  # type: ignore[attr-defined]
+        group.keys.append(key)  # type: ignore[attr-defined]
+        group.filled += size
+        group.data_bytes += nbytes
+        with self._lock:
+            self._by_storage[skey] = group
+        stats = self._stats
+        stats.offloaded_bytes += nbytes
+        stats.offloaded_storages += 1
+        return self._record(group, tensor, key, meta, member)
+
+    def _pack_shared_member(self, group: GroupEntry, member: int, tensor: torch.Tensor, key: int) -> Any:
+        """A further tensor on a storage a group holds: share the group's copy (dedupe), as _pack_shared does."""
+        if group is not self._open_group:
+            if group.state is not EntryState.COPYING and group.state is not _LANDED:
+                return self._keep(tensor, key, "shared_storage_busy")  # the group could not be copied
+            if group.obj.state not in (_OFFLOADING, _OFFLOADED) or self._sched.in_backward:
+                return self._keep(tensor, key, "shared_storage_busy")
+        if tensor._version != group.versions[member]:
+            return self._keep(tensor, key, "modified_after_save")  # (its earlier saves fail their own check)
+        group.keys.append(key)  # type: ignore[attr-defined]
+        return self._record(group, tensor, key, TensorMeta.of(tensor), member)
+
+    def _flush_group(self) -> None:
+        """Copy the open group to the host (one buffer, one ``copy_many``) and register it with the scheduler."""
+        group = self._open_group
+        if group is None:
+            return
+        self._open_group = None
+        if group.live <= 0:  # autograd dropped every record already (a graph freed in forward): nothing to copy
+            group.state = _DISPOSED
+            self._forget_members(group)
+            self._stats.offloaded_bytes -= group.data_bytes
+            self._stats.offloaded_storages -= len(group.refs)
+            group.src = None
+            return
+        nbytes = group.nbytes = group.filled
+        group._name = f"#{group.key} {group.where} group of {len(group.refs)} storages"
+        runtime = self.runtime
+        cap = self._max_inflight
+        if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
+            self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
+        pool = self._host_pool or self._pool()
+        try:
+            with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
+                buffer = pool.acquire(nbytes)
+            host_view, tier = buffer.view, self._host_tier
+        except CapacityExceededError:
+            host = self._host_after_refusal(nbytes)
+            if host is None:
+                self._group_not_offloaded(group, "host_budget")
+                return
+            buffer, host_view, tier = host
+        group.host, group.host_view = buffer, host_view
+        with internal_ops():
+            pairs = [
+                (host_view[offset : offset + size], src)
+                for offset, size, src in zip(group.offsets, group.sizes, group.src, strict=True)  # type: ignore[call-overload]
+            ]
+        try:
+            done = self._copy_group(_D2H, pairs, group)
+        except BaseException as exc:
+            # some of the group's copies may be enqueued already (copy_many checks and submits pair by
+            # pair): its host buffer and its members' storages go only once the stream got past them
+            del pairs
+            self._release_after_stream(runtime.d2h_stream, group.host, group.src)
+            group.host = group.src = None
+            if isinstance(exc, Exception):
+                self._copy_failed(group, exc, "device-to-host copy could not be submitted")
+                self._group_not_offloaded(group, "copy_failed")
+                return
+            raise
+        group.obj = self._sched.register_offloading(group.key, _ACTIVATION, nbytes, done, tier, name=group.name)
+        with self._lock:
+            self._by_key[group.key] = group
+        runtime.track_d2h(done, group, nbytes)
+        self._ledger.add(tier, _ACTIVATION, nbytes)
+
+    def _copy_group(
+        self, direction: Direction, pairs: list[tuple[torch.Tensor, torch.Tensor]], group: GroupEntry
+    ) -> Any:
+        """A group's copies in ``direction``: one ``copy_many`` where the backend has it, else a ``copy_`` each
+        on the direction's stream (the last event completes after all); ordered after the compute stream as it
+        is now (Note [One copy method per direction]) and timed as those copies are."""
+        runtime, device = self.runtime, self.device
+        nbytes = group.data_bytes  # the bytes its copies move
+        if direction is _D2H:
+            stream, count = runtime.d2h_stream, self._d2h_copies
+            self._d2h_copies = count + len(pairs)
+            self._d2h_bytes += nbytes
+            order = self._d2h_order
+            if order is None:  # Note [Ordering events are recorded again]
+                order = self._d2h_order = device.new_event()
+        else:
+            stream, count = runtime.h2d_stream, self._h2d_copies
+            self._h2d_copies = count + len(pairs)
+            self._h2d_bytes += nbytes
+            order = self._h2d_order
+            if order is None:
+                order = self._h2d_order = device.new_event()
+        timed = runtime.timing and (count < 2 or self._tracing or runtime.sample(direction))
+        with _range(_RANGE_NAMES[direction]) if timed or _profiler._is_profiler_enabled else contextlib.nullcontext():
+            stream.wait_event(device.current_stream().record_event(order))
+            start, issued = runtime.begin_timing(device, stream) if timed else (None, 0.0)
+            done = self._copy_pairs(pairs, stream)
+            if timed:
+                runtime.end_timing(
+                    device,
+                    stream,
+                    start,
+                    issued,
+                    nbytes=nbytes,
+                    direction=direction,
+                    label=group.name,
+                    ledger=self._ledger,
+                    trace=self._trace,
+                )
+        return done
+
+    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:
+        """``copy_many(pairs)``, or a ``copy_`` per pair (the last one's event completes after all)."""
+        many = getattr(self.device, "copy_many", None)
+        if many is not None and len(pairs) > 1:
+            return many(pairs, stream=stream)
+        done = None
+        for dst, src in pairs:
+            done = self.device.copy_(dst, src, stream=stream)
+        return done
+
+    def _release_after_stream(self, stream: Any, buffer: Any, keep: Any) -> None:
+        """Return ``buffer`` to the pool, and drop ``keep``, once ``stream`` completed what it was given so far."""
+        pool = self._host_pool or self._pool()
+
+        def release(buffer: Any = buffer, keep: Any = keep) -> None:
+            if buffer is not None:
+                pool.release(buffer)
+
+        try:
+            event = stream.record_event()
+        except Exception:  # the stream takes no more work: wait for what it has
+            with contextlib.suppress(Exception):
+                stream.synchronize()
+            release()
+            return
+        self.runtime.defer(event, release, stream=stream)
+
+    def _group_not_offloaded(self, group: GroupEntry, reason: str) -> None:
+        """The open group could not be copied: its members stay on the device, each record reads its keeper."""
+        group.state = _FAILED
+        if group.host is not None:
+            self._pool().release(group.host)
+        group.host = group.host_view = None
+        group.src = None  # the version keepers hold the storages (never released: the group did not land)
+        self._forget_members(group)
+        self._stats.offloaded_bytes -= group.data_bytes
+        self._stats.offloaded_storages -= len(group.refs)
+        self._kept[reason] += group.live
+
+    def _forget_members(self, group: GroupEntry) -> None:
+        """The members' storages are no longer found through ``_by_storage`` (the group is done with)."""
+        by_storage = self._by_storage
+        with self._lock:
+            for skey in group.index:
+                if by_storage.get(skey) is group:
+                    del by_storage[skey]
+
+    def _member_died(self, group: GroupEntry, member: int, _ref: Any) -> None:
+        """A member held elsewhere when its group let go of it died: its bytes move from held to freed."""
+        try:
+            held = group.held
+            if held is not None and held.pop(member, None) is not None:
+                size = group.sizes[member]
+                self._stats.held_elsewhere_bytes -= size
+                self._stats.freed_device_bytes += size
+        except Exception:  # pragma: no cover - weakref callbacks must not raise
+            pass

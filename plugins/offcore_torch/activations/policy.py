@@ -35,6 +35,7 @@ from offcore.nvme.spec import NvmeSpec, as_spec
 from offcore.residency import PREFETCH_MODES, Watermark
 from offcore.scheduler import Scheduler
 from offcore.units import parse_duration, parse_size
+from offcore_torch.activations.records import GROUP_MAX_BYTES
 from offcore_torch.activations.storage import is_parameter_like
 
 __all__ = ["OffloadPolicy", "PackRules", "no_offload", "PREFETCH_MODES", "FALLBACKS", "KNOWN_OPTIONS"]
@@ -139,6 +140,7 @@ class OffloadPolicy:
     tier: str = "host"
     nvme: NvmeSpec | None = None
     nvme_read_ahead: int = 256 * 1024**2
+    group_below: int = 0
 
     @classmethod
     def parse(
@@ -162,6 +164,7 @@ class OffloadPolicy:
         tier: str | None = None,
         nvme: NvmeSpec | str | os.PathLike[str] | None = None,
         nvme_read_ahead: int | str = "256MiB",
+        group_below: int | str = 0,
         **unknown: Any,
     ) -> OffloadPolicy:
         if unknown:
@@ -208,6 +211,13 @@ class OffloadPolicy:
             )
         if spec is not None and tier != "nvme":
             raise ConfigurationError(f"nvme={nvme!r} was given with tier={tier!r}: pass tier='nvme' (or leave it out)")
+        group = parse_size(group_below, what="group_below", allow_zero=True)
+        if group > GROUP_MAX_BYTES:
+            raise ConfigurationError(
+                f"group_below={group_below!r} is more than a group holds ({GROUP_MAX_BYTES // 1024} KiB): storages of "
+                f"that size gain nothing from sharing a copy; give at most {GROUP_MAX_BYTES // 1024}KiB, or 0 to copy "
+                "every storage on its own"
+            )
         return cls(
             min_bytes=parse_size(min_bytes, what="min_bytes", allow_zero=True),
             prefetch=prefetch,
@@ -229,6 +239,7 @@ class OffloadPolicy:
             tier=tier,
             nvme=spec,
             nvme_read_ahead=parse_size(nvme_read_ahead, what="nvme_read_ahead"),
+            group_below=group,
         )
 
 

@@ -33,7 +33,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from offcore.ledger import Ledger
     from offcore.residency import ResidencyScheduler
 
-__all__ = ["EntryState", "DeviceFate", "Kept", "Offloaded", "Entry", "new_entry", "Region"]
+__all__ = [
+    "EntryState",
+    "DeviceFate",
+    "Kept",
+    "Offloaded",
+    "Entry",
+    "new_entry",
+    "GroupEntry",
+    "new_group",
+    "Region",
+]
 
 
 class Region(Protocol):
@@ -167,6 +177,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         "meta",
         "_name",
         "nbytes",
+        "data_bytes",
         "obj",
         "skey",
         "src",
@@ -264,7 +275,7 @@ def new_entry(
     entry.key = key
     entry.where = where
     entry.meta = meta
-    entry.nbytes = nbytes
+    entry.nbytes = entry.data_bytes = nbytes
     entry.skey = skey
     entry.host = host
     entry.host_view = host_view
@@ -296,3 +307,143 @@ def storage_died(entry: Entry) -> None:
         entry.region._storage_died(entry)
     except Exception:  # pragma: no cover - weakref callbacks must not raise
         pass
+
+
+# Note [Small storages are offloaded in groups]
+# Every offloaded storage costs offcore a fixed amount of host work, whatever its size: its entry, its
+# scheduler object and that object's transitions, its ledger records, two copies with their events, a
+# host buffer from the pool and back, its landing and its release. For storages of a few KiB that
+# fixed cost is most of a step's offload work (docs/benchmarks.md). With ``group_below`` set, storages
+# smaller than it are not offloaded one by one: the pack hook adds each to the region's open *group*
+# (:class:`GroupEntry`) and hands autograd its record (:class:`GroupedOffloaded`) at once; the group is
+# copied when it is full (``GROUP_MAX_BYTES`` or ``GROUP_MAX_MEMBERS``), when forward ends (the
+# region's exit) or when a record of it is unpacked first. From then on it is one entry like any
+# other: one host buffer holding its members one after another (each at a ``GROUP_ALIGN``-aligned
+# offset), one device-to-host ``copy_many`` (a ``copy_`` per member where the backend has none), one
+# scheduler object whose readers are all its members' save keys (needed at the first of their uses,
+# like a shared storage), one prefetch, one landing, one release. A prefetch or reload allocates each
+# member's storage on the device, exactly its size as an entry's is (so a saved tensor comes back with
+# its own storage, storage offset and size), and fills them with one host-to-device ``copy_many``; the
+# group's ``restored`` is then the list of those storages (:class:`RestoredMembers`), and a record is
+# restored over the one at its member's index.
+# - The values are those at save: the group holds each member's storage (``src``) from its pack until
+#   the copy landed, and a member modified in place before the group's copy fails its version check at
+#   unpack, as it does without offcore (a modification after save always raises there).
+# - Device memory: members' storages live until their group's copy landed, at most one group's bytes
+#   per region longer than one by one.
+# - A group is never "alive elsewhere" (``entry()`` is always None): until it landed and let go, its
+#   records are restored from their version keepers, which hold the storages (unpack.py); what the
+#   region counts per storage (freed or held-elsewhere bytes) it counts per member when the group lets go
+#   of them (OffloadHandle._members_released).
+# - A group whose copy could not be made (no host memory under fallback="keep", a copy refused at
+#   submission or failed on its stream) is FAILED: its records are restored from their keepers too.
+GROUP_MAX_BYTES = 1024**2
+"""A group is copied once it holds this many bytes (``group_below`` may be at most this)."""
+GROUP_MAX_MEMBERS = 256
+"""... or this many storages."""
+GROUP_ALIGN = 64
+"""Each member starts at a multiple of this many bytes in the group's buffers (any dtype's element size
+divides it; kernels reading a restored member see an aligned pointer)."""
+
+
+class GroupedOffloaded(Offloaded):
+    """What autograd holds for a saved tensor whose storage is a member of a group: also the member's index."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, entry: Entry, tensor: torch.Tensor, key: int, fmt: Any, meta: TensorMeta, member: int) -> None:
+        super().__init__(entry, tensor, key, fmt, meta)
+        self.member = member
+
+    def __del__(self) -> None:
+        group = self.entry
+        if group is not None:
+            try:
+                if group.unpacks_round == self.unpacked_round:  # counted in the group's unpacks: no longer live
+                    group.unpacks -= 1
+                group.region._item_died(group)
+            except Exception:  # pragma: no cover - never raise from a finalizer
+                pass
+
+
+class RestoredMembers(list):  # type: ignore[type-arg]
+    """A group's device copy: each member's restored storage, in member order (a list that can be weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Anchor:
+    """A weakly referable nothing: a group's weak reference is dead from the start (``entry()`` is None)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class GroupEntry(Entry):
+    """An entry holding several small storages, copied and scheduled as one (Note [Small storages are
+    offloaded in groups]). ``nbytes`` is its host buffer's size (members and alignment: what the
+    scheduler and the ledger count); ``data_bytes`` the members' own bytes (what its copies move, and
+    the figures count)."""
+
+    # per member, in member order: its storage (weakly), its size, its offset in the host buffer and the
+    # saved tensor's version at its pack; ``index``: member index by storage key (how a later save of the
+    # storage finds it); ``held``: the members alive elsewhere when the group let go of them (a weak
+    # reference each, whose callback counts the storage freed when it dies)
+    __slots__ = ("index", "refs", "sizes", "offsets", "versions", "held", "filled", "unpacks", "unpacks_round")
+
+    index: dict[int, int]
+    refs: list[weakref.ref[torch.UntypedStorage]]
+    sizes: list[int]
+    offsets: list[int]
+    versions: list[int]
+    held: dict[int, weakref.ref[torch.UntypedStorage]] | None
+
+    def add_item(self, item: Offloaded) -> None:
+        """Know ``item`` as one more record of this group (a list: a group has many)."""
+        ref = weakref.ref(item)
+        if self.items is None:
+            self.items = ref
+        elif self.more_items is None:
+            self.more_items = [ref]  # type: ignore[assignment]
+        else:
+            self.more_items.append(ref)  # type: ignore[attr-defined]
+
+    # ``unpacks``: how many live records were unpacked in round ``unpacks_round`` (counted at their first
+    # unpack in it, uncounted when such a record dies), so that all_unpacked is one comparison, not a
+    # walk over the group's records at every unpack
+    def all_unpacked(self, round_: int) -> bool:
+        """Every record autograd still holds was unpacked in backward round ``round_``."""
+        return self.unpacks_round == round_ and self.unpacks >= self.live
+
+    def note_unpack(self, item: Offloaded, round_: int) -> None:
+        """Count ``item``'s first unpack in round ``round_`` (before its ``unpacked_round`` is set)."""
+        if self.unpacks_round != round_:
+            self.unpacks_round, self.unpacks = round_, 0
+        if item.unpacked_round != round_:
+            self.unpacks += 1
+
+
+def new_group(region: Region, key: int, where: str, meta: TensorMeta) -> GroupEntry:
+    """A new, empty, open :class:`GroupEntry` named by its first member's save ``key``."""
+    anchor = _Anchor()
+    group = _new_ref(GroupEntry, anchor)  # no callback: the anchor dies now, the reference is dead
+    del anchor
+    group.region = region
+    group.key = key
+    group.where = where
+    group.meta = meta
+    group.nbytes = group.filled = group.data_bytes = group.version_at_copy = group.live = 0
+    group.skey = -1  # never a key of _by_storage: each member's storage key is (OffloadHandle._pack_grouped)
+    group.host = group.host_view = None
+    group._name = group.obj = group.items = group.more_items = None  # type: ignore[assignment]
+    group.restored = group.restored_ref = group.nvme = None
+    group.src = []  # type: ignore[assignment]  # the members' storages (bytes), held until the copy landed
+    group.index = {}
+    group.refs, group.sizes, group.offsets, group.versions = [], [], [], []
+    group.held = None
+    group.used = group.modified_in_flight = group.alive_elsewhere = False
+    group.used_round = group.unpacks_round = -1
+    group.unpacks = 0
+    group.state = _COPYING
+    group.fate = _UNKNOWN
+    group.keys = []  # type: ignore[assignment]  # (a list: a group has many)
+    return group

@@ -24,9 +24,10 @@ from offcore_torch.activations.copies import (
     _range,
     poll,
 )
-from offcore_torch.activations.records import Entry, EntryState, Kept, Offloaded
+from offcore_torch.activations.records import Entry, EntryState, GroupedOffloaded, GroupEntry, Kept, Offloaded
 from offcore_torch.activations.storage import (
     TensorMeta,
+    internal_ops,
 )
 from offcore_torch.runtime import (
     _TIMING_BATCH,
@@ -34,7 +35,7 @@ from offcore_torch.runtime import (
 
 # enum members read in hot paths: Note [Enum members are read once per module] (offcore/kinds.py)
 _H2D = Direction.H2D
-_DISPOSED = EntryState.DISPOSED
+_DISPOSED, _LANDED = EntryState.DISPOSED, EntryState.LANDED
 _PREFETCHING, _RESTORED = State.PREFETCHING, State.RESTORED
 _DEVICE = Tier.DEVICE
 
@@ -151,6 +152,13 @@ class _Unpack:
             )
         sched = self._sched
         round_ = sched.round
+        if type(entry) is GroupEntry:  # Note [Small storages are offloaded in groups] (records.py)
+            if entry is self._open_group:  # read before forward ended (backward inside the region, by hand)
+                self._flush_group()
+            entry.note_unpack(packed, round_)
+            if entry.src is not None or entry.state is not _LANDED:  # copying, held, or not copied: the keepers
+                # still hold the members' storages (as an entry's live storage is read)
+                return self._restore_from_keeper(packed, key, now)
         if entry.restored is not None:  # prefetched (the common case): _device_storage's first branch, inlined
             if entry.used_round != round_ and sched.is_outstanding(entry.key):
                 self._stats.prefetch_hits += 1
@@ -160,6 +168,8 @@ class _Unpack:
             storage = self._await_prefetch(entry)
         else:
             storage = self._device_storage(entry, key, now, entry.used_round != round_)
+        if type(packed) is GroupedOffloaded:
+            storage = storage[packed.member]  # the group's RestoredMembers
         out = packed.meta.restore(packed.keeper, storage)
         if packed.fmt is not None:
             out = self.device.restore_format(out, packed.fmt)
@@ -169,6 +179,28 @@ class _Unpack:
         # ``packed`` is alive (autograd passed it in): with one live record it is the only one
         if entry.live == 1 or entry.all_unpacked(round_):
             self._consumed(entry)
+        return out
+
+    def _restore_from_keeper(self, packed: Offloaded, key: int, now: float) -> torch.Tensor:
+        """A record of a group whose copy has not landed (or was not made): its tensor again, from its
+        version keeper, which holds the storage until the group lands (as an entry's live storage is read)."""
+        group, sched = packed.entry, self._sched
+        if group.obj is None:  # never copied: a save read from the device, like a Kept one
+            actions = sched.used(key, now)
+        else:
+            if group.used_round != sched.round:
+                self._stats.reused_live_bytes += group.data_bytes
+            sched.reused(group.key)
+            actions = sched.used(key, now, managed_key=group.key)
+        if actions is not NO_ACTIONS:
+            self._execute(actions)
+        with internal_ops():
+            out = packed.keeper.detach()
+        round_ = sched.round
+        group.used = True
+        group.used_round = packed.unpacked_round = round_
+        if group.obj is not None and (group.live == 1 or group.all_unpacked(round_)):
+            self._consumed(group)
         return out
 
     def _device_storage(self, entry: Entry, key: int, now: float, first_use: bool) -> torch.UntypedStorage:
@@ -191,7 +223,7 @@ class _Unpack:
             sched.reused(entry.key)
             self._execute(sched.used(key, now, managed_key=entry.key))
             if first_use:
-                self._stats.reused_live_bytes += entry.nbytes
+                self._stats.reused_live_bytes += entry.data_bytes
             entry.restored = live
             return self._await_prefetch(entry) if in_flight else live
         # a miss: reload now; the whole copy is exposed and charged to this object
@@ -204,13 +236,20 @@ class _Unpack:
             self._host_from_nvme(entry)
         device, runtime = self.device, self.runtime
         compute = device.current_stream()
-        dst = self._allocate_device(entry.nbytes)
+        pairs = None
+        if type(entry) is GroupEntry:  # each member's own storage (Note [Small storages are offloaded in groups])
+            restored, pairs = self._members_on_device(entry)
+        else:
+            dst = self._allocate_device(entry.nbytes)
         with _range("offcore::h2d"), _range("offcore::wait"):
             start, issued = runtime.begin_timing(device, compute)
             try:
-                done = device.copy_(dst, entry.host_view, stream=compute)
-                self._h2d_copies += 1
-                self._h2d_bytes += entry.nbytes
+                if pairs is None:
+                    done = device.copy_(dst, entry.host_view, stream=compute)
+                else:
+                    done = self._copy_pairs(pairs, compute)
+                self._h2d_copies += 1 if pairs is None else len(pairs)
+                self._h2d_bytes += entry.data_bytes
                 compute.wait_event(done)
             except Exception as exc:
                 raise CopyFailedError(
@@ -218,7 +257,7 @@ class _Unpack:
                     f"({type(exc).__name__}: {exc}); its host copy is intact, but this backward cannot go on. "
                     "Drop the graph (the step) and run it again."
                 ) from exc
-            for nbytes, direction in ((entry.nbytes, _H2D), (0, None)):  # a copy, and a wait
+            for nbytes, direction in ((entry.data_bytes, _H2D), (0, None)):  # a copy, and a wait
                 runtime.end_timing(
                     device,
                     compute,
@@ -233,8 +272,8 @@ class _Unpack:
         self._sched.reloaded(entry.key, done)
         self._stats.stalls += 1
         self._stats.stalled_objects.append(entry.name)
-        self._stats.reloaded_bytes += entry.nbytes
-        storage = dst.untyped_storage()
+        self._stats.reloaded_bytes += entry.data_bytes
+        storage = dst.untyped_storage() if pairs is None else restored
         entry.restored = storage
         entry.restored_ref = weakref.ref(storage)
         return storage
@@ -304,8 +343,8 @@ class _Unpack:
         self.runtime.recover(self.runtime.h2d_stream)
         self._sched.prefetch_failed(entry.key)
         entry.restored = entry.restored_ref = None
-        self._stats.reloaded_bytes -= entry.nbytes
-        self._stats.prefetched_bytes -= entry.nbytes
+        self._stats.reloaded_bytes -= entry.data_bytes
+        self._stats.prefetched_bytes -= entry.data_bytes
         self._copy_failed(entry, exc, "host-to-device prefetch failed")
         return self._reload_now(entry)
 
