@@ -23,6 +23,9 @@ torch = pytest.importorskip("torch")
 
 import offcore_torch  # noqa: E402
 from offcore_torch.activations.records import GROUP_MAX_BYTES  # noqa: E402
+
+# torch's note on an experimental dtype (one of every dtype is saved), not about offcore
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 from offcore_torch.models import cnn_workload, gpt_workload, mlp_workload, view_saver_workload  # noqa: E402
 from offcore_torch.testing import assert_bit_identical, run_workload  # noqa: E402
 from offload_helpers import memory_levels, same_storage, sanitized_device, settle  # noqa: E402

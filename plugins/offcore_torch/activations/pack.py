@@ -493,8 +493,9 @@ class _Pack:
             if order is None:
                 order = self._h2d_order = device.new_event()
         timed = runtime.timing and (count < 2 or self._tracing or runtime.sample(direction))
+        compute = device.current_stream()
         with _range(_RANGE_NAMES[direction]) if timed or _profiler._is_profiler_enabled else contextlib.nullcontext():
-            stream.wait_event(device.current_stream().record_event(order))
+            stream.wait_event(compute.record_event(order))
             start, issued = runtime.begin_timing(device, stream) if timed else (None, 0.0)
             done = self._copy_pairs(pairs, stream)
             if timed:
