@@ -27,7 +27,7 @@ import collections
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -737,6 +737,45 @@ class TorchAcceleratorDevice:
         if dst_side == "host" and src_side == "device" and not self._is_pinned(dst):
             return self._copy_to_pageable(dst, src, stream, start_event)
         return self._copy_async(dst, src, stream, start_event)
+
+    # Note [A batch of pinned copies records one event]
+    # Each copy_ records an event on its stream, and enters the stream's context: host work per copy
+    # that a batch of small copies (a group of small saved storages, offcore_torch's Note [Small
+    # storages are offloaded in groups]) pays for every member. copy_many enqueues a batch whose
+    # pairs are all pinned host <-> device under one stream context and records one event after the
+    # last: the copies run in order on the stream, so that event completes after all of them. A batch
+    # with any other pair (pageable, host to host, device to device) is copy_ per pair, in order: each
+    # of those has its own handling (staging, a synchronize), and the last copy's event is returned.
+    def copy_many(self, pairs: Sequence[tuple[Any, Any]], *, stream: Any) -> Any:
+        """Enqueue ``dst[...] = src`` for each ``(dst, src)`` of ``pairs``, in order, on ``stream``; the returned
+        event completes when the last one landed (Note [A batch of pinned copies records one event]).
+
+            >>> done = dev.copy_many([(weight, host_w), (bias, host_b)], stream=h2d)   # doctest: +SKIP
+        """
+        if stream is None:
+            raise ConfigurationError("copy_many needs the stream to enqueue on (e.g. dev.new_stream())")
+        if not pairs:
+            raise ConfigurationError("copy_many needs at least one (dst, src) pair")
+        matched = []
+        for dst, src in pairs:
+            sides = (self._side(dst, "dst"), self._side(src, "src"))
+            if sides == ("device", "host"):
+                pinned = self._is_pinned(src)
+            elif sides == ("host", "device"):
+                pinned = self._is_pinned(dst)
+            else:
+                pinned = False
+            if not pinned:  # a pair copy_ handles its own way: every pair through it, in order
+                event: Any = None
+                for each_dst, each_src in pairs:
+                    event = self.copy_(each_dst, each_src, stream=stream)
+                return event
+            matched.append(match_layout(dst, src))
+        self._slots.reap()
+        with self._mod.stream(stream):
+            for dst, src in matched:
+                dst.copy_(src, non_blocking=True)
+        return self._record(stream)
 
     def _record(self, stream: Any) -> Any:
         event = self._mod.Event()

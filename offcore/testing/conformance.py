@@ -649,6 +649,40 @@ class BackendConformance:
         pool.release(staging)
         pool.release(back)
 
+    # ------------------------------------------------------------------ copy_many (optional)
+
+    def test_copy_many_copies_every_pair_in_order_and_its_event_covers_them(
+        self, backend: Any, buffers: _Buffers, kit: BufferKit
+    ) -> None:
+        """Device storages to slices of one pinned pool buffer and back (how a binding batches small
+        copies), then two pairs writing one destination: the later source wins."""
+        many = getattr(backend, "copy_many", None)
+        if many is None:
+            pytest.skip("the backend has no copy_many (an optional member)")
+        shapes: list[Shape] = [(64,), (3, 5), (128, 3), (1,)]
+        sizes = [kit.nbytes_of("float32", shape) for shape in shapes]
+        offsets = [64 * ((sum(sizes[:i]) + 63) // 64 + i) for i in range(len(shapes))]  # aligned slices, with gaps
+        pool = backend.host_pool(4 * MiB, pinned=True)
+        staging = pool.acquire(offsets[-1] + sizes[-1])
+        slices = [
+            kit.typed(staging.view[offset : offset + size], "float32", shape)
+            for offset, size, shape in zip(offsets, sizes, shapes, strict=True)
+        ]
+        sources = [buffers.filled(Tier.DEVICE, "float32", shape) for shape in shapes]
+        back = [buffers.empty(Tier.DEVICE, "float32", shape) for shape in shapes]
+        stream = buffers.copy_stream()
+        down = many(list(zip(slices, sources, strict=True)), stream=stream)
+        up = many(list(zip(back, slices, strict=True)), stream=stream)
+        up.synchronize()
+        assert down.query(), "the first batch's event is pending after a later batch on its stream completed"
+        for got, want, shape in zip(back, sources, shapes, strict=True):
+            np.testing.assert_array_equal(kit.read(got), kit.read(want), err_msg=f"pair of shape {shape}")
+        first, second = (buffers.filled(Tier.PINNED, "float32", (256,)) for _ in range(2))
+        target = buffers.empty(Tier.DEVICE, "float32", (256,))
+        many([(target, first), (target, second)], stream=stream).synchronize()
+        np.testing.assert_array_equal(kit.read(target), kit.read(second), err_msg="the later pair must win")
+        pool.release(staging)
+
 
 def _small_allocation_still_works(backend: Any) -> bool:
     """A device that refused an allocation still serves a small one afterwards."""

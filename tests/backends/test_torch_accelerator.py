@@ -342,6 +342,37 @@ def test_h2d_from_pinned_is_one_async_copy_on_the_stream(dev: Any, module: FakeA
     assert _bytes(dst) == _bytes(src)
 
 
+def test_a_batch_of_pinned_copies_is_one_stream_context_and_one_event(dev: Any, module: FakeAcceleratorModule) -> None:
+    """Note [A batch of pinned copies records one event]: pinned <-> device pairs, in order, one event."""
+    host = dev.allocate(4 * 16 * 3, Tier.PINNED)
+    slices = [typed_view(host[i * 64 : (i + 1) * 64], torch.float32, (16,)) for i in range(3)]
+    for i, piece in enumerate(slices):
+        piece.copy_(torch.full((16,), float(i)))
+    targets = [dev.to_device(torch.zeros(16)) for _ in range(3)]
+    back = [typed_view(dev.allocate(64, Tier.PINNED), torch.float32, (16,)) for _ in range(3)]
+    stream = dev.new_stream()
+    events = len(module.stream_log)
+    made = []
+    module.Event = lambda *a, **k: made.append(1) or module._make_event(*a, **k)
+    up = dev.copy_many(list(zip(targets, slices, strict=True)), stream=stream)
+    down = dev.copy_many(list(zip(back, targets, strict=True)), stream=stream)
+    assert module.stream_log[events:] == [stream, stream], "one stream context per batch"
+    assert len(made) == 2 and up.stream is stream and down.stream is stream, "one event per batch"
+    assert [_bytes(b) for b in back] == [_bytes(s) for s in slices]
+
+
+def test_a_batch_with_a_pageable_pair_copies_each_pair_its_own_way(dev: Any) -> None:
+    pinned = typed_view(dev.allocate(64, Tier.PINNED), torch.float32, (16,))
+    pinned.copy_(torch.arange(16.0))
+    pageable = torch.arange(16.0) * 2
+    first, second = dev.to_device(torch.zeros(16)), dev.to_device(torch.zeros(16))
+    dev.copy_many([(first, pinned), (second, pageable)], stream=dev.new_stream())
+    dev.synchronize()
+    assert _bytes(first) == _bytes(pinned) and _bytes(second) == _bytes(pageable) and dev.staged_copies == 1
+    with pytest.raises(offcore.ConfigurationError, match="at least one"):
+        dev.copy_many([], stream=dev.new_stream())
+
+
 def test_h2d_from_pageable_stages_and_keeps_the_buffer_until_the_event_completes(
     dev: Any, module: FakeAcceleratorModule
 ) -> None:
