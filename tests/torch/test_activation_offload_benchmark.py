@@ -50,6 +50,7 @@ def test_benchmark_runs_both_scenarios_and_checks_every_target(tmp_path: Path) -
         "copies only (cost floor)",
         "offcore (on demand)",
         "offcore (deadline)",
+        "offcore (deadline, grouped)",
     ]
     assert all(row["offloaded_bytes"] > 0 for row in window["rows"] if row["variant"].startswith("offcore"))
     assert window["targets"][0]["target"].startswith("precondition")
@@ -60,6 +61,7 @@ def test_benchmark_runs_both_scenarios_and_checks_every_target(tmp_path: Path) -
     assert {t["target"] for t in unlimited["targets"]} == {
         "offcore (on demand): overhead <= 10 % of keep-all",
         "offcore (deadline): overhead <= 10 % of keep-all",
+        "offcore (deadline, grouped): overhead <= 10 % of keep-all",
     }
     # Whether a target is met depends on timing (that is the benchmark's to report, not a test's to
     # assert); what is asserted is that each verdict is the one its own figures give, and that the
