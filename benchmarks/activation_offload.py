@@ -85,6 +85,7 @@ from typing import Any
 
 import offcore_torch
 import torch
+from offcore_torch.activations.policy import KNOWN_OPTIONS
 from offcore_torch.activations.storage import is_parameter_like
 from offcore_torch.layers import find_layers
 from offcore_torch.models import GPTConfig, Workload, gpt_workload
@@ -298,7 +299,11 @@ def variants(*, scoped: bool = False) -> list[Variant]:
         ),
         Variant("offcore (on demand)", offcore_region("on_demand")),
         Variant("offcore (deadline)", offcore_region("deadline")),
-        Variant("offcore (deadline, grouped)", offcore_region("deadline", group_below=GROUP_BELOW)),
+        *(  # (a tree from before group_below, run with --compare-with style paths, has no grouped variant)
+            [Variant("offcore (deadline, grouped)", offcore_region("deadline", group_below=GROUP_BELOW))]
+            if "group_below" in KNOWN_OPTIONS
+            else []
+        ),
     ]
 
 
