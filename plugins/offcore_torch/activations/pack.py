@@ -292,18 +292,25 @@ class _Pack:
             # Note [Copy timings start at the copy]
             start, issued = runtime.begin_timing(device, stream, record=False)
             done = device.copy_(dst, src, stream=stream, start_event=start)
-            runtime.end_timing(
-                device,
-                stream,
-                start,
-                issued,
-                nbytes=nbytes,
-                direction=direction,
-                label=entry.name,
-                ledger=self._ledger,
-                trace=self._trace,
-            )
+            self._end_timing(stream, start, issued, nbytes=nbytes, direction=direction, label=entry.name)
         return done
+
+    def _end_timing(
+        self, stream: Any, start: Any, issued: float, *, nbytes: int, direction: Direction | None, label: str
+    ) -> None:
+        """``runtime.end_timing`` of a copy (or a wait: ``direction`` None) this region timed, into its ledger and
+        trace."""
+        self.runtime.end_timing(
+            self.device,
+            stream,
+            start,
+            issued,
+            nbytes=nbytes,
+            direction=direction,
+            label=label,
+            ledger=self._ledger,
+            trace=self._trace,
+        )
 
     def _flush_copies(self) -> None:
         """Add the copies issued since the last flush to the ledger (Note [Batched bookkeeping])."""
@@ -499,17 +506,7 @@ class _Pack:
             start, issued = runtime.begin_timing(device, stream) if timed else (None, 0.0)
             done = self._copy_pairs(pairs, stream)
             if timed:
-                runtime.end_timing(
-                    device,
-                    stream,
-                    start,
-                    issued,
-                    nbytes=nbytes,
-                    direction=direction,
-                    label=group.name,
-                    ledger=self._ledger,
-                    trace=self._trace,
-                )
+                self._end_timing(stream, start, issued, nbytes=nbytes, direction=direction, label=group.name)
         return done
 
     def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:

@@ -258,17 +258,7 @@ class _Unpack:
                     "Drop the graph (the step) and run it again."
                 ) from exc
             for nbytes, direction in ((entry.data_bytes, _H2D), (0, None)):  # a copy, and a wait
-                runtime.end_timing(
-                    device,
-                    compute,
-                    start,
-                    issued,
-                    nbytes=nbytes,
-                    direction=direction,
-                    label=entry.name,
-                    ledger=self._ledger,
-                    trace=self._trace,
-                )
+                self._end_timing(compute, start, issued, nbytes=nbytes, direction=direction, label=entry.name)
         self._sched.reloaded(entry.key, done)
         self._stats.stalls += 1
         self._stats.stalled_objects.append(entry.name)
@@ -320,17 +310,7 @@ class _Unpack:
                 with _range("offcore::wait"):
                     start, issued = runtime.begin_timing(device, compute)
                     compute.wait_event(event)
-                    runtime.end_timing(
-                        device,
-                        compute,
-                        start,
-                        issued,
-                        nbytes=0,
-                        direction=None,
-                        label=entry.name,
-                        ledger=self._ledger,
-                        trace=self._trace,
-                    )
+                    self._end_timing(compute, start, issued, nbytes=0, direction=None, label=entry.name)
             # else it has landed, and the host saw it complete: every later use, on any stream, is
             # ordered after the copy without a wait (Note [A landed copy needs no wait])
         except Exception as exc:  # the prefetch failed on its stream: its buffer is garbage
