@@ -124,11 +124,11 @@ class _Pack:
         entry = self._by_storage.get(skey)
         if entry is not None and entry.state is not _DISPOSED:
             if entry() is storage:
-                return self._pack_shared(entry, tensor, key)
+                return self._pack_shared(entry, tensor, key, entry.version_at_copy)
             if type(entry) is GroupEntry:  # a member's storage? (a group's own reference is always dead)
                 member = entry.index.get(skey)
                 if member is not None and entry.refs[member]() is storage:
-                    return self._pack_shared_member(entry, member, tensor, key)
+                    return self._pack_shared(entry, tensor, key, entry.versions[member], member)
 
         reason = rules.for_new_storage(nbytes, marked)
         if reason is not None:
@@ -193,16 +193,19 @@ class _Pack:
                 empty = self._empty[dtype] = torch.empty(0, dtype=keeper.dtype, device=keeper.device)
         item.keeper.data = empty  # no op: no dispatch mode sees it (Note [Metadata ops bypass dispatch modes])
 
-    def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int) -> Any:
-        """A further tensor on an already offloaded storage: share its copy (dedupe)."""
-        if entry.obj.state not in (_OFFLOADING, _OFFLOADED) or self._sched.in_backward:
-            return self._keep(tensor, key, "shared_storage_busy")
-        if tensor._version != entry.version_at_copy:
+    def _pack_shared(self, entry: Entry, tensor: torch.Tensor, key: int, version: int, member: int = -1) -> Any:
+        """A further tensor on an already offloaded storage, ``version`` when its copy was taken (for a group's
+        ``member``: when the group took it): share its copy (dedupe). The open group's copy is still to come."""
+        if entry is not self._open_group:
+            obj = entry.obj  # None: a group that could not be copied
+            if obj is None or obj.state not in (_OFFLOADING, _OFFLOADED) or self._sched.in_backward:
+                return self._keep(tensor, key, "shared_storage_busy")
+        if tensor._version != version:
             # modified in place since the copy was taken: the copy is stale for this tensor.
             # (The earlier saves of this storage will fail their own version check.)
             return self._keep(tensor, key, "modified_after_save")
-        entry.keys = (*entry.keys, key)
-        return self._record(entry, tensor, key, TensorMeta.of(tensor))
+        entry.keys += (key,)  # a tuple, a new one; a group's list, extended
+        return self._record(entry, tensor, key, TensorMeta.of(tensor), member)
 
     def _under_pressure(self) -> bool:
         """The watermark rule on the device's own accounting (PackRules.under_pressure)."""
@@ -213,6 +216,31 @@ class _Pack:
         if pool is None:
             pool = self._host_pool = self.runtime.pool(self.device, self.policy.host_budget, self.policy.pinned)
         return pool
+
+    def _host_buffer(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
+        """A host buffer of ``nbytes`` for a device-to-host copy: the pool's, else what the fallback policy
+        gives (:meth:`_host_after_refusal`); None: keep on the device."""
+        pool = self._host_pool or self._pool()
+        try:
+            if dispatch_modes():  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
+                with internal_ops():
+                    buffer = pool.acquire(nbytes)
+            else:
+                buffer = pool.acquire(nbytes)
+        except CapacityExceededError:
+            return self._host_after_refusal(nbytes)
+        return buffer, buffer.view, self._host_tier
+
+    def _storage_bytes(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+        """A ``uint8`` tensor over every byte of ``storage`` (a copy's source): ``raw_bytes`` without torch.empty's
+        argument parsing, from this region's empty byte tensor on ``device``."""
+        if dispatch_modes():
+            with internal_ops():
+                return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        no_bytes = self._no_bytes.get(device)
+        if no_bytes is None:
+            no_bytes = self._no_bytes[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        return no_bytes.new().set_(storage)
 
     def _host_after_refusal(self, nbytes: int) -> tuple[Any, torch.Tensor, Tier] | None:
         """The pool refused ``nbytes`` (``_offload`` asks it first): ask again once the copies that
@@ -324,32 +352,15 @@ class _Pack:
     def _offload(
         self, storage: torch.UntypedStorage, nbytes: int, skey: int, tensor: torch.Tensor, key: int, meta: TensorMeta
     ) -> Entry | None:
-        pool = self._host_pool or self._pool()
-        modes = dispatch_modes()
-        try:  # once per offloaded storage: the pool first
-            if modes:  # may slice a pool block (Note [Metadata ops bypass dispatch modes])
-                with internal_ops():
-                    buffer = pool.acquire(nbytes)
-            else:
-                buffer = pool.acquire(nbytes)
-            host_view, tier = buffer.view, self._host_tier
-        except CapacityExceededError:
-            host = self._host_after_refusal(nbytes)
-            if host is None:
-                return None
-            buffer, host_view, tier = host
+        host = self._host_buffer(nbytes)  # once per offloaded storage: the pool first
+        if host is None:
+            return None
+        buffer, host_view, tier = host
         stack = self._rules.module_stack
         where = stack[-1] if stack else "forward"  # PackRules.where(), inlined
         # the weak reference to ``storage``
         entry = new_entry(storage, self, key, where, meta, nbytes, skey, buffer, host_view, tensor._version)
-        if modes:  # raw_bytes(storage, meta.device), inlined
-            with internal_ops():
-                src = entry.src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
-        else:  # the same, from this region's empty byte tensor on that device (no torch.empty argument parsing)
-            no_bytes = self._no_bytes.get(meta.device)
-            if no_bytes is None:
-                no_bytes = self._no_bytes[meta.device] = torch.empty(0, dtype=torch.uint8, device=meta.device)
-            src = entry.src = no_bytes.new().set_(storage)
+        src = entry.src = self._storage_bytes(storage, meta.device)
         try:
             done = self._copy_d2h(host_view, src, nbytes, entry)
         except BaseException as exc:
@@ -385,14 +396,7 @@ class _Pack:
         if group is None:
             stack = self._rules.module_stack
             group = self._open_group = new_group(self, key, stack[-1] if stack else "forward", meta)
-        if dispatch_modes():
-            with internal_ops():
-                src = torch.empty(0, dtype=torch.uint8, device=meta.device).set_(storage)
-        else:
-            no_bytes = self._no_bytes.get(meta.device)
-            if no_bytes is None:
-                no_bytes = self._no_bytes[meta.device] = torch.empty(0, dtype=torch.uint8, device=meta.device)
-            src = no_bytes.new().set_(storage)
+        src = self._storage_bytes(storage, meta.device)
         member = len(group.refs)
         group.index[skey] = member
         group.refs.append(weakref.ref(storage))
@@ -400,7 +404,7 @@ class _Pack:
         group.offsets.append(group.filled)
         group.versions.append(tensor._version)
         group.src.append(src)  # type: ignore[attr-defined]
-        group.keys.append(key)  # type: ignore[attr-defined]
+        group.keys += (key,)  # (a list)
         group.filled += size
         group.data_bytes += nbytes
         with self._lock:
@@ -409,18 +413,6 @@ class _Pack:
         stats.offloaded_bytes += nbytes
         stats.offloaded_storages += 1
         return self._record(group, tensor, key, meta, member)
-
-    def _pack_shared_member(self, group: GroupEntry, member: int, tensor: torch.Tensor, key: int) -> Any:
-        """A further tensor on a storage a group holds: share the group's copy (dedupe), as _pack_shared does."""
-        if group is not self._open_group:
-            if group.state is not EntryState.COPYING and group.state is not _LANDED:
-                return self._keep(tensor, key, "shared_storage_busy")  # the group could not be copied
-            if group.obj.state not in (_OFFLOADING, _OFFLOADED) or self._sched.in_backward:
-                return self._keep(tensor, key, "shared_storage_busy")
-        if tensor._version != group.versions[member]:
-            return self._keep(tensor, key, "modified_after_save")  # (its earlier saves fail their own check)
-        group.keys.append(key)  # type: ignore[attr-defined]
-        return self._record(group, tensor, key, TensorMeta.of(tensor), member)
 
     def _flush_group(self) -> None:
         """Copy the open group to the host (one buffer, one ``copy_many``) and register it with the scheduler."""
@@ -441,17 +433,11 @@ class _Pack:
         cap = self._max_inflight
         if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
-        pool = self._host_pool or self._pool()
-        try:
-            with internal_ops():  # slices a pool block (Note [Metadata ops bypass dispatch modes])
-                buffer = pool.acquire(nbytes)
-            host_view, tier = buffer.view, self._host_tier
-        except CapacityExceededError:
-            host = self._host_after_refusal(nbytes)
-            if host is None:
-                self._group_not_offloaded(group, "host_budget")
-                return
-            buffer, host_view, tier = host
+        host = self._host_buffer(nbytes)
+        if host is None:
+            self._group_not_offloaded(group, "host_budget")
+            return
+        buffer, host_view, tier = host
         group.host, group.host_view = buffer, host_view
         with internal_ops():
             pairs = [

@@ -158,7 +158,8 @@ class Offloaded:
 # weak references (a record holds its entry; a strong reference back would be a cycle only the
 # collector frees) kept without a list: the first record's is ``items`` (None until the pack that
 # made the entry made the record), further records on the same storage (dedupe) are the tuple
-# ``more_items``, None while there are none. Readers: live_items() and all_unpacked(), and the
+# ``more_items``, None while there are none (a group's is a list, extended: Note [Small storages are offloaded in
+# groups]). Readers: live_items() and all_unpacked(), and the
 # landing (landings.py) and consumption (unpack.py) paths, which read ``items`` directly when
 # ``more_items`` is None.
 class Entry(weakref.ref):  # type: ignore[type-arg]
@@ -238,8 +239,10 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
         ref = weakref.ref(item)
         if self.items is None:
             self.items = ref
+        elif self.more_items is None:
+            self.more_items = (ref,)
         else:
-            self.more_items = (*(self.more_items or ()), ref)
+            self.more_items += (ref,)  # a tuple, a new one; a group's list (GroupEntry), extended
 
     def all_unpacked(self, round_: int) -> bool:
         """Every record autograd still holds was unpacked in backward round ``round_``."""
@@ -357,13 +360,9 @@ class GroupedOffloaded(Offloaded):
 
     def __del__(self) -> None:
         group = self.entry
-        if group is not None:
-            try:
-                if group.unpacks_round == self.unpacked_round:  # counted in the group's unpacks: no longer live
-                    group.unpacks -= 1
-                group.region._item_died(group)
-            except Exception:  # pragma: no cover - never raise from a finalizer
-                pass
+        if group is not None and group.unpacks_round == self.unpacked_round:
+            group.unpacks -= 1  # counted in the group's unpacks: no longer live
+        Offloaded.__del__(self)
 
 
 class RestoredMembers(list):  # type: ignore[type-arg]
@@ -397,16 +396,6 @@ class GroupEntry(Entry):
     versions: list[int]
     held: dict[int, weakref.ref[torch.UntypedStorage]] | None
 
-    def add_item(self, item: Offloaded) -> None:
-        """Know ``item`` as one more record of this group (a list: a group has many)."""
-        ref = weakref.ref(item)
-        if self.items is None:
-            self.items = ref
-        elif self.more_items is None:
-            self.more_items = [ref]  # type: ignore[assignment]
-        else:
-            self.more_items.append(ref)  # type: ignore[attr-defined]
-
     # ``unpacks``: how many live records were unpacked in round ``unpacks_round`` (counted at their first
     # unpack in it, uncounted when such a record dies), so that all_unpacked is one comparison, not a
     # walk over the group's records at every unpack
@@ -434,7 +423,8 @@ def new_group(region: Region, key: int, where: str, meta: TensorMeta) -> GroupEn
     group.nbytes = group.filled = group.data_bytes = group.version_at_copy = group.live = 0
     group.skey = -1  # never a key of _by_storage: each member's storage key is (OffloadHandle._pack_grouped)
     group.host = group.host_view = None
-    group._name = group.obj = group.items = group.more_items = None  # type: ignore[assignment]
+    group._name = group.obj = group.items = None  # type: ignore[assignment]
+    group.more_items = []  # type: ignore[assignment]  # (a list: a group has many; Entry.add_item extends it)
     group.restored = group.restored_ref = group.nvme = None
     group.src = []  # type: ignore[assignment]  # the members' storages (bytes), held until the copy landed
     group.index = {}
