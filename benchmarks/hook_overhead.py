@@ -394,7 +394,7 @@ class _Worker:
                 context: Any = contextlib.nullcontext()
             elif variant == "offcore":
                 context = offcore_torch.offload_activations(device, min_bytes=0, prefetch="deadline")
-            elif variant == "offcore, grouped":
+            elif variant == GROUPED:
                 try:
                     context = offcore_torch.offload_activations(
                         device,

@@ -123,8 +123,10 @@ def test_a_saves_work_does_not_grow_with_the_step(
     dev = offcore.device("instant")
     with dev:
         x = torch.randn(256, generator=torch.Generator().manual_seed(0)).to(dev.torch_device).requires_grad_(True)
-        fresh = {"schedule": Scheduler} if policy else {}  # (groups: a scheduler per length, see above)
-        lines = {n: _lines_executed(dev, x, n, **policy, **{k: make() for k, make in fresh.items()}) for n in lengths}
+        lines = {}
+        for n in lengths:
+            own = {"schedule": Scheduler()} if policy else {}  # groups: a scheduler per length (see above)
+            lines[n] = _lines_executed(dev, x, n, **policy, **own)
     # the marginal lines per save over each doubling: equal when a save's work is O(1)
     marginal = [(lines[b] - lines[a]) / (b - a) for a, b in zip(lengths, lengths[1:], strict=False)]
     assert max(marginal) <= 1.02 * min(marginal), (lines, marginal)
