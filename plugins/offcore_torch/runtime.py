@@ -147,6 +147,9 @@ class DeviceRuntime:
         # (token, failure) of the D2H copies that landed, until the binding takes them
         self._landed: collections.deque[tuple[Any, Exception | None]] = collections.deque()
         self._sampled_d2h = self._sampled_h2d = 0  # copies asked about per direction (sample)
+        # the regions whose group of small storages is still open, weakly, by the thread that entered them
+        # (Note [Small storages are offloaded in groups] in activations/records.py; synchronize copies them)
+        self.open_groups: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     # -- host pools --------------------------------------------------------------------
     def pool(self, device: Any, budget: int, pinned: bool) -> HostBufferPool:

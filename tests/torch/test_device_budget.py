@@ -211,7 +211,8 @@ def test_an_evicted_prefetch_still_in_flight_is_waited_for_before_backward_reads
                     settle(dev)
                     shared.release(other, 0)
 
-                policy = {"min_bytes": "1KiB", "schedule": FixedScheduler(eager=True)}
+                # group_below=0: each saved tensor its own object (in one group, c and x * 1.0 would share a prefetch)
+                policy = {"min_bytes": "1KiB", "group_below": 0, "schedule": FixedScheduler(eager=True)}
                 with offcore_torch.offload_activations(dev, **policy) as handle:
                     loss = forward(x, hold)
                 gate.wait_held(1)  # the prefetch of c is in flight

@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import offcore_torch  # noqa: E402
 from offcore_torch.models import (  # noqa: E402
     GPTConfig,
     Workload,
@@ -109,15 +110,16 @@ def test_offload_inside_activation_checkpointing_is_bit_identical(
 def test_storages_restored_from_host_are_bit_identical(
     backend: Any, make_fake_device: Callable[..., Any], name: str, prefetch: str
 ) -> None:
-    """The device is synchronized at the end of forward, so every device-to-host copy has landed
-    and offcore has let the device copies go before backward: backward must copy them back."""
+    """offcore's copies are synchronized at the end of forward (a group of small storages is copied then),
+    so every device-to-host copy has landed and offcore has let the device copies go before backward:
+    backward must copy them back."""
     device = device_with_link(backend, "slow", make_fake_device) if is_fake_device(backend) else backend
     reference = reference_run(backend, device, name)
     work = WORKLOADS[name]()
 
     def loss_then_synchronize(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         loss = work.loss(model, batch)
-        device.synchronize()
+        offcore_torch.synchronize(device)
         return loss
 
     offloaded = run_steps(

@@ -306,7 +306,8 @@ def test_group_below_is_checked() -> None:
     from offcore_torch.activations.policy import OffloadPolicy
 
     assert OffloadPolicy.parse(group_below="64KiB").group_below == 64 * 1024
-    assert OffloadPolicy.parse().group_below == 0
+    assert OffloadPolicy.parse().group_below == 64 * 1024  # the default: min_bytes' (nothing grouped at defaults)
+    assert OffloadPolicy.parse(group_below=0).group_below == 0
     with pytest.raises(offcore.ConfigurationError, match="group_below"):
         OffloadPolicy.parse(group_below="2MiB")
     with pytest.raises(offcore.ConfigurationError):

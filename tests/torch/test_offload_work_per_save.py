@@ -107,11 +107,11 @@ class _TickClock:
 @pytest.mark.parametrize(
     ("policy", "lengths", "budget"),
     [
-        ({}, (100, 200, 400, 800), LINES_PER_SAVE_BUDGET),
-        # groups of small storages (group_below, 256 of these 1 KiB storages each), each length with a
-        # scheduler of its own: a group is held for backward or reloaded as the plan learnt so far says, and
-        # a plan learnt at another length holds a different share of a step's groups
-        ({"group_below": "64KiB"}, (256, 512, 1024, 2048), GROUPED_LINES_PER_SAVE_BUDGET),
+        ({"group_below": 0}, (100, 200, 400, 800), LINES_PER_SAVE_BUDGET),  # each storage on its own
+        # groups of small storages (the default group_below, 64 KiB: 256 of these 1 KiB storages each), each
+        # length with a scheduler of its own: a group is held for backward or reloaded as the plan learnt so
+        # far says, and a plan learnt at another length holds a different share of a step's groups
+        ({}, (256, 512, 1024, 2048), GROUPED_LINES_PER_SAVE_BUDGET),
     ],
     ids=["storages", "groups"],
 )
@@ -125,7 +125,8 @@ def test_a_saves_work_does_not_grow_with_the_step(
         x = torch.randn(256, generator=torch.Generator().manual_seed(0)).to(dev.torch_device).requires_grad_(True)
         lines = {}
         for n in lengths:
-            own = {"schedule": Scheduler()} if policy else {}  # groups: a scheduler per length (see above)
+            grouped = policy.get("group_below") != 0
+            own = {"schedule": Scheduler()} if grouped else {}  # groups: a scheduler per length (see above)
             lines[n] = _lines_executed(dev, x, n, **policy, **own)
     # the marginal lines per save over each doubling: equal when a save's work is O(1)
     marginal = [(lines[b] - lines[a]) / (b - a) for a, b in zip(lengths, lengths[1:], strict=False)]

@@ -112,7 +112,9 @@ def _step_with_d2h_held(dev: Any, model: nn.Module, x: Any) -> tuple[Any, list[d
     runtime = runtime_for(dev)
     with dev:
         with dev.gate(runtime.d2h_stream) as gate:
-            with offcore_torch.offload_activations(dev, min_bytes=1) as handle:
+            # each storage on its own (group_below=0): the loss's small storages in a group would add the group's
+            # host-to-device copy of bytes the planted landing never waited for (an "unordered" violation)
+            with offcore_torch.offload_activations(dev, min_bytes=1, group_below=0) as handle:
                 loss = model(x).square().mean()
             assert dev.copies_in_flight >= DEPTH, "forward must have issued its D2H copies"
             held = gate.wait_held(1)  # the first D2H copy is in flight, the others queued behind it

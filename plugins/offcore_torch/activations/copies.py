@@ -7,6 +7,7 @@ Moved from offload.py (which re-exports ``poll`` and ``synchronize``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -167,13 +168,21 @@ def synchronize(device: Any) -> None:
     """Wait for every copy offcore_torch has in flight on ``device`` and run every release waiting on one.
 
     Afterwards every host buffer and device buffer offcore no longer needs is back
-    (useful before measuring memory, and in tests).
+    (useful before measuring memory, and in tests). Called inside an offload region, it first
+    copies the region's open group of small storages (as ``handle.synchronize()`` does), so
+    that every saved tensor offcore offloads is on the host afterwards; only the regions
+    entered on the calling thread (a region's pack hook runs on its own thread).
 
         >>> offcore_torch.synchronize(dev)                       # doctest: +SKIP
     """
     runtime = runtime_of(device)
     if runtime is None:
         return
+    if runtime.open_groups:
+        thread = threading.get_ident()
+        for region, entered_on in list(runtime.open_groups.items()):
+            if entered_on == thread:
+                region._flush_group()
     while True:  # handing out landings may defer releases on copies still in flight
         runtime.synchronize()
         poll(runtime)

@@ -100,7 +100,7 @@ from offcore_torch.activations.landings import _Residency
 from offcore_torch.activations.nvme import ActivationSpill
 from offcore_torch.activations.pack import _Pack
 from offcore_torch.activations.policy import OffloadPolicy, PackRules, no_offload
-from offcore_torch.activations.records import Entry, GroupEntry
+from offcore_torch.activations.records import GROUP_BUDGET_SHARE, GROUP_MAX_BYTES, Entry, GroupEntry
 from offcore_torch.activations.stats import OffloadStats
 from offcore_torch.activations.storage import (
     MARK_ATTRIBUTE,
@@ -204,8 +204,12 @@ class OffloadHandle(_Pack, _Unpack, _Residency):
         self._empty: dict[torch.dtype, torch.Tensor] = {}  # what released version keepers point at, per dtype
         # an empty uint8 tensor per device: ``.new()`` of it starts each copy's whole-storage byte view (pack.py)
         self._no_bytes: dict[torch.device, torch.Tensor] = {}
-        # Note [Small storages are offloaded in groups] (records.py): the group new small storages join
-        self._group_below = policy.group_below
+        # Note [Small storages are offloaded in groups] (records.py): the group new small storages join, and how
+        # many bytes a group holds at most (a quarter of what may be prefetched at once, so a group fits it)
+        shared = shared_budget_for(device)
+        ahead = policy.prefetch_budget if shared is None else min(policy.prefetch_budget, shared.capacity_bytes)
+        self._group_max = min(GROUP_MAX_BYTES, ahead // GROUP_BUDGET_SHARE)
+        self._group_below = min(policy.group_below, self._group_max)
         self._open_group: GroupEntry | None = None
         self._checked_allocation = False  # the backend's device buffers own exactly their storage (checked once)
         self._h2d_ordered = False  # the H2D stream waits on the compute stream as it is now (one trigger's copies)

@@ -21,7 +21,6 @@ from offcore.objects import State
 from offcore_torch.activations.copies import _INFLIGHT_WAIT, _RANGE_NAMES, _CopyRefused, _profiler, _range, poll
 from offcore_torch.activations.records import (
     GROUP_ALIGN,
-    GROUP_MAX_BYTES,
     GROUP_MAX_MEMBERS,
     Entry,
     EntryState,
@@ -389,13 +388,14 @@ class _Pack:
         """Add a new small storage to the open group (the group is copied later, whole) and record ``tensor``."""
         size = -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
         group = self._open_group
-        if group is not None and (group.filled + size > GROUP_MAX_BYTES or len(group.refs) >= GROUP_MAX_MEMBERS):
+        if group is not None and (group.filled + size > self._group_max or len(group.refs) >= GROUP_MAX_MEMBERS):
             self._flush_group()
             group = None
         meta = TensorMeta.of(tensor)
         if group is None:
             stack = self._rules.module_stack
             group = self._open_group = new_group(self, key, stack[-1] if stack else "forward", meta)
+            self.runtime.open_groups[self] = self._thread  # (offcore_torch.synchronize copies it)
         src = self._storage_bytes(storage, meta.device)
         member = len(group.refs)
         group.index[skey] = member
@@ -420,6 +420,7 @@ class _Pack:
         if group is None:
             return
         self._open_group = None
+        self.runtime.open_groups.pop(self, None)
         if group.live <= 0:  # autograd dropped every record already (a graph freed in forward): nothing to copy
             group.state = _DISPOSED
             self._forget_members(group)

@@ -140,7 +140,7 @@ class OffloadPolicy:
     tier: str = "host"
     nvme: NvmeSpec | None = None
     nvme_read_ahead: int = 256 * 1024**2
-    group_below: int = 0
+    group_below: int = 64 * 1024
 
     @classmethod
     def parse(
@@ -164,7 +164,7 @@ class OffloadPolicy:
         tier: str | None = None,
         nvme: NvmeSpec | str | os.PathLike[str] | None = None,
         nvme_read_ahead: int | str = "256MiB",
-        group_below: int | str = 0,
+        group_below: int | str = "64KiB",
         **unknown: Any,
     ) -> OffloadPolicy:
         if unknown:

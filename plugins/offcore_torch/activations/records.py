@@ -316,11 +316,14 @@ def storage_died(entry: Entry) -> None:
 # Every offloaded storage costs offcore a fixed amount of host work, whatever its size: its entry, its
 # scheduler object and that object's transitions, its ledger records, two copies with their events, a
 # host buffer from the pool and back, its landing and its release. For storages of a few KiB that
-# fixed cost is most of a step's offload work (docs/benchmarks.md). With ``group_below`` set, storages
-# smaller than it are not offloaded one by one: the pack hook adds each to the region's open *group*
+# fixed cost is most of a step's offload work (docs/benchmarks.md). Storages smaller than ``group_below``
+# (by default 64 KiB, the default ``min_bytes``: nothing is grouped unless ``min_bytes`` is lowered; 0
+# turns groups off) are not offloaded one by one: the pack hook adds each to the region's open *group*
 # (:class:`GroupEntry`) and hands autograd its record (:class:`GroupedOffloaded`) at once; the group is
-# copied when it is full (``GROUP_MAX_BYTES`` or ``GROUP_MAX_MEMBERS``), when forward ends (the
-# region's exit) or when a record of it is unpacked first. From then on it is one entry like any
+# copied when it is full (``GROUP_MAX_BYTES``, ``GROUP_MAX_MEMBERS``, or a quarter of the prefetch
+# budget: ``GROUP_BUDGET_SHARE``), when forward ends (the region's exit), when a record of it is
+# unpacked first, or at ``handle.synchronize()`` / ``offcore_torch.synchronize(device)`` on the thread
+# that entered the region. From then on it is one entry like any
 # other: one host buffer holding its members one after another (each at a ``GROUP_ALIGN``-aligned
 # offset), one device-to-host ``copy_many`` (a ``copy_`` per member where the backend has none), one
 # scheduler object whose readers are all its members' save keys (needed at the first of their uses,
@@ -344,6 +347,10 @@ GROUP_MAX_BYTES = 1024**2
 """A group is copied once it holds this many bytes (``group_below`` may be at most this)."""
 GROUP_MAX_MEMBERS = 256
 """... or this many storages."""
+GROUP_BUDGET_SHARE = 4
+"""... or a quarter of what the region may prefetch at once (``prefetch_budget``, or the device budget where one
+is set and smaller): a group is prefetched whole, so it must fit the budget with room to spare; storages at or
+above that size are offloaded one by one. ``prefetch_budget=0`` groups nothing."""
 GROUP_ALIGN = 64
 """Each member starts at a multiple of this many bytes in the group's buffers (any dtype's element size
 divides it; kernels reading a restored member see an aligned pointer)."""

@@ -191,8 +191,8 @@ class PlanExecutor:
     Use it as a context manager: entering installs the checkpoint wrappers of the
     recomputed layers (their ``forward`` is replaced on the instance), leaving restores
     the model exactly. ``offload`` passes extra keyword arguments to
-    :func:`offcore_torch.offload_activations` (default ``min_bytes=0``: every saved
-    storage of an offloaded layer moves, as the simulator assumes). The executor owns a
+    :func:`offcore_torch.offload_activations` (default ``min_bytes=0`` and ``group_below=0``: every
+    saved storage of an offloaded layer moves, on its own, as the simulator assumes). The executor owns a
     :class:`~offcore.scheduler.Scheduler`, so prefetch timing learnt in one step serves
     the next step of the same plan.
 
@@ -252,6 +252,9 @@ class PlanExecutor:
         prefetch = plan.prefetch
         options: dict[str, Any] = {
             "min_bytes": 0,
+            # each storage copied and scheduled on its own: the simulator models storages one by one, not groups
+            # (Note [Small storages are offloaded in groups] in offcore_torch/activations/records.py)
+            "group_below": 0,
             "prefetch": "on_demand" if prefetch.mode == "on_demand" else "deadline",
             "margin": prefetch.margin_s,
             "max_inflight": plan.max_inflight,  # Note [The simulator caps forward's copies in flight]
