@@ -275,6 +275,78 @@ def test_full_groups_are_copied_during_forward(dev: Any) -> None:
     assert handle.stats().offloaded_storages == count
 
 
+def _chain_of_saves(dev: Any, count: int, nbytes: int, **policy: Any) -> tuple[Any, int, int]:
+    """``count`` saves of ``nbytes`` each (sin saves its input) under ``offload_activations(dev, min_bytes=0, **policy)``: (the
+    handle, the scheduled objects and the members of the open group when forward's last save is made)."""
+    with dev:
+        x = torch.randn(nbytes // 4, device=dev.torch_device, requires_grad=True)
+        with offcore_torch.offload_activations(dev, min_bytes=0, **policy) as handle:
+            y = x * 1.0
+            for _ in range(count):
+                y = torch.sin(y)
+            group = handle._open_group
+            copied, open_members = len(handle._by_key), 0 if group is None else len(group.refs)
+        y.sum().backward()
+        settle(dev)
+    return handle, copied, open_members
+
+
+def test_small_storages_are_grouped_by_default_once_min_bytes_lets_them_in(dev: Any) -> None:
+    """The default group_below is 64 KiB, min_bytes' default: a region that offloads smaller storages
+    groups them; group_below=0 copies each on its own; at 64 KiB and above storages go one by one."""
+    _, copied, open_members = _chain_of_saves(dev, 8, 16 * 1024)
+    assert (copied, open_members) == (0, 8)  # one open group, copied when forward ends
+    _, copied, open_members = _chain_of_saves(dev, 8, 16 * 1024, group_below=0)
+    assert (copied, open_members) == (8, 0)  # every sin's input its own object
+    _, copied, open_members = _chain_of_saves(dev, 8, 64 * 1024)
+    assert (copied, open_members) == (8, 0)
+
+
+@pytest.mark.parametrize(("budget", "members"), [("256KiB", 4), ("128KiB", 2), ("64KiB", 0), ("0", 0)])
+def test_a_group_holds_at_most_a_quarter_of_the_prefetch_budget(dev: Any, budget: str, members: int) -> None:
+    """A group is prefetched whole: it holds at most a quarter of prefetch_budget (16 KiB storages: 4 in a
+    group under 256 KiB), and a storage that would fill more goes on its own (nothing grouped at 0)."""
+    handle, copied, open_members = _chain_of_saves(dev, 8, 16 * 1024, prefetch_budget=budget)
+    if members:  # the full groups copied during forward, the last one open
+        assert (copied, open_members) == (8 // members - 1, members)
+    else:
+        assert (copied, open_members) == (8, 0)
+    assert handle.stats().offloaded_storages == 8
+
+
+def test_a_group_holds_at_most_a_quarter_of_the_device_budget(dev: Any) -> None:
+    """With a device budget (offcore_torch.device_budget) smaller than prefetch_budget, the quarter is the
+    device budget's: under 128 KiB, two 16 KiB storages per group."""
+    offcore_torch.device_budget(dev, 128 * 1024)
+    try:
+        _, copied, open_members = _chain_of_saves(dev, 8, 16 * 1024)
+    finally:
+        offcore_torch.device_budget(dev, None)
+    assert (copied, open_members) == (3, 2)
+
+
+def test_synchronize_in_the_region_copies_its_open_group(dev: Any) -> None:
+    """offcore_torch.synchronize(device) on the thread that entered a region copies the region's open group,
+    so afterwards every saved tensor offcore offloads is on the host (as handle.synchronize() does); a
+    region entered on another thread keeps its open group (its pack hook may be adding to it)."""
+    import threading
+
+    with dev:
+        x = torch.randn(4096, device=dev.torch_device, requires_grad=True)
+        with offcore_torch.offload_activations(dev, min_bytes=0) as handle:
+            y = torch.sin(x * 1.0)
+            assert handle._open_group is not None
+            elsewhere = threading.Thread(target=offcore_torch.synchronize, args=(dev,))
+            elsewhere.start()
+            elsewhere.join()
+            assert handle._open_group is not None  # another thread's synchronize left it open
+            offcore_torch.synchronize(dev)
+            assert handle._open_group is None
+            assert handle.stats().freed_device_bytes == x.nbytes  # landed, and offcore let the storage go
+        y.sum().backward()
+    assert handle.stats().reloaded_bytes == x.nbytes
+
+
 def test_groups_on_the_nvme_tier_train_bit_identically_and_leave_no_file(
     make_fake_device: Callable[..., Any], tmp_path: Any
 ) -> None:
