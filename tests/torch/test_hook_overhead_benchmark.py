@@ -69,20 +69,20 @@ def test_objects_report_compares_two_trees(tmp_path: Path, capsys: pytest.Captur
     }
     assert set(result["saves"][0]["us_per_save"]) == {
         "offcore (fake)",
-        "offcore, grouped (fake)",
+        "offcore, one by one (fake)",
         "save_on_cpu hooks (fake)",
         "copies only (fake)",
         "copies only, batched (fake)",
         "offcore (instant)",
-        "offcore, grouped (instant)",
+        "offcore, one by one (instant)",
         "copies only (instant)",
         "copies only, batched (instant)",
         "fake device's emulation",
-        "fake device's emulation, grouped",
-        "offcore over its copies (fake)",
-        "offcore over its copies (instant)",
-        "offcore, grouped, over the batched copies (fake)",
-        "offcore, grouped, over the batched copies (instant)",
+        "fake device's emulation, one by one",
+        "offcore over the batched copies (fake)",
+        "offcore over the batched copies (instant)",
+        "offcore, one by one, over its copies (fake)",
+        "offcore, one by one, over its copies (instant)",
     }
     assert {(row["tree"], row["backend"]) for row in result["params"]} == {
         (tree, backend) for tree in result["trees"] for backend in ("fake", "instant")
