@@ -354,7 +354,30 @@ SAVE_VARIANTS = (
 # "offcore" is offload_activations' defaults with min_bytes=0: this tree groups storages under 64 KiB (the default
 # group_below); "offcore, one by one" copies and schedules each storage on its own (group_below=0)
 ONE_BY_ONE = "offcore, one by one"
-ONE_BY_ONE_BASELINE = "no hooks (the one-by-one variant's worker)"
+# Note [Each offcore variant has a worker of its own]: each runs in a process of its own, with a no-hooks
+# baseline of its own, apart from the floors. Variants that share a process change each other's figures: run in
+# one process, grouped steps left it slower for the per-storage ones (at 12,800 saves the per-storage variant
+# read 1.25-1.36 x, 1.05 x without the grouped runs), and the grouped variant read 30.5 µs per save at 400 saves
+# alone with its baseline, 35.1 in the floors' process.
+OWN_WORKER = ("offcore", ONE_BY_ONE)
+
+
+def _baseline_of(variant: str) -> str:
+    """The no-hooks baseline run in ``variant``'s own worker (OWN_WORKER), by its job name."""
+    return f"no hooks (the {variant!r} worker)"
+
+
+def _worker_of(variant: str) -> tuple[int, str]:
+    """(the worker process a job runs in, the variant that worker runs): OWN_WORKER's variants and their
+    baselines in worker 1, 2, ...; everything else in worker 0."""
+    for index, own in enumerate(OWN_WORKER, start=1):
+        if variant == own:
+            return index, variant
+        if variant == _baseline_of(own):
+            return index, "no hooks"
+    return 0, variant
+
+
 BACKENDS = ("fake", "instant")
 GOAL_SAVE_US = 30.0  # offcore per saved tensor on the fake device, pack + restore
 GOAL_FLAT = 1.1  # 12,800 saves per step within this factor of the 400-save figure
@@ -516,10 +539,7 @@ class _Tree:
             paths = [root, os.path.join(root, "backends"), os.path.join(root, "plugins")]
             env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.label = label
-        # Note [The one-by-one variant has a worker of its own]: "offcore, one by one" (and a no-hooks baseline of
-        # its own) runs in a second process, apart from the grouped default: run in one process, the grouped
-        # steps left it slower for the per-storage ones (at 12,800 saves the per-storage variant read 1.25-1.36 x,
-        # 1.05 x without the grouped runs)
+        # Note [Each offcore variant has a worker of its own]: worker 0 runs the floors, 1, 2, ... OWN_WORKER's
         self.processes = [
             subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(threads)],
@@ -528,7 +548,7 @@ class _Tree:
                 env=env,
                 text=True,
             )
-            for _ in range(2)
+            for _ in range(1 + len(OWN_WORKER))
         ]
 
     def ask(self, *, worker: int = 0, **request: Any) -> Any:
@@ -566,7 +586,7 @@ def measure_objects(args: argparse.Namespace) -> dict[str, Any]:
                 if backend == "instant" and variant == "save_on_cpu hooks":
                     continue
                 jobs.append(("save", (n, backend, variant)))
-            jobs.append(("save", (n, backend, ONE_BY_ONE_BASELINE)))
+            jobs += [("save", (n, backend, _baseline_of(own))) for own in OWN_WORKER]
     if args.params:
         jobs += [("param", backend) for backend in BACKENDS]
     try:
@@ -576,12 +596,12 @@ def measure_objects(args: argparse.Namespace) -> dict[str, Any]:
                     if op == "save":
                         n, backend, variant = job
                         steps = max(1, round(args.saves_per_round / n))
-                        alone = variant in (ONE_BY_ONE, ONE_BY_ONE_BASELINE)  # its own worker (see _Tree)
+                        worker, runs = _worker_of(variant)  # Note [Each offcore variant has a worker of its own]
                         cpu = tree.ask(
-                            worker=int(alone),
+                            worker=worker,
                             op="save",
                             backend=backend,
-                            variant="no hooks" if variant == ONE_BY_ONE_BASELINE else variant,
+                            variant=runs,
                             objects=n,
                             size=args.size_bytes,
                             steps=steps,
@@ -604,7 +624,7 @@ def measure_objects(args: argparse.Namespace) -> dict[str, Any]:
                 for variant in SAVE_VARIANTS[1:]:
                     times = saves.get((tree.label, n, backend, variant))
                     if times is not None:
-                        own = ONE_BY_ONE_BASELINE if variant == ONE_BY_ONE else "no hooks"  # its worker's baseline
+                        own = _baseline_of(variant) if variant in OWN_WORKER else "no hooks"  # its worker's
                         baseline = statistics.median(saves[(tree.label, n, backend, own)])
                         per[f"{variant} ({backend})"] = (statistics.median(times) - baseline) / n * 1e6
             per["fake device's emulation"] = per["offcore (fake)"] - per["offcore (instant)"]
