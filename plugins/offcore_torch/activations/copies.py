@@ -180,9 +180,10 @@ def synchronize(device: Any) -> None:
         return
     if runtime.open_groups:
         thread = threading.get_ident()
-        for region, entered_on in list(runtime.open_groups.items()):
-            if entered_on == thread:
-                region._flush_group()
+        with runtime.lock:
+            mine = [region for region, entered_on in runtime.open_groups.items() if entered_on == thread]
+        for region in mine:
+            region._flush_group()
     while True:  # handing out landings may defer releases on copies still in flight
         runtime.synchronize()
         poll(runtime)

@@ -395,7 +395,9 @@ class _Pack:
         if group is None:
             stack = self._rules.module_stack
             group = self._open_group = new_group(self, key, stack[-1] if stack else "forward", meta)
-            self.runtime.open_groups[self] = self._thread  # (offcore_torch.synchronize copies it)
+            runtime = self.runtime
+            with runtime.lock:  # (offcore_torch.synchronize copies it; it may look from another thread)
+                runtime.open_groups[self] = self._thread
         src = self._storage_bytes(storage, meta.device)
         member = len(group.refs)
         group.index[skey] = member
@@ -420,7 +422,9 @@ class _Pack:
         if group is None:
             return
         self._open_group = None
-        self.runtime.open_groups.pop(self, None)
+        runtime = self.runtime
+        with runtime.lock:
+            runtime.open_groups.pop(self, None)
         if group.live <= 0:  # autograd dropped every record already (a graph freed in forward): nothing to copy
             group.state = _DISPOSED
             self._forget_members(group)
@@ -430,7 +434,6 @@ class _Pack:
             return
         nbytes = group.nbytes = group.filled
         group._name = f"#{group.key} {group.where} group of {len(group.refs)} storages"
-        runtime = self.runtime
         cap = self._max_inflight
         if must_wait(runtime._d2h_bytes, nbytes, cap) and runtime._d2h_in_flight:
             self._wait_inflight(nbytes, cap)  # Note [Activation copies in flight are capped]
