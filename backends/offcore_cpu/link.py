@@ -211,6 +211,9 @@ class Link:
             if channel.free_at > start:
                 start = channel.free_at
             latency, bandwidth = route.latency, route.bandwidth
+            if latency == 0 and bandwidth == math.inf:  # an instant route (_Route.instant): each ends as it starts
+                channel.free_at = start
+                return [(start, start)] * len(sizes)
             nextafter, inf = math.nextafter, math.inf
             for nbytes in sizes:
                 duration = latency + nbytes / bandwidth

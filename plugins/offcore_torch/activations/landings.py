@@ -258,11 +258,12 @@ class _Residency:
         """Each member's storage allocated on the device (exactly its size), paired with its bytes on the host."""
         restored = RestoredMembers()
         pairs: list[tuple[Any, Any]] = []
-        allocate = self._allocate_device
+        allocate = self.device.allocate
         host_view = group.host_view
         with internal_ops():  # slices of the host buffer (Note [Metadata ops bypass dispatch modes])
             for offset, size in zip(group.offsets, group.sizes, strict=True):
-                dst = allocate(size)
+                # _allocate_device checks the backend's first buffer; a backend's buffers are all alike
+                dst = allocate(size, _DEVICE) if self._checked_allocation else self._allocate_device(size)
                 restored.append(dst.untyped_storage())
                 pairs.append((dst, host_view[offset : offset + size]))
         return restored, pairs
