@@ -182,6 +182,24 @@ def test_a_failed_offload_keeps_the_tensor_and_says_so(fake: None, make_fake_dev
         assert torch.equal(x.grad, x.detach().exp() * 2)
 
 
+def test_a_group_whose_copy_failed_keeps_its_tensors_and_leaves_the_figures(fake: None, make_fake_device: Any) -> None:
+    """The same for a group of small storages (Note [Small storages are offloaded in groups]): every record of the
+    group is kept, and its members leave the offloaded figures."""
+    dev = make_fake_device(link="slow")
+    with dev:
+        x = torch.randn(1024, device=dev.torch_device, requires_grad=True)  # 4 KiB storages: one group
+        dev.inject_copy_fault(1, mode="stream")
+        with pytest.warns(offcore.OffcoreWarning, match="device-to-host copy failed"):
+            with offcore_torch.offload_activations(dev, min_bytes=1) as handle:  # the default group_below
+                loss = torch.sin(torch.sin(x * 1.0)).sum()
+            settle(dev)
+        stats = handle.stats()
+        assert stats.copy_failures == 1 and stats.kept.get("copy_failed") == 2, stats
+        assert stats.offloaded_storages == stats.offloaded_bytes == 0, stats
+        loss.backward()
+        assert torch.equal(x.grad, torch.cos(torch.sin(x.detach())) * torch.cos(x.detach()))
+
+
 def test_a_failed_synchronous_reload_raises_copy_failed_error(fake: None, make_fake_device: Any) -> None:
     dev = make_fake_device(link="slow")
     with dev:

@@ -213,6 +213,8 @@ def test_without_host_memory_a_group_stays_on_the_device(backend: Any, make_fake
     )
     assert_bit_identical(reference, kept, labels=("keep-all", "grouped, no host memory"))
     assert any(stats is not None and stats.kept.get("host_budget", 0) > 0 for stats in kept.stats), kept.stats
+    # this workload's group is larger than the host budget: it is not copied, and leaves the offloaded figures
+    assert all(stats.offloaded_storages == stats.offloaded_bytes == 0 for stats in kept.stats), kept.stats
 
 
 def test_a_graph_dropped_in_forward_or_before_backward_leaves_nothing(dev: Any) -> None:
@@ -232,6 +234,8 @@ def test_a_graph_dropped_in_forward_or_before_backward_leaves_nothing(dev: Any) 
                 del loss  # the group was copied at the region's end; nobody runs backward
             settle(dev)
             assert memory_levels(dev) == before, "dropped in forward" if drop_in_forward else "no backward"
+            if drop_in_forward:  # the group was never copied: nothing counts as offloaded
+                assert handle.stats().offloaded_storages == handle.stats().offloaded_bytes == 0, handle.stats()
         assert handle.stats().offloaded_storages > 0
 
 

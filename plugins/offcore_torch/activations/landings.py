@@ -100,10 +100,7 @@ class _Residency:
         if host_view is not None:
             self._ledger.remove(tier, _ACTIVATION, entry.nbytes)
         if type(entry) is GroupEntry:  # its members' bytes; the version keepers still hold their storages
-            entry.src = None
-            self._forget_members(entry)
-            self._stats.offloaded_bytes -= entry.data_bytes
-            self._stats.offloaded_storages -= len(entry.refs)
+            self._uncount_group(entry)
         else:
             self._stats.offloaded_bytes -= entry.nbytes
             self._stats.offloaded_storages -= 1

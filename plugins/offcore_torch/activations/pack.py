@@ -427,10 +427,7 @@ class _Pack:
             runtime.open_groups.pop(self, None)
         if group.live <= 0:  # autograd dropped every record already (a graph freed in forward): nothing to copy
             group.state = _DISPOSED
-            self._forget_members(group)
-            self._stats.offloaded_bytes -= group.data_bytes
-            self._stats.offloaded_storages -= len(group.refs)
-            group.src = None
+            self._uncount_group(group)
             return
         nbytes = group.nbytes = group.filled
         group._name = f"#{group.key} {group.where} group of {len(group.refs)} storages"
@@ -532,11 +529,17 @@ class _Pack:
         if group.host is not None:
             self._pool().release(group.host)
         group.host = group.host_view = None
-        group.src = None  # the version keepers hold the storages (never released: the group did not land)
-        self._forget_members(group)
-        self._stats.offloaded_bytes -= group.data_bytes
-        self._stats.offloaded_storages -= len(group.refs)
+        self._uncount_group(group)  # the version keepers hold the storages (never released: the group did not land)
         self._kept[reason] += group.live
+
+    def _uncount_group(self, group: GroupEntry) -> None:
+        """The group's copy does not hold its members (never made, or failed): it lets go of their sources, they
+        are no longer found through ``_by_storage``, and they leave the offloaded figures."""
+        group.src = None
+        self._forget_members(group)
+        stats = self._stats
+        stats.offloaded_bytes -= group.data_bytes
+        stats.offloaded_storages -= len(group.refs)
 
     def _forget_members(self, group: GroupEntry) -> None:
         """The members' storages are no longer found through ``_by_storage`` (the group is done with)."""
